@@ -1,0 +1,374 @@
+package raftstore
+
+import (
+	"fmt"
+	"maps"
+	"unicode"
+	"unicode/utf8"
+
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+const (
+	// BlockSize is the unit volume sizes are rounded up to.
+	BlockSize = 4096
+	// MaxReplicas bounds a volume's replica count.
+	MaxReplicas = 7
+	// maxNameLen bounds volume and snapshot names (a Kubernetes PV name is
+	// at most 253 bytes).
+	maxNameLen = 253
+)
+
+// RoundSize rounds a size up to a multiple of BlockSize.
+func RoundSize(size uint64) uint64 {
+	return (size + BlockSize - 1) / BlockSize * BlockSize
+}
+
+// apply executes one command. Each case validates everything first and
+// only then writes, so a refused command changes nothing.
+func (w *writer) apply(c command) (proto.Message, error) {
+	switch c.Op {
+	case opInitCluster:
+		if cur := w.ClusterID(); cur != "" {
+			return nil, nil // first one wins; later proposals are no-ops
+		}
+		w.putRaw(bucketMeta, string(keyClusterID), c.ID)
+		return nil, nil
+	case opRegisterServer:
+		return w.registerServer(c.At, c.Body.(*storpb.Server))
+	case opSetServerState:
+		return w.setServerState(c.At, c.Body.(*storpb.Server))
+	case opRemoveServer:
+		return w.removeServer(c.ID)
+	case opCreateVolume:
+		return w.createVolume(c.At, c.ID, c.Body.(*storpb.CreateVolumeRequest))
+	case opDeleteVolume:
+		return w.deleteVolume(c.Body.(*storpb.VolumeRef))
+	case opExpandVolume:
+		return w.expandVolume(c.Body.(*storpb.ExpandVolumeRequest))
+	case opAttachVolume:
+		return w.attachVolume(c.At, c.Body.(*storpb.AttachVolumeRequest))
+	case opDetachVolume:
+		return w.detachVolume(c.Body.(*storpb.DetachVolumeRequest))
+	case opCreateSnapshot:
+		return w.createSnapshot(c.At, c.ID, c.Body.(*storpb.CreateSnapshotRequest))
+	case opDeleteSnapshot:
+		return w.deleteSnapshot(c.Body.(*storpb.SnapshotRef))
+	}
+	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
+}
+
+// ValidateName checks a volume or snapshot name.
+func ValidateName(kind, name string) error {
+	switch {
+	case name == "":
+		return fmt.Errorf("%w: %s name is empty", ErrInvalidArgument, kind)
+	case len(name) > maxNameLen:
+		return fmt.Errorf("%w: %s name is %d bytes, the limit is %d", ErrInvalidArgument, kind, len(name), maxNameLen)
+	case !utf8.ValidString(name):
+		return fmt.Errorf("%w: %s name is not valid UTF-8", ErrInvalidArgument, kind)
+	}
+	for _, r := range name {
+		if unicode.IsControl(r) || unicode.IsSpace(r) {
+			return fmt.Errorf("%w: %s name %q contains whitespace or a control character", ErrInvalidArgument, kind, name)
+		}
+	}
+	return nil
+}
+
+// ---------------------------------------------------------------- servers
+
+func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, error) {
+	if in.Id == "" || in.Address == "" || in.RaftAddress == "" {
+		return nil, fmt.Errorf("%w: a server needs an id, a control address and a raft address", ErrInvalidArgument)
+	}
+	s, err := w.Server(in.Id)
+	switch {
+	case err == nil:
+		s.Address, s.RaftAddress, s.DataAddress = in.Address, in.RaftAddress, in.DataAddress
+		s.Zone, s.Labels, s.CapacityBytes = in.Zone, in.Labels, in.CapacityBytes
+	default:
+		s = &storpb.Server{
+			Id: in.Id, Address: in.Address, RaftAddress: in.RaftAddress, DataAddress: in.DataAddress,
+			Zone: in.Zone, Labels: in.Labels, CapacityBytes: in.CapacityBytes,
+			State: storpb.ServerState_SERVER_STATE_UP, JoinedUnixNano: at, LastSeenUnixNano: at,
+		}
+	}
+	w.put(bucketServers, s.Id, s)
+	return s, nil
+}
+
+func (w *writer) setServerState(at int64, in *storpb.Server) (proto.Message, error) {
+	switch in.State {
+	case storpb.ServerState_SERVER_STATE_UP, storpb.ServerState_SERVER_STATE_DOWN, storpb.ServerState_SERVER_STATE_DRAINING:
+	default:
+		return nil, fmt.Errorf("%w: server state %v", ErrInvalidArgument, in.State)
+	}
+	s, err := w.Server(in.Id)
+	if err != nil {
+		return nil, err
+	}
+	s.State = in.State
+	s.LastSeenUnixNano = max(s.LastSeenUnixNano, in.LastSeenUnixNano)
+	w.put(bucketServers, s.Id, s)
+	return s, nil
+}
+
+// removeServer forgets a server. Its replicas are lost with it: each
+// becomes faulty in a new replica-set generation.
+func (w *writer) removeServer(id string) (proto.Message, error) {
+	s, err := w.Server(id)
+	if err != nil {
+		return nil, err
+	}
+	vols, _, err := w.Volumes("", 0)
+	if err != nil {
+		return nil, err
+	}
+	for _, v := range vols {
+		changed := false
+		for _, r := range v.Replicas {
+			if r.ServerId == id && r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+				if !changed {
+					v.Generation++
+					changed = true
+				}
+				r.State, r.Generation = storpb.ReplicaState_REPLICA_STATE_FAULTY, v.Generation
+			}
+		}
+		if changed {
+			w.put(bucketVolumes, v.Id, v)
+			w.lastTouched = append(w.lastTouched, v.Id)
+		}
+	}
+	w.del(bucketServers, id)
+	return s, nil
+}
+
+// addAllocated changes the bytes promised on each server by delta (which
+// may be negative). Servers that no longer exist are skipped.
+func (w *writer) addAllocated(serverIDs []string, delta int64) {
+	for _, id := range serverIDs {
+		s, err := w.Server(id)
+		if err != nil {
+			continue
+		}
+		if delta < 0 && uint64(-delta) > s.AllocatedBytes {
+			s.AllocatedBytes = 0
+		} else {
+			s.AllocatedBytes = uint64(int64(s.AllocatedBytes) + delta)
+		}
+		w.put(bucketServers, id, s)
+	}
+}
+
+// ---------------------------------------------------------------- volumes
+
+func replicaServers(v *storpb.Volume) []string {
+	ids := make([]string, 0, len(v.Replicas))
+	for _, r := range v.Replicas {
+		ids = append(ids, r.ServerId)
+	}
+	return ids
+}
+
+func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeRequest) (proto.Message, error) {
+	if err := ValidateName("volume", req.Name); err != nil {
+		return nil, err
+	}
+	size := RoundSize(req.SizeBytes)
+	switch {
+	case req.SizeBytes == 0:
+		return nil, fmt.Errorf("%w: volume %q: size must be positive", ErrInvalidArgument, req.Name)
+	case req.ReplicaCount < 1 || req.ReplicaCount > MaxReplicas:
+		return nil, fmt.Errorf("%w: volume %q: replica count %d is outside 1..%d", ErrInvalidArgument, req.Name, req.ReplicaCount, MaxReplicas)
+	}
+	if existing, err := w.VolumeByName(req.Name); err == nil {
+		if existing.SizeBytes != size || existing.ReplicaCount != req.ReplicaCount ||
+			!maps.Equal(existing.Parameters, req.Parameters) ||
+			!proto.Equal(existing.ContentSource, req.ContentSource) {
+			return nil, fmt.Errorf("%w: volume %q exists with size %d, %d replicas and other parameters or source",
+				ErrAlreadyExists, req.Name, existing.SizeBytes, existing.ReplicaCount)
+		}
+		return existing, nil // idempotent
+	}
+	if err := w.checkContentSource(req.ContentSource, size); err != nil {
+		return nil, fmt.Errorf("volume %q: %w", req.Name, err)
+	}
+	servers, err := w.Servers()
+	if err != nil {
+		return nil, err
+	}
+	chosen, err := Place(servers, PlaceRequest{
+		Replicas: int(req.ReplicaCount), SizeBytes: size, Accessibility: req.Accessibility,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("volume %q: %w", req.Name, err)
+	}
+	v := &storpb.Volume{
+		Id: id, Name: req.Name, SizeBytes: size, ReplicaCount: req.ReplicaCount,
+		Parameters: req.Parameters, ContentSource: req.ContentSource,
+		State: storpb.VolumeState_VOLUME_STATE_AVAILABLE, Generation: 1,
+		CreatedUnixNano: at, Accessibility: req.Accessibility,
+	}
+	for i, sid := range chosen {
+		v.Replicas = append(v.Replicas, &storpb.Replica{
+			Id: fmt.Sprintf("%s-r%d", id, i+1), ServerId: sid,
+			State: storpb.ReplicaState_REPLICA_STATE_HEALTHY, Generation: 1,
+		})
+	}
+	w.addAllocated(chosen, int64(size))
+	w.put(bucketVolumes, v.Id, v)
+	w.putRaw(bucketVolumeNames, v.Name, v.Id)
+	return v, nil
+}
+
+func (w *writer) checkContentSource(src *storpb.ContentSource, size uint64) error {
+	var srcSize uint64
+	switch s := src.GetSource().(type) {
+	case nil:
+		return nil
+	case *storpb.ContentSource_SnapshotId:
+		snap, err := w.Snapshot(s.SnapshotId)
+		if err != nil {
+			return fmt.Errorf("content source: %w", err)
+		}
+		srcSize = snap.SizeBytes
+	case *storpb.ContentSource_VolumeId:
+		vol, err := w.Volume(s.VolumeId)
+		if err != nil {
+			return fmt.Errorf("content source: %w", err)
+		}
+		srcSize = vol.SizeBytes
+	}
+	if size < srcSize {
+		return fmt.Errorf("%w: size %d is smaller than its content source (%d)", ErrInvalidArgument, size, srcSize)
+	}
+	return nil
+}
+
+func (w *writer) deleteVolume(ref *storpb.VolumeRef) (proto.Message, error) {
+	v, err := w.VolumeByRef(ref)
+	if err != nil {
+		return nil, err
+	}
+	if v.Attachment != nil {
+		return nil, fmt.Errorf("%w: volume %q is attached to node %q", ErrFailedPrecondition, v.Name, v.Attachment.NodeId)
+	}
+	if n, err := w.snapshotCount(v.Id); err != nil {
+		return nil, err
+	} else if n > 0 {
+		return nil, fmt.Errorf("%w: volume %q has %d snapshots; delete them first", ErrFailedPrecondition, v.Name, n)
+	}
+	w.addAllocated(replicaServers(v), -int64(v.SizeBytes))
+	w.del(bucketVolumes, v.Id)
+	w.del(bucketVolumeNames, v.Name)
+	return v, nil
+}
+
+func (w *writer) expandVolume(req *storpb.ExpandVolumeRequest) (proto.Message, error) {
+	v, err := w.VolumeByRef(req.Volume)
+	if err != nil {
+		return nil, err
+	}
+	size := RoundSize(req.SizeBytes)
+	switch {
+	case req.SizeBytes == 0:
+		return nil, fmt.Errorf("%w: volume %q: size must be positive", ErrInvalidArgument, v.Name)
+	case size < v.SizeBytes:
+		return nil, fmt.Errorf("%w: volume %q is %d bytes; volumes cannot shrink to %d", ErrFailedPrecondition, v.Name, v.SizeBytes, size)
+	case size == v.SizeBytes:
+		return v, nil
+	}
+	delta := size - v.SizeBytes
+	for _, sid := range replicaServers(v) {
+		s, err := w.Server(sid)
+		if err != nil {
+			continue // a removed server's replica is faulty and grows nothing
+		}
+		if s.CapacityBytes != 0 && s.CapacityBytes-min(s.CapacityBytes, s.AllocatedBytes) < delta {
+			return nil, fmt.Errorf("%w: volume %q: server %q has %d bytes free, growing needs %d",
+				ErrInsufficientCapacity, v.Name, sid, s.CapacityBytes-min(s.CapacityBytes, s.AllocatedBytes), delta)
+		}
+	}
+	w.addAllocated(replicaServers(v), int64(delta))
+	v.SizeBytes = size
+	w.put(bucketVolumes, v.Id, v)
+	return v, nil
+}
+
+func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.Message, error) {
+	v, err := w.VolumeByRef(req.Volume)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case req.NodeId == "":
+		return nil, fmt.Errorf("%w: attach volume %q: node id is empty", ErrInvalidArgument, v.Name)
+	case v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE:
+		return nil, fmt.Errorf("%w: volume %q is %v, not attachable yet", ErrFailedPrecondition, v.Name, v.State)
+	case v.Attachment != nil && v.Attachment.NodeId != req.NodeId && !req.Takeover:
+		return nil, fmt.Errorf("%w: volume %q is attached to node %q", ErrFailedPrecondition, v.Name, v.Attachment.NodeId)
+	}
+	mode := req.Mode
+	if mode == storpb.AccessMode_ACCESS_MODE_UNSPECIFIED {
+		mode = storpb.AccessMode_ACCESS_MODE_READ_WRITE
+	}
+	v.Epoch++
+	v.Attachment = &storpb.Attachment{NodeId: req.NodeId, Mode: mode, AttachedUnixNano: at}
+	w.put(bucketVolumes, v.Id, v)
+	return v, nil
+}
+
+func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, error) {
+	v, err := w.VolumeByRef(req.Volume)
+	if err != nil {
+		return nil, err
+	}
+	if v.Attachment == nil || (req.NodeId != "" && v.Attachment.NodeId != req.NodeId) {
+		return v, nil // not attached there: nothing to do
+	}
+	v.Attachment = nil
+	w.put(bucketVolumes, v.Id, v)
+	return v, nil
+}
+
+// -------------------------------------------------------------- snapshots
+
+func (w *writer) createSnapshot(at int64, id string, req *storpb.CreateSnapshotRequest) (proto.Message, error) {
+	if err := ValidateName("snapshot", req.Name); err != nil {
+		return nil, err
+	}
+	if req.VolumeId == "" {
+		return nil, fmt.Errorf("%w: snapshot %q: source volume id is empty", ErrInvalidArgument, req.Name)
+	}
+	if existing, err := w.SnapshotByRef(&storpb.SnapshotRef{Name: req.Name}); err == nil {
+		if existing.VolumeId != req.VolumeId {
+			return nil, fmt.Errorf("%w: snapshot %q exists for volume %q", ErrAlreadyExists, req.Name, existing.VolumeId)
+		}
+		return existing, nil
+	}
+	v, err := w.Volume(req.VolumeId)
+	if err != nil {
+		return nil, err
+	}
+	s := &storpb.Snapshot{
+		Id: id, Name: req.Name, VolumeId: v.Id, CreatedUnixNano: at,
+		SizeBytes: v.SizeBytes, ReadyToUse: true,
+	}
+	w.put(bucketSnapshots, s.Id, s)
+	w.putRaw(bucketSnapshotNames, s.Name, s.Id)
+	return s, nil
+}
+
+func (w *writer) deleteSnapshot(ref *storpb.SnapshotRef) (proto.Message, error) {
+	s, err := w.SnapshotByRef(ref)
+	if err != nil {
+		return nil, err
+	}
+	w.del(bucketSnapshots, s.Id)
+	w.del(bucketSnapshotNames, s.Name)
+	return s, nil
+}

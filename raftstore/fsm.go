@@ -1,0 +1,278 @@
+package raftstore
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/raft"
+	bolt "go.etcd.io/bbolt"
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// FSM is the metadata state machine: raft.BatchingFSM over a bbolt file.
+// Raft calls ApplyBatch, Snapshot and Restore from one goroutine; View and
+// Watch may be called from any goroutine at any time.
+type FSM struct {
+	path   string
+	logger *slog.Logger
+	hub    *watchHub
+
+	applied atomic.Uint64 // mirror of meta/applied_index after each commit
+
+	// mu guards db: readers hold it shared, Restore swaps the file under it
+	// exclusively.
+	mu sync.RWMutex
+	db *bolt.DB
+}
+
+var _ raft.BatchingFSM = (*FSM)(nil)
+
+// result is what ApplyBatch returns for one command: the object the
+// command created or changed, or the error it was refused with.
+type result struct {
+	msg proto.Message
+	err error
+}
+
+// OpenFSM opens (creating if needed) the state machine stored at path.
+func OpenFSM(path string, logger *slog.Logger) (*FSM, error) {
+	db, err := openStateDB(path)
+	if err != nil {
+		return nil, err
+	}
+	f := &FSM{path: path, logger: logger, db: db, hub: newWatchHub()}
+	f.applied.Store(f.readApplied())
+	return f, nil
+}
+
+func openStateDB(path string) (*bolt.DB, error) {
+	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: time.Second})
+	if err != nil {
+		if err == bolt.ErrTimeout {
+			return nil, fmt.Errorf("raftstore: %s is locked by another process (is another stor-server using this data dir?)", path)
+		}
+		return nil, fmt.Errorf("%w: open %s: %v", ErrCorrupt, path, err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		for _, b := range allBuckets {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("%w: init %s: %v", ErrCorrupt, path, err)
+	}
+	return db, nil
+}
+
+func (f *FSM) readApplied() uint64 {
+	var idx uint64
+	_ = f.db.View(func(tx *bolt.Tx) error {
+		idx = (&Reader{tx: tx}).AppliedIndex()
+		return nil
+	})
+	return idx
+}
+
+// AppliedIndex is the index of the last log entry the FSM has applied.
+func (f *FSM) AppliedIndex() uint64 { return f.applied.Load() }
+
+// View runs fn on a consistent read-only view of the state.
+func (f *FSM) View(fn func(r *Reader) error) error {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.db == nil {
+		return ErrClosed
+	}
+	return f.db.View(func(tx *bolt.Tx) error { return fn(&Reader{tx: tx}) })
+}
+
+// Close closes the database and ends every watch.
+func (f *FSM) Close() error {
+	f.hub.closeAll()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.db == nil {
+		return nil
+	}
+	err := f.db.Close()
+	f.db = nil
+	return err
+}
+
+// Apply applies one entry; raft uses ApplyBatch, this satisfies raft.FSM.
+func (f *FSM) Apply(l *raft.Log) interface{} {
+	return f.ApplyBatch([]*raft.Log{l})[0]
+}
+
+// ApplyBatch applies entries in one bbolt transaction and records the last
+// index with them. Entries at or below the applied index (replayed after a
+// restart) are skipped and answered with nil.
+func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
+	out := make([]interface{}, len(logs))
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	applied := f.applied.Load()
+	changed := map[string]bool{} // volume ids touched by this batch
+	var last uint64
+	err := f.db.Update(func(tx *bolt.Tx) error {
+		w := &writer{Reader: Reader{tx: tx}}
+		for i, l := range logs {
+			if l.Index <= applied {
+				continue
+			}
+			last = l.Index
+			if l.Type != raft.LogCommand {
+				continue
+			}
+			cmd, err := decodeCommand(l.Data)
+			if err != nil {
+				f.logger.Error("undecodable raft entry", "index", l.Index, "err", err)
+				out[i] = result{err: err}
+				continue
+			}
+			msg, err := w.apply(cmd)
+			out[i] = result{msg: msg, err: err}
+			if err == nil {
+				if v, ok := msg.(*storpb.Volume); ok {
+					changed[v.Id] = true
+				}
+				if cmd.Op == opRemoveServer {
+					// Every volume with a replica there may have changed.
+					for _, id := range w.lastTouched {
+						changed[id] = true
+					}
+				}
+			}
+			w.lastTouched = w.lastTouched[:0]
+		}
+		if last > 0 {
+			w.putRaw(bucketMeta, string(keyAppliedIndex), string(binary.BigEndian.AppendUint64(nil, last)))
+		}
+		return nil
+	})
+	if err != nil {
+		// The state machine cannot persist what Raft committed. Going on
+		// would answer from state that a restart loses.
+		panic(fmt.Sprintf("raftstore: commit applied entries to %s: %v", f.path, err))
+	}
+	if last > 0 {
+		f.applied.Store(last)
+		f.publishLocked(changed, last)
+	}
+	return out
+}
+
+// publishLocked sends the new state of changed volumes to their watchers.
+// Callers hold f.mu (shared is enough).
+func (f *FSM) publishLocked(changed map[string]bool, index uint64) {
+	if len(changed) == 0 || !f.hub.any() {
+		return
+	}
+	_ = f.db.View(func(tx *bolt.Tx) error {
+		r := &Reader{tx: tx}
+		for id := range changed {
+			v, err := r.Volume(id)
+			f.hub.publish(id, VolumeEvent{Volume: v, Index: index, Deleted: err != nil})
+		}
+		return nil
+	})
+}
+
+// Snapshot copies the whole database into memory. Metadata is small (a
+// volume record is a few hundred bytes), and a copy lets Persist run while
+// Apply goes on without holding a bbolt read transaction open.
+func (f *FSM) Snapshot() (raft.FSMSnapshot, error) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	var buf bytes.Buffer
+	err := f.db.View(func(tx *bolt.Tx) error {
+		_, err := tx.WriteTo(&buf)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("raftstore: snapshot: %w", err)
+	}
+	return &fsmSnapshot{data: buf.Bytes()}, nil
+}
+
+// Restore replaces the state with a snapshot (a bbolt image). The image is
+// validated by opening it before the current file is replaced.
+func (f *FSM) Restore(rc io.ReadCloser) error {
+	defer rc.Close()
+	tmp := f.path + ".restore"
+	if err := writeFileSync(tmp, rc); err != nil {
+		return fmt.Errorf("raftstore: restore: %w", err)
+	}
+	check, err := openStateDB(tmp)
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("raftstore: restore: snapshot image: %w", err)
+	}
+	check.Close()
+
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.db != nil {
+		if err := f.db.Close(); err != nil {
+			return fmt.Errorf("raftstore: restore: close %s: %w", f.path, err)
+		}
+	}
+	if err := os.Rename(tmp, f.path); err != nil {
+		return fmt.Errorf("raftstore: restore: %w", err)
+	}
+	db, err := openStateDB(f.path)
+	if err != nil {
+		// Without a state machine this server cannot go on.
+		panic(fmt.Sprintf("raftstore: reopen %s after restore: %v", f.path, err))
+	}
+	f.db = db
+	idx := f.readApplied()
+	f.applied.Store(idx)
+	f.logger.Info("restored state machine from snapshot", "applied_index", idx)
+	// Every watcher gets its volume's state as of the snapshot.
+	f.publishLocked(f.hub.watched(), idx)
+	return nil
+}
+
+func writeFileSync(path string, r io.Reader) error {
+	fh, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(fh, r); err != nil {
+		fh.Close()
+		return err
+	}
+	if err := fh.Sync(); err != nil {
+		fh.Close()
+		return err
+	}
+	return fh.Close()
+}
+
+type fsmSnapshot struct {
+	data []byte
+}
+
+func (s *fsmSnapshot) Persist(sink raft.SnapshotSink) error {
+	if _, err := sink.Write(s.data); err != nil {
+		sink.Cancel()
+		return err
+	}
+	return sink.Close()
+}
+
+func (s *fsmSnapshot) Release() {}

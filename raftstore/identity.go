@@ -1,0 +1,109 @@
+package raftstore
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+)
+
+// identity is what a data directory says about its owner. It is written
+// before any Raft state exists and updated once the server is a member of a
+// cluster, so a directory can never be silently re-bootstrapped or used by
+// another server.
+type identity struct {
+	ServerID  string `json:"server_id"`
+	ClusterID string `json:"cluster_id,omitempty"`
+	// Member is set once the server has bootstrapped or joined a cluster.
+	Member bool `json:"member"`
+}
+
+const (
+	identityFile = "identity.json"
+	raftDBFile   = "raft.db"
+	metaDBFile   = "meta.db"
+	snapshotsDir = "snapshots"
+)
+
+// ourEntries are the names Store creates in its directory; lost+found is
+// what a fresh ext4 filesystem holds.
+var ourEntries = map[string]bool{identityFile: true, raftDBFile: true, metaDBFile: true, snapshotsDir: true, "lost+found": true}
+
+// loadIdentity checks that dir is either new (created, or empty) or belongs
+// to server id, and returns its identity.
+func loadIdentity(dir, id string) (identity, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return identity{}, fmt.Errorf("raftstore: data dir: %w", err)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, identityFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			return identity{}, fmt.Errorf("raftstore: data dir: %w", err)
+		}
+		for _, e := range entries {
+			if e.Name() == raftDBFile || e.Name() == metaDBFile {
+				return identity{}, fmt.Errorf("%w: %s holds %s but no %s; refusing to guess whose state it is",
+					ErrCorrupt, dir, e.Name(), identityFile)
+			}
+			if !ourEntries[e.Name()] {
+				return identity{}, fmt.Errorf("%w: %s is not empty (it holds %q) and is not a stor data directory (no %s)",
+					ErrForeignDataDir, dir, e.Name(), identityFile)
+			}
+		}
+		ident := identity{ServerID: id}
+		return ident, saveIdentity(dir, ident)
+	}
+	if err != nil {
+		return identity{}, fmt.Errorf("raftstore: data dir: %w", err)
+	}
+	var ident identity
+	if err := json.Unmarshal(b, &ident); err != nil || ident.ServerID == "" {
+		return identity{}, fmt.Errorf("%w: %s: unreadable identity (%v)", ErrCorrupt, filepath.Join(dir, identityFile), err)
+	}
+	if ident.ServerID != id {
+		return identity{}, fmt.Errorf("%w: %s belongs to server %q, not %q", ErrForeignDataDir, dir, ident.ServerID, id)
+	}
+	return ident, nil
+}
+
+// saveIdentity writes the identity durably (write, fsync, rename, fsync dir).
+func saveIdentity(dir string, ident identity) error {
+	b, err := json.MarshalIndent(ident, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, identityFile+".tmp")
+	fh, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return fmt.Errorf("raftstore: write identity: %w", err)
+	}
+	_, err = fh.Write(append(b, '\n'))
+	if err == nil {
+		err = fh.Sync()
+	}
+	if cerr := fh.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, filepath.Join(dir, identityFile))
+	}
+	if err == nil {
+		err = syncDir(dir)
+	}
+	if err != nil {
+		return fmt.Errorf("raftstore: write identity: %w", err)
+	}
+	return nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}

@@ -1,0 +1,255 @@
+package raftstore
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/binary"
+	"fmt"
+	"strings"
+
+	bolt "go.etcd.io/bbolt"
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+var (
+	bucketMeta          = []byte("meta")
+	bucketServers       = []byte("servers")
+	bucketVolumes       = []byte("volumes")
+	bucketVolumeNames   = []byte("volume_names")
+	bucketSnapshots     = []byte("snapshots")
+	bucketSnapshotNames = []byte("snapshot_names")
+
+	allBuckets = [][]byte{bucketMeta, bucketServers, bucketVolumes, bucketVolumeNames, bucketSnapshots, bucketSnapshotNames}
+
+	keyAppliedIndex = []byte("applied_index")
+	keyClusterID    = []byte("cluster_id")
+)
+
+// Reader reads FSM state inside one bbolt transaction: everything it
+// returns is one consistent view. Messages it returns are the caller's.
+type Reader struct {
+	tx *bolt.Tx
+}
+
+// AppliedIndex is the index of the last log entry reflected in this view.
+func (r *Reader) AppliedIndex() uint64 {
+	v := r.tx.Bucket(bucketMeta).Get(keyAppliedIndex)
+	if len(v) != 8 {
+		return 0
+	}
+	return binary.BigEndian.Uint64(v)
+}
+
+// ClusterID is the id chosen when the cluster was bootstrapped, or "".
+func (r *Reader) ClusterID() string {
+	return string(r.tx.Bucket(bucketMeta).Get(keyClusterID))
+}
+
+// Server returns the server with the given id, or ErrNotFound.
+func (r *Reader) Server(id string) (*storpb.Server, error) {
+	s := &storpb.Server{}
+	if err := r.get(bucketServers, id, s); err != nil {
+		return nil, fmt.Errorf("server %q: %w", id, err)
+	}
+	return s, nil
+}
+
+// Servers returns every registered server, ordered by id.
+func (r *Reader) Servers() ([]*storpb.Server, error) {
+	var out []*storpb.Server
+	err := r.tx.Bucket(bucketServers).ForEach(func(k, v []byte) error {
+		s := &storpb.Server{}
+		if err := proto.Unmarshal(v, s); err != nil {
+			return fmt.Errorf("%w: server %q: %v", ErrCorrupt, k, err)
+		}
+		out = append(out, s)
+		return nil
+	})
+	return out, err
+}
+
+// Volume returns the volume with the given id, or ErrNotFound.
+func (r *Reader) Volume(id string) (*storpb.Volume, error) {
+	v := &storpb.Volume{}
+	if err := r.get(bucketVolumes, id, v); err != nil {
+		return nil, fmt.Errorf("volume %q: %w", id, err)
+	}
+	return v, nil
+}
+
+// VolumeByName returns the volume with the given name, or ErrNotFound.
+func (r *Reader) VolumeByName(name string) (*storpb.Volume, error) {
+	id := r.tx.Bucket(bucketVolumeNames).Get([]byte(name))
+	if id == nil {
+		return nil, fmt.Errorf("volume %q: %w", name, ErrNotFound)
+	}
+	return r.Volume(string(id))
+}
+
+// VolumeByRef resolves a reference by id or by name; exactly one must be set.
+func (r *Reader) VolumeByRef(ref *storpb.VolumeRef) (*storpb.Volume, error) {
+	switch {
+	case ref == nil || (ref.Id == "") == (ref.Name == ""):
+		return nil, fmt.Errorf("%w: name a volume by exactly one of id or name", ErrInvalidArgument)
+	case ref.Id != "":
+		return r.Volume(ref.Id)
+	default:
+		return r.VolumeByName(ref.Name)
+	}
+}
+
+// Volumes returns up to limit volumes (0: all) in id order, starting after
+// the position encoded in token, and the token for the next page ("" on the
+// last page). A token that was not returned by Volumes is ErrInvalidArgument.
+func (r *Reader) Volumes(token string, limit int) ([]*storpb.Volume, string, error) {
+	var out []*storpb.Volume
+	next, err := r.page(bucketVolumes, token, limit, func(v []byte) (bool, error) {
+		vol := &storpb.Volume{}
+		if err := proto.Unmarshal(v, vol); err != nil {
+			return false, fmt.Errorf("%w: volume: %v", ErrCorrupt, err)
+		}
+		out = append(out, vol)
+		return true, nil
+	})
+	return out, next, err
+}
+
+// Snapshot returns the snapshot with the given id, or ErrNotFound.
+func (r *Reader) Snapshot(id string) (*storpb.Snapshot, error) {
+	s := &storpb.Snapshot{}
+	if err := r.get(bucketSnapshots, id, s); err != nil {
+		return nil, fmt.Errorf("snapshot %q: %w", id, err)
+	}
+	return s, nil
+}
+
+// SnapshotByRef resolves a reference by id or by name.
+func (r *Reader) SnapshotByRef(ref *storpb.SnapshotRef) (*storpb.Snapshot, error) {
+	switch {
+	case ref == nil || (ref.Id == "") == (ref.Name == ""):
+		return nil, fmt.Errorf("%w: name a snapshot by exactly one of id or name", ErrInvalidArgument)
+	case ref.Id != "":
+		return r.Snapshot(ref.Id)
+	}
+	id := r.tx.Bucket(bucketSnapshotNames).Get([]byte(ref.Name))
+	if id == nil {
+		return nil, fmt.Errorf("snapshot %q: %w", ref.Name, ErrNotFound)
+	}
+	return r.Snapshot(string(id))
+}
+
+// Snapshots pages through snapshots in id order like Volumes; volumeID, if
+// set, keeps only that volume's snapshots.
+func (r *Reader) Snapshots(volumeID, token string, limit int) ([]*storpb.Snapshot, string, error) {
+	var out []*storpb.Snapshot
+	next, err := r.page(bucketSnapshots, token, limit, func(v []byte) (bool, error) {
+		s := &storpb.Snapshot{}
+		if err := proto.Unmarshal(v, s); err != nil {
+			return false, fmt.Errorf("%w: snapshot: %v", ErrCorrupt, err)
+		}
+		if volumeID != "" && s.VolumeId != volumeID {
+			return false, nil
+		}
+		out = append(out, s)
+		return true, nil
+	})
+	return out, next, err
+}
+
+// snapshotCount counts the snapshots of one volume.
+func (r *Reader) snapshotCount(volumeID string) (int, error) {
+	s, _, err := r.Snapshots(volumeID, "", 0)
+	return len(s), err
+}
+
+const pageTokenPrefix = "v1:"
+
+func encodePageToken(lastKey []byte) string {
+	return base64.RawURLEncoding.EncodeToString(append([]byte(pageTokenPrefix), lastKey...))
+}
+
+func decodePageToken(token string) ([]byte, error) {
+	b, err := base64.RawURLEncoding.DecodeString(token)
+	if err != nil || !strings.HasPrefix(string(b), pageTokenPrefix) || len(b) == len(pageTokenPrefix) {
+		return nil, fmt.Errorf("%w: page token %q was not issued by this cluster", ErrInvalidArgument, token)
+	}
+	return b[len(pageTokenPrefix):], nil
+}
+
+// page walks bucket in key order after the token's key; keep reports
+// whether an entry counts toward limit.
+func (r *Reader) page(bucket []byte, token string, limit int, keep func(v []byte) (bool, error)) (string, error) {
+	c := r.tx.Bucket(bucket).Cursor()
+	k, v := c.First()
+	if token != "" {
+		after, err := decodePageToken(token)
+		if err != nil {
+			return "", err
+		}
+		k, v = c.Seek(after)
+		if k != nil && bytes.Equal(k, after) {
+			k, v = c.Next()
+		}
+	}
+	n := 0
+	var last []byte // the last key examined
+	for ; k != nil; k, v = c.Next() {
+		if limit > 0 && n == limit {
+			return encodePageToken(last), nil
+		}
+		kept, err := keep(v)
+		if err != nil {
+			return "", err
+		}
+		if kept {
+			n++
+		}
+		last = append(last[:0], k...)
+	}
+	return "", nil
+}
+
+func (r *Reader) get(bucket []byte, key string, m proto.Message) error {
+	v := r.tx.Bucket(bucket).Get([]byte(key))
+	if v == nil {
+		return ErrNotFound
+	}
+	if err := proto.Unmarshal(v, m); err != nil {
+		return fmt.Errorf("%w: %s/%s: %v", ErrCorrupt, bucket, key, err)
+	}
+	return nil
+}
+
+// writer adds writes to a Reader; only the FSM holds one.
+type writer struct {
+	Reader
+	// lastTouched lists volumes changed as a side effect of the command
+	// being applied (a removed server's replicas), for watchers.
+	lastTouched []string
+}
+
+func (w *writer) put(bucket []byte, key string, m proto.Message) {
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
+	if err != nil {
+		panic(fmt.Sprintf("raftstore: marshal %s/%s: %v", bucket, key, err))
+	}
+	w.must(w.tx.Bucket(bucket).Put([]byte(key), b))
+}
+
+func (w *writer) putRaw(bucket []byte, key, value string) {
+	w.must(w.tx.Bucket(bucket).Put([]byte(key), []byte(value)))
+}
+
+func (w *writer) del(bucket []byte, key string) {
+	w.must(w.tx.Bucket(bucket).Delete([]byte(key)))
+}
+
+// must panics on a bbolt write error: these fail only on programming
+// errors (read-only tx, missing bucket) or a broken disk.
+func (w *writer) must(err error) {
+	if err != nil {
+		panic(fmt.Sprintf("raftstore: fsm write: %v", err))
+	}
+}

@@ -1,0 +1,662 @@
+package raftstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/hashicorp/raft"
+	raftboltdb "github.com/hashicorp/raft-boltdb/v2"
+	bolt "go.etcd.io/bbolt"
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// Store is one server's member of the metadata Raft group: the Raft node,
+// its FSM, and the leader's duties (cluster init, liveness, voter
+// promotion). All exported methods are safe for concurrent use.
+type Store struct {
+	cfg    Config
+	logger *slog.Logger
+	fsm    *FSM
+	raft   *raft.Raft
+	trans  *raft.NetworkTransport
+	logs   *raftboltdb.BoltStore
+
+	hadState bool // Raft state existed when the store was opened
+
+	identMu sync.Mutex
+	ident   identity
+
+	// leaderReady is set once this server, as leader, has applied every
+	// entry of earlier terms; ConsistentRead requires it.
+	leaderReady atomic.Bool
+
+	// lastSeen is the leader's memory of when each server last reported.
+	seenMu   sync.Mutex
+	lastSeen map[string]time.Time
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	closed atomic.Bool
+}
+
+// Open opens or creates the store in cfg.Dir and starts its Raft node. A
+// new store has no cluster: call Bootstrap, or have the leader of an
+// existing cluster Join it.
+func Open(cfg Config) (*Store, error) {
+	cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	ident, err := loadIdentity(cfg.Dir, cfg.ID)
+	if err != nil {
+		return nil, err
+	}
+	s := &Store{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), ident: ident, lastSeen: map[string]time.Time{}}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	if err := s.open(); err != nil {
+		s.closeResources()
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *Store) open() error {
+	cfg := s.cfg
+	hl := hclogFor(s.logger)
+	var err error
+	s.fsm, err = OpenFSM(filepath.Join(cfg.Dir, metaDBFile), s.logger)
+	if err != nil {
+		return err
+	}
+	s.logs, err = raftboltdb.New(raftboltdb.Options{
+		Path:        filepath.Join(cfg.Dir, raftDBFile),
+		BoltOptions: &bolt.Options{Timeout: time.Second},
+	})
+	if err != nil {
+		if errors.Is(err, bolt.ErrTimeout) {
+			return fmt.Errorf("raftstore: %s is locked by another process (is another stor-server using this data dir?)", filepath.Join(cfg.Dir, raftDBFile))
+		}
+		return fmt.Errorf("%w: open %s: %v", ErrCorrupt, filepath.Join(cfg.Dir, raftDBFile), err)
+	}
+	snaps, err := raft.NewFileSnapshotStoreWithLogger(cfg.Dir, cfg.SnapshotRetain, hl)
+	if err != nil {
+		return fmt.Errorf("raftstore: snapshot store: %w", err)
+	}
+	s.hadState, err = raft.HasExistingState(s.logs, s.logs, snaps)
+	if err != nil {
+		return fmt.Errorf("%w: read raft state in %s: %v", ErrCorrupt, cfg.Dir, err)
+	}
+	if s.ident.Member && !s.hadState {
+		return fmt.Errorf("%w: %s was a member of cluster %q but its Raft state is gone; refusing to start a new cluster from it",
+			ErrCorrupt, cfg.Dir, s.ident.ClusterID)
+	}
+	if s.hadState && !s.ident.Member {
+		// Crashed between the first Raft write and recording membership.
+		if err := s.markMember(""); err != nil {
+			return err
+		}
+	}
+	if err := s.checkClusterID(); err != nil {
+		return err
+	}
+	if err := s.restoreIfBehind(snaps); err != nil {
+		return err
+	}
+
+	ln := cfg.RaftListener
+	if ln == nil {
+		ln, err = net.Listen("tcp", cfg.RaftBind)
+		if err != nil {
+			return fmt.Errorf("raftstore: raft listen: %w", err)
+		}
+	}
+	adv := ln.Addr()
+	if cfg.RaftAdvertise != "" {
+		adv, err = resolveAdvertise(cfg.RaftAdvertise)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+	}
+	s.trans = raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
+		Stream:  &streamLayer{Listener: ln, advertise: adv, dial: cfg.Dial},
+		MaxPool: 3, Timeout: 10 * time.Second, Logger: hl,
+	})
+
+	rc := raft.DefaultConfig()
+	rc.LocalID = raft.ServerID(cfg.ID)
+	rc.Logger = hl
+	rc.HeartbeatTimeout = cfg.HeartbeatTimeout
+	rc.ElectionTimeout = cfg.ElectionTimeout
+	rc.LeaderLeaseTimeout = cfg.LeaderLeaseTimeout
+	rc.CommitTimeout = cfg.CommitTimeout
+	rc.SnapshotInterval = cfg.SnapshotInterval
+	rc.SnapshotThreshold = cfg.SnapshotThreshold
+	rc.TrailingLogs = cfg.TrailingLogs
+	rc.NoSnapshotRestoreOnStart = true // the FSM is durable; see doc.go
+	notify := make(chan bool, 16)
+	rc.NotifyCh = notify
+	s.raft, err = raft.NewRaft(rc, s.fsm, s.logs, s.logs, snaps, s.trans)
+	if err != nil {
+		return fmt.Errorf("raftstore: start raft: %w", err)
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.leadershipLoop(notify)
+	}()
+	return nil
+}
+
+// resolveAdvertise accepts host:port with a host name or an IP.
+func resolveAdvertise(addr string) (net.Addr, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("raftstore: raft advertise address %q: %w", addr, err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p <= 0 || p > 65535 {
+		return nil, fmt.Errorf("raftstore: raft advertise address %q: bad port", addr)
+	}
+	return advertiseAddr{host: host, port: port}, nil
+}
+
+// advertiseAddr is a net.Addr that keeps a host name unresolved, so a
+// StatefulSet pod advertises its stable DNS name, not its changing IP.
+type advertiseAddr struct{ host, port string }
+
+func (a advertiseAddr) Network() string { return "tcp" }
+func (a advertiseAddr) String() string  { return net.JoinHostPort(a.host, a.port) }
+
+func (s *Store) checkClusterID() error {
+	var fsmCluster string
+	_ = s.fsm.View(func(r *Reader) error { fsmCluster = r.ClusterID(); return nil })
+	switch {
+	case s.ident.ClusterID != "" && fsmCluster != "" && s.ident.ClusterID != fsmCluster:
+		return fmt.Errorf("%w: %s: identity says cluster %q, state says cluster %q",
+			ErrForeignDataDir, s.cfg.Dir, s.ident.ClusterID, fsmCluster)
+	case s.ident.ClusterID == "" && fsmCluster != "" && s.ident.Member:
+		return s.markMember(fsmCluster)
+	}
+	return nil
+}
+
+func (s *Store) restoreIfBehind(snaps *raft.FileSnapshotStore) error {
+	metas, err := snaps.List()
+	if err != nil {
+		return fmt.Errorf("raftstore: list snapshots: %w", err)
+	}
+	if len(metas) == 0 || metas[0].Index <= s.fsm.AppliedIndex() {
+		return nil
+	}
+	s.logger.Warn("state machine is behind the latest snapshot; restoring it", "applied", s.fsm.AppliedIndex(), "snapshot", metas[0].Index)
+	_, rc, err := snaps.Open(metas[0].ID)
+	if err != nil {
+		return fmt.Errorf("%w: open snapshot %s: %v", ErrCorrupt, metas[0].ID, err)
+	}
+	return s.fsm.Restore(rc)
+}
+
+// markMember records that this directory now belongs to a cluster member.
+func (s *Store) markMember(clusterID string) error {
+	s.identMu.Lock()
+	defer s.identMu.Unlock()
+	if s.ident.Member && (clusterID == "" || s.ident.ClusterID == clusterID) {
+		return nil
+	}
+	next := s.ident
+	next.Member = true
+	if clusterID != "" {
+		next.ClusterID = clusterID
+	}
+	if err := saveIdentity(s.cfg.Dir, next); err != nil {
+		return err
+	}
+	s.ident = next
+	return nil
+}
+
+// HadState reports whether the store had Raft state when it was opened (a
+// restart), as opposed to a new, empty directory.
+func (s *Store) HadState() bool { return s.hadState }
+
+// Bootstrap makes this server the single voter of a new cluster. It is an
+// error on a store that already has Raft state: bootstrap happens once.
+func (s *Store) Bootstrap() error {
+	if s.hadState {
+		return fmt.Errorf("%w: %s already holds Raft state; not bootstrapping again", ErrFailedPrecondition, s.cfg.Dir)
+	}
+	if err := s.markMember(""); err != nil {
+		return err
+	}
+	f := s.raft.BootstrapCluster(raft.Configuration{Servers: []raft.Server{{
+		ID: raft.ServerID(s.cfg.ID), Address: s.trans.LocalAddr(), Suffrage: raft.Voter,
+	}}})
+	if err := f.Error(); err != nil && !errors.Is(err, raft.ErrCantBootstrap) {
+		return fmt.Errorf("raftstore: bootstrap: %w", err)
+	}
+	s.logger.Info("bootstrapped a new cluster")
+	return nil
+}
+
+// Joined records that the leader of clusterID has admitted this server.
+func (s *Store) Joined(clusterID string) error { return s.markMember(clusterID) }
+
+// ID is this server's id.
+func (s *Store) ID() string { return s.cfg.ID }
+
+// RaftAddress is the address other servers reach this one's Raft at.
+func (s *Store) RaftAddress() string { return string(s.trans.LocalAddr()) }
+
+// IsLeader reports whether this server is the leader right now.
+func (s *Store) IsLeader() bool { return s.raft.State() == raft.Leader }
+
+// Leader returns the current leader's id and raft address as this server
+// knows them ("" when unknown).
+func (s *Store) Leader() (id, raftAddr string) {
+	addr, lid := s.raft.LeaderWithID()
+	return string(lid), string(addr)
+}
+
+// LeaderAddress returns the leader's control address from the FSM's server
+// registry, or ErrNoLeader.
+func (s *Store) LeaderAddress() (id, address string, err error) {
+	id, _ = s.Leader()
+	if id == "" {
+		return "", "", ErrNoLeader
+	}
+	err = s.fsm.View(func(r *Reader) error {
+		srv, err := r.Server(id)
+		if err != nil {
+			return err
+		}
+		address = srv.Address
+		return nil
+	})
+	if err != nil {
+		return id, "", fmt.Errorf("%w: leader %q is not registered yet: %v", ErrNoLeader, id, err)
+	}
+	return id, address, nil
+}
+
+// AppliedIndex is the index of the last entry this server's FSM applied.
+func (s *Store) AppliedIndex() uint64 { return s.fsm.AppliedIndex() }
+
+// View reads the local FSM state (possibly stale on a follower).
+func (s *Store) View(fn func(r *Reader) error) error { return s.fsm.View(fn) }
+
+// Watch streams committed changes to one volume (see FSM.Watch).
+func (s *Store) Watch(volumeID string) (<-chan VolumeEvent, func()) { return s.fsm.Watch(volumeID) }
+
+// ConsistentRead returns nil when a read of the local FSM that starts now
+// is linearizable: this server is the leader, has applied every entry of
+// earlier terms, and a quorum still follows it.
+func (s *Store) ConsistentRead(ctx context.Context) error {
+	if !s.IsLeader() {
+		return ErrNotLeader
+	}
+	if !s.leaderReady.Load() {
+		return fmt.Errorf("%w: new leader is still catching up", ErrNoLeader)
+	}
+	if err := waitFuture(ctx, s.raft.VerifyLeader()); err != nil {
+		return s.raftErr(err)
+	}
+	return nil
+}
+
+// waitFuture waits for a raft future or the context.
+func waitFuture(ctx context.Context, f raft.Future) error {
+	done := make(chan error, 1)
+	go func() { done <- f.Error() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *Store) raftErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, raft.ErrNotLeader), errors.Is(err, raft.ErrLeadershipTransferInProgress):
+		return ErrNotLeader
+	case errors.Is(err, raft.ErrLeadershipLost):
+		return fmt.Errorf("%w: leadership lost before the change was known to commit", ErrNoLeader)
+	case errors.Is(err, raft.ErrRaftShutdown):
+		return ErrClosed
+	case errors.Is(err, raft.ErrEnqueueTimeout):
+		return fmt.Errorf("%w: %v", ErrNoLeader, err)
+	}
+	return err
+}
+
+// propose commits a command and returns the FSM's answer.
+func (s *Store) propose(ctx context.Context, c command) (proto.Message, error) {
+	if s.closed.Load() {
+		return nil, ErrClosed
+	}
+	if !s.IsLeader() {
+		return nil, ErrNotLeader
+	}
+	c.At = s.cfg.Now().UnixNano()
+	data, err := c.encode()
+	if err != nil {
+		return nil, err
+	}
+	timeout := s.cfg.ApplyTimeout
+	if dl, ok := ctx.Deadline(); ok {
+		timeout = time.Until(dl)
+		if timeout <= 0 {
+			return nil, context.DeadlineExceeded
+		}
+	}
+	f := s.raft.Apply(data, timeout)
+	if err := waitFuture(ctx, f); err != nil {
+		return nil, s.raftErr(err)
+	}
+	res, ok := f.Response().(result)
+	if !ok {
+		return nil, fmt.Errorf("%w: %v entry answered %T", ErrCorrupt, c.Op, f.Response())
+	}
+	return res.msg, res.err
+}
+
+// ---------------------------------------------------------------- volumes
+
+// CreateVolume creates a volume (idempotent by name). The size is rounded
+// up to BlockSize; placement happens in the FSM.
+func (s *Store) CreateVolume(ctx context.Context, req *storpb.CreateVolumeRequest) (*storpb.Volume, error) {
+	m, err := s.propose(ctx, command{Op: opCreateVolume, ID: uuid.NewString(), Body: req})
+	return asVolume(m, err)
+}
+
+// DeleteVolume deletes a volume; ErrNotFound if there is none.
+func (s *Store) DeleteVolume(ctx context.Context, ref *storpb.VolumeRef) error {
+	_, err := s.propose(ctx, command{Op: opDeleteVolume, Body: ref})
+	return err
+}
+
+// ExpandVolume grows a volume.
+func (s *Store) ExpandVolume(ctx context.Context, req *storpb.ExpandVolumeRequest) (*storpb.Volume, error) {
+	return asVolume(s.propose(ctx, command{Op: opExpandVolume, Body: req}))
+}
+
+// AttachVolume attaches a volume to a node at a new epoch.
+func (s *Store) AttachVolume(ctx context.Context, req *storpb.AttachVolumeRequest) (*storpb.Volume, error) {
+	return asVolume(s.propose(ctx, command{Op: opAttachVolume, Body: req}))
+}
+
+// DetachVolume clears a volume's attachment.
+func (s *Store) DetachVolume(ctx context.Context, req *storpb.DetachVolumeRequest) (*storpb.Volume, error) {
+	return asVolume(s.propose(ctx, command{Op: opDetachVolume, Body: req}))
+}
+
+// CreateSnapshot records a snapshot of a volume (idempotent by name).
+func (s *Store) CreateSnapshot(ctx context.Context, req *storpb.CreateSnapshotRequest) (*storpb.Snapshot, error) {
+	m, err := s.propose(ctx, command{Op: opCreateSnapshot, ID: uuid.NewString(), Body: req})
+	if err != nil {
+		return nil, err
+	}
+	return m.(*storpb.Snapshot), nil
+}
+
+// DeleteSnapshot deletes a snapshot; ErrNotFound if there is none.
+func (s *Store) DeleteSnapshot(ctx context.Context, ref *storpb.SnapshotRef) error {
+	_, err := s.propose(ctx, command{Op: opDeleteSnapshot, Body: ref})
+	return err
+}
+
+func asVolume(m proto.Message, err error) (*storpb.Volume, error) {
+	if err != nil {
+		return nil, err
+	}
+	return m.(*storpb.Volume), nil
+}
+
+// ------------------------------------------------------------- membership
+
+// Join admits a server (leader only): registers it in the FSM, then adds
+// it to the Raft configuration, as a voter while there are fewer than
+// MaxVoters voters. Joining again is harmless and updates the addresses.
+func (s *Store) Join(ctx context.Context, srv *storpb.Server) (clusterID string, voter bool, err error) {
+	if srv == nil || srv.Id == "" || srv.Address == "" || srv.RaftAddress == "" {
+		return "", false, fmt.Errorf("%w: join needs the server's id, address and raft address", ErrInvalidArgument)
+	}
+	if err := s.ConsistentRead(ctx); err != nil {
+		return "", false, err
+	}
+	if _, err := s.propose(ctx, command{Op: opRegisterServer, Body: srv}); err != nil {
+		return "", false, err
+	}
+	voter, err = s.ensureRaftMember(ctx, srv.Id, srv.RaftAddress)
+	if err != nil {
+		return "", false, err
+	}
+	s.markSeen(srv.Id)
+	_ = s.fsm.View(func(r *Reader) error { clusterID = r.ClusterID(); return nil })
+	s.logger.Info("server joined", "joined", srv.Id, "raft_address", srv.RaftAddress, "voter", voter)
+	return clusterID, voter, nil
+}
+
+// ensureRaftMember adds the server to the Raft configuration, or updates
+// its address, keeping its suffrage.
+func (s *Store) ensureRaftMember(ctx context.Context, id, raftAddr string) (voter bool, err error) {
+	conf, err := s.configuration()
+	if err != nil {
+		return false, err
+	}
+	voters := 0
+	var existing *raft.Server
+	for i, m := range conf.Servers {
+		if m.Suffrage == raft.Voter {
+			voters++
+		}
+		if string(m.ID) == id {
+			existing = &conf.Servers[i]
+		}
+	}
+	timeout := s.cfg.ApplyTimeout
+	switch {
+	case existing != nil && string(existing.Address) == raftAddr:
+		return existing.Suffrage == raft.Voter, nil
+	case existing != nil && existing.Suffrage == raft.Voter, existing == nil && voters < s.cfg.MaxVoters:
+		return true, s.raftErr(waitFuture(ctx, s.raft.AddVoter(raft.ServerID(id), raft.ServerAddress(raftAddr), 0, timeout)))
+	default:
+		return false, s.raftErr(waitFuture(ctx, s.raft.AddNonvoter(raft.ServerID(id), raft.ServerAddress(raftAddr), 0, timeout)))
+	}
+}
+
+func (s *Store) configuration() (raft.Configuration, error) {
+	f := s.raft.GetConfiguration()
+	if err := f.Error(); err != nil {
+		return raft.Configuration{}, s.raftErr(err)
+	}
+	return f.Configuration(), nil
+}
+
+// Leave removes a server from the cluster (leader only): from the FSM (its
+// replicas become faulty) and from the Raft configuration.
+func (s *Store) Leave(ctx context.Context, id string) error {
+	if id == "" {
+		return fmt.Errorf("%w: leave needs a server id", ErrInvalidArgument)
+	}
+	conf, err := s.configuration()
+	if err != nil {
+		return err
+	}
+	inRaft := slices.ContainsFunc(conf.Servers, func(m raft.Server) bool { return string(m.ID) == id })
+	_, err = s.propose(ctx, command{Op: opRemoveServer, ID: id})
+	if err != nil && !(errors.Is(err, ErrNotFound) && inRaft) {
+		return err
+	}
+	if inRaft {
+		if err := s.raftErr(waitFuture(ctx, s.raft.RemoveServer(raft.ServerID(id), 0, s.cfg.ApplyTimeout))); err != nil {
+			return err
+		}
+	}
+	s.seenMu.Lock()
+	delete(s.lastSeen, id)
+	s.seenMu.Unlock()
+	s.logger.Info("server left", "left", id)
+	return nil
+}
+
+// Heartbeat records that a server is alive (leader only). It marks a down
+// server up again and commits changed addresses, zone, labels or capacity.
+func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
+	if in == nil || in.Id == "" {
+		return fmt.Errorf("%w: heartbeat needs a server id", ErrInvalidArgument)
+	}
+	if !s.IsLeader() {
+		return ErrNotLeader
+	}
+	var cur *storpb.Server
+	err := s.fsm.View(func(r *Reader) error {
+		var err error
+		cur, err = r.Server(in.Id)
+		return err
+	})
+	if err != nil {
+		return err // ErrNotFound: the server has to join first
+	}
+	s.markSeen(in.Id)
+	if cur.State == storpb.ServerState_SERVER_STATE_DOWN {
+		s.logger.Info("server is back", "back", in.Id)
+		up := &storpb.Server{Id: in.Id, State: storpb.ServerState_SERVER_STATE_UP, LastSeenUnixNano: s.cfg.Now().UnixNano()}
+		if _, err := s.propose(ctx, command{Op: opSetServerState, Body: up}); err != nil {
+			return err
+		}
+	}
+	if in.Address != "" && in.RaftAddress != "" && serverInfoChanged(cur, in) {
+		if _, err := s.propose(ctx, command{Op: opRegisterServer, Body: in}); err != nil {
+			return err
+		}
+		if in.RaftAddress != cur.RaftAddress {
+			if _, err := s.ensureRaftMember(ctx, in.Id, in.RaftAddress); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func serverInfoChanged(cur, in *storpb.Server) bool {
+	return cur.Address != in.Address || cur.RaftAddress != in.RaftAddress || cur.DataAddress != in.DataAddress ||
+		cur.Zone != in.Zone || cur.CapacityBytes != in.CapacityBytes || !mapsEqual(cur.Labels, in.Labels)
+}
+
+func mapsEqual(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if bv, ok := b[k]; !ok || bv != v {
+			return false
+		}
+	}
+	return true
+}
+
+func (s *Store) markSeen(id string) {
+	s.seenMu.Lock()
+	s.lastSeen[id] = s.cfg.Now()
+	s.seenMu.Unlock()
+}
+
+// LastSeen returns when the leader last heard from a server (zero if it
+// has not, or this server is not the leader).
+func (s *Store) LastSeen(id string) time.Time {
+	s.seenMu.Lock()
+	defer s.seenMu.Unlock()
+	return s.lastSeen[id]
+}
+
+// ----------------------------------------------------------------- status
+
+// Status is this server's own view of the cluster.
+type Status struct {
+	ClusterID, ServerID, RaftState, LeaderID string
+	Members                                  []raft.Server
+	Term, LastIndex, CommitIndex, Applied    uint64
+}
+
+// Status returns this server's view without asking the leader.
+func (s *Store) Status() Status {
+	st := Status{ServerID: s.cfg.ID, RaftState: s.raft.State().String()}
+	st.LeaderID, _ = s.Leader()
+	stats := s.raft.Stats()
+	st.Term, _ = strconv.ParseUint(stats["term"], 10, 64)
+	st.LastIndex = s.raft.LastIndex()
+	st.CommitIndex, _ = strconv.ParseUint(stats["commit_index"], 10, 64)
+	st.Applied = s.fsm.AppliedIndex()
+	if conf, err := s.configuration(); err == nil {
+		st.Members = conf.Servers
+	}
+	_ = s.fsm.View(func(r *Reader) error { st.ClusterID = r.ClusterID(); return nil })
+	return st
+}
+
+// ---------------------------------------------------------------- closing
+
+// TransferLeadership hands leadership to another voter if this server
+// leads; used before a graceful shutdown.
+func (s *Store) TransferLeadership(ctx context.Context) error {
+	if !s.IsLeader() {
+		return nil
+	}
+	conf, err := s.configuration()
+	if err != nil {
+		return err
+	}
+	if !slices.ContainsFunc(conf.Servers, func(m raft.Server) bool {
+		return m.Suffrage == raft.Voter && string(m.ID) != s.cfg.ID
+	}) {
+		return nil // no other voter to hand over to
+	}
+	return s.raftErr(waitFuture(ctx, s.raft.LeadershipTransfer()))
+}
+
+// Close stops the Raft node and closes the files. It does not hand off
+// leadership (see TransferLeadership); after Close every method fails with
+// ErrClosed or a raft shutdown error.
+func (s *Store) Close() error {
+	if !s.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	s.cancel()
+	var err error
+	if s.raft != nil {
+		err = s.raft.Shutdown().Error()
+	}
+	s.wg.Wait()
+	return errors.Join(err, s.closeResources())
+}
+
+func (s *Store) closeResources() error {
+	var errs []error
+	if s.trans != nil {
+		errs = append(errs, s.trans.Close())
+	}
+	if s.logs != nil {
+		errs = append(errs, s.logs.Close())
+	}
+	if s.fsm != nil {
+		errs = append(errs, s.fsm.Close())
+	}
+	return errors.Join(errs...)
+}
