@@ -1,0 +1,127 @@
+// Command stor-server runs one stor storage server: a member of the
+// metadata Raft group and the control API. With no flags it starts a
+// one-server cluster in ./stor-data on loopback.
+//
+//	stor-server --id s1 --data-dir /var/lib/stor --join 10.0.0.1:7400,10.0.0.2:7400
+//
+// In a StatefulSet give every pod the same --join list of its peers' stable
+// DNS names: the pod whose id (host name) ends in -0 bootstraps the cluster
+// the first time, every other pod joins it, and a restarted pod resumes
+// with its state.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/stor-io/stor/internal/server"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintf(os.Stderr, "stor-server: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	cfg := server.DefaultConfig()
+	fs := flag.NewFlagSet("stor-server", flag.ContinueOnError)
+	fs.StringVar(&cfg.ID, "id", cfg.ID, "server id, stable across restarts (default: the host name)")
+	fs.StringVar(&cfg.DataDir, "data-dir", cfg.DataDir, "directory for Raft state and metadata")
+	fs.StringVar(&cfg.Listen, "listen", cfg.Listen, "control gRPC listen address")
+	fs.StringVar(&cfg.RaftListen, "raft-listen", cfg.RaftListen, "Raft transport listen address")
+	fs.StringVar(&cfg.DataListen, "data-listen", cfg.DataListen, "replica data service address (registered; served once the data service exists)")
+	fs.StringVar(&cfg.Advertise, "advertise", "", "control address others dial (default: the bound --listen address)")
+	fs.StringVar(&cfg.RaftAdvertise, "raft-advertise", "", "Raft address others dial (default: the bound --raft-listen address)")
+	fs.StringVar(&cfg.DataAdvertise, "data-advertise", "", "data address others dial (default: --data-listen)")
+	join := fs.String("join", "", "comma-separated control addresses of existing members; empty bootstraps a new cluster")
+	fs.StringVar(&cfg.Zone, "zone", "", "zone of this server, for replica placement")
+	labels := fs.String("labels", "", "comma-separated key=value labels, for placement")
+	capacity := fs.String("capacity", "", "bytes replicas may use here, e.g. 500GiB (default: the data dir's filesystem size)")
+	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")
+	downAfter := fs.Duration("server-down-timeout", cfg.Raft.ServerDownTimeout, "the leader marks a server down after this long without a heartbeat")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	cfg.Join = splitList(*join)
+	var err error
+	if cfg.Labels, err = parseLabels(*labels); err != nil {
+		return err
+	}
+	if *capacity != "" {
+		if cfg.Capacity, err = parseBytes(*capacity); err != nil {
+			return fmt.Errorf("--capacity: %w", err)
+		}
+	}
+	cfg.Raft.MaxVoters, cfg.Raft.ServerDownTimeout = *voters, *downAfter
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(*logLevel)); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return server.Run(ctx, cfg)
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func parseLabels(s string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, kv := range splitList(s) {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("--labels: %q is not key=value", kv)
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+// parseBytes accepts a byte count with an optional binary unit (KiB, MiB,
+// GiB, TiB).
+func parseBytes(s string) (uint64, error) {
+	units := []struct {
+		suffix string
+		mult   uint64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"B", 1}}
+	for _, u := range units {
+		if num, ok := strings.CutSuffix(s, u.suffix); ok {
+			n, err := strconv.ParseUint(strings.TrimSpace(num), 10, 64)
+			if err != nil || n == 0 || n > (1<<64-1)/u.mult {
+				return 0, fmt.Errorf("%q is not a positive size", s)
+			}
+			return n * u.mult, nil
+		}
+	}
+	n, err := strconv.ParseUint(s, 10, 64)
+	if err != nil || n == 0 {
+		return 0, fmt.Errorf("%q is not a positive size (use bytes or KiB/MiB/GiB/TiB)", s)
+	}
+	return n, nil
+}

@@ -1,0 +1,169 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/stor-io/stor/raftstore"
+)
+
+// Config is everything a stor-server needs. DefaultConfig gives a
+// one-server cluster on loopback in ./stor-data.
+type Config struct {
+	// ID is the server's stable id. Default: the host name (in a
+	// StatefulSet, the pod name, e.g. stor-server-2).
+	ID string
+	// DataDir holds the Raft log, snapshots, metadata and (later) replica
+	// data. Default ./stor-data.
+	DataDir string
+	// Listen is the control gRPC address. Default 127.0.0.1:7400.
+	Listen string
+	// RaftListen is the Raft transport address. Default 127.0.0.1:7401.
+	RaftListen string
+	// DataListen is the replica data service address. Default
+	// 127.0.0.1:7402. It is registered with the cluster; nothing listens on
+	// it until the replica data service exists.
+	DataListen string
+	// Advertise is the control address other servers and clients dial.
+	// Default: the address Listen bound.
+	Advertise string
+	// RaftAdvertise is the Raft address other servers dial. Default: the
+	// address RaftListen bound.
+	RaftAdvertise string
+	// DataAdvertise is the data address others dial. Default DataListen.
+	DataAdvertise string
+	// Join lists control addresses of existing members. Empty: bootstrap a
+	// new cluster when the data dir is new. Not empty: join through them,
+	// except that an ID ending in -0 (StatefulSet ordinal 0) bootstraps;
+	// see ShouldBootstrap.
+	Join []string
+	// Zone and Labels describe where the server is, for placement.
+	Zone   string
+	Labels map[string]string
+	// Capacity is the bytes replicas may be promised here. Default 0: the
+	// size of the filesystem holding DataDir.
+	Capacity uint64
+	// DefaultReplicas is the replica count of a volume created with 0.
+	// Default 3.
+	DefaultReplicas uint32
+	// HeartbeatInterval is how often the server reports to the leader.
+	// Default 1s.
+	HeartbeatInterval time.Duration
+	// ShutdownTimeout bounds a graceful shutdown (leadership transfer and
+	// draining RPCs). Default 10s.
+	ShutdownTimeout time.Duration
+	// Raft tunes the metadata store; ID, Dir, addresses, Dial and Logger
+	// are filled in from the fields above, and zero fields take
+	// raftstore.DefaultConfig()'s values.
+	Raft raftstore.Config
+
+	// Listener and RaftListener, if set, are used instead of binding
+	// Listen and RaftListen (tests pass pre-bound listeners).
+	Listener, RaftListener net.Listener
+	// Dial opens every server-to-server connection (Raft, forwarding,
+	// joins, heartbeats). Default net.Dialer. Tests inject partitions here.
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// Logger receives structured logs. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// DefaultConfig returns the defaults documented on Config.
+func DefaultConfig() Config {
+	host, _ := os.Hostname()
+	return Config{
+		ID:                host,
+		DataDir:           "./stor-data",
+		Listen:            "127.0.0.1:7400",
+		RaftListen:        "127.0.0.1:7401",
+		DataListen:        "127.0.0.1:7402",
+		DefaultReplicas:   3,
+		HeartbeatInterval: time.Second,
+		ShutdownTimeout:   10 * time.Second,
+		Raft:              raftstore.DefaultConfig(),
+	}
+}
+
+// withDefaults fills zero tuning fields (not the addresses or the id:
+// those an embedding caller sets on purpose).
+func (c *Config) withDefaults() {
+	d := DefaultConfig()
+	if c.DefaultReplicas == 0 {
+		c.DefaultReplicas = d.DefaultReplicas
+	}
+	if c.HeartbeatInterval == 0 {
+		c.HeartbeatInterval = d.HeartbeatInterval
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = d.ShutdownTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Dial == nil {
+		var dialer net.Dialer
+		c.Dial = dialer.DialContext
+	}
+}
+
+var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
+
+// Validate reports the first problem with the configuration.
+func (c *Config) Validate() error {
+	switch {
+	case !idPattern.MatchString(c.ID):
+		return fmt.Errorf("server: --id %q: use 1-63 letters, digits, '.', '_' or '-'", c.ID)
+	case c.DataDir == "":
+		return fmt.Errorf("server: --data-dir is required")
+	case c.Listener == nil && c.Listen == "":
+		return fmt.Errorf("server: --listen is required")
+	case c.RaftListener == nil && c.RaftListen == "":
+		return fmt.Errorf("server: --raft-listen is required")
+	case c.DefaultReplicas < 1 || c.DefaultReplicas > raftstore.MaxReplicas:
+		return fmt.Errorf("server: default replicas %d is outside 1..%d", c.DefaultReplicas, raftstore.MaxReplicas)
+	case c.HeartbeatInterval <= 0:
+		return fmt.Errorf("server: heartbeat interval must be positive")
+	}
+	for _, addr := range append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise}, c.Join...) {
+		if addr == "" {
+			continue
+		}
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("server: address %q: %v", addr, err)
+		}
+	}
+	if c.Raft.ServerDownTimeout > 0 && c.Raft.ServerDownTimeout <= c.HeartbeatInterval {
+		return fmt.Errorf("server: the server-down timeout %v must exceed the heartbeat interval %v", c.Raft.ServerDownTimeout, c.HeartbeatInterval)
+	}
+	return nil
+}
+
+var ordinalPattern = regexp.MustCompile(`-(\d+)$`)
+
+// Ordinal returns the StatefulSet ordinal at the end of id ("stor-2" -> 2).
+func Ordinal(id string) (int, bool) {
+	m := ordinalPattern.FindStringSubmatch(id)
+	if m == nil {
+		return 0, false
+	}
+	n, err := strconv.Atoi(m[1])
+	return n, err == nil
+}
+
+// ShouldBootstrap decides, for a server with no Raft state, whether it
+// starts a new cluster (true) or joins one through its seeds (false): with
+// no seeds it bootstraps; with seeds, only StatefulSet ordinal 0 does. The
+// ordinal is read from the id, which defaults to the host name, so in a
+// StatefulSet every pod can be given the same --join list.
+func ShouldBootstrap(id string, join []string) bool {
+	if len(join) == 0 {
+		return true
+	}
+	n, ok := Ordinal(id)
+	return ok && n == 0
+}

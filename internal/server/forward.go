@@ -1,0 +1,130 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// forwardedKey marks a call a follower forwarded, so that a server that is
+// not the leader either answers it or refuses it, never forwards it again.
+const forwardedKey = "stor-forwarded-by"
+
+// localMethods are answered by whichever server receives them.
+var localMethods = map[string]bool{
+	storpb.ClusterService_Status_FullMethodName: true,
+}
+
+// forwarder sends unary calls that reach a follower to the leader. Writes
+// must be proposed on the leader, and linearizable reads are served there,
+// so every unary call but Status is forwarded.
+type forwarder struct {
+	s *Server
+
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn // leader control address -> conn
+}
+
+func (f *forwarder) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if localMethods[info.FullMethod] || f.s.store.IsLeader() {
+		resp, err := handler(ctx, req)
+		return resp, toStatus(err)
+	}
+	if md, ok := metadata.FromIncomingContext(ctx); ok && len(md.Get(forwardedKey)) > 0 {
+		return nil, status.Errorf(codes.Unavailable, "%s is not the leader (leadership moved while the call was forwarded)", f.s.cfg.ID)
+	}
+	leaderID, addr, err := f.s.store.LeaderAddress()
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "no leader: %s", strings.ReplaceAll(err.Error(), "raftstore: ", ""))
+	}
+	reply, err := newReply(info.FullMethod)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	conn, err := f.conn(addr)
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "leader %s at %s: %v", leaderID, addr, err)
+	}
+	ctx = metadata.AppendToOutgoingContext(ctx, forwardedKey, f.s.cfg.ID)
+	if err := conn.Invoke(ctx, info.FullMethod, req, reply); err != nil {
+		return nil, err
+	}
+	return reply, nil
+}
+
+// newReply makes an empty response message for a full method name
+// ("/stor.v1.VolumeService/CreateVolume") from the proto registry.
+func newReply(fullMethod string) (protoreflect.ProtoMessage, error) {
+	parts := strings.Split(strings.TrimPrefix(fullMethod, "/"), "/")
+	if len(parts) != 2 {
+		return nil, fmt.Errorf("forward: bad method name %q", fullMethod)
+	}
+	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(parts[0]))
+	if err != nil {
+		return nil, fmt.Errorf("forward: %s: %w", parts[0], err)
+	}
+	sd, ok := d.(protoreflect.ServiceDescriptor)
+	if !ok {
+		return nil, fmt.Errorf("forward: %s is not a service", parts[0])
+	}
+	md := sd.Methods().ByName(protoreflect.Name(parts[1]))
+	if md == nil {
+		return nil, fmt.Errorf("forward: %s has no method %s", parts[0], parts[1])
+	}
+	mt, err := protoregistry.GlobalTypes.FindMessageByName(md.Output().FullName())
+	if err != nil {
+		return nil, fmt.Errorf("forward: %s: %w", md.Output().FullName(), err)
+	}
+	return mt.New().Interface(), nil
+}
+
+// conn returns a cached connection to a leader address. Connections to
+// addresses that are no longer the leader stay cached; there are at most
+// as many as there have been leaders, and Close closes them all.
+func (f *forwarder) conn(addr string) (*grpc.ClientConn, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if c, ok := f.conns[addr]; ok {
+		return c, nil
+	}
+	c, err := f.s.dialPeer(addr)
+	if err != nil {
+		return nil, err
+	}
+	if f.conns == nil {
+		f.conns = map[string]*grpc.ClientConn{}
+	}
+	f.conns[addr] = c
+	return c, nil
+}
+
+func (f *forwarder) close() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, c := range f.conns {
+		c.Close()
+	}
+	f.conns = nil
+}
+
+// dialPeer opens a client connection to another server through the Dial seam.
+func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {
+	return grpc.NewClient("passthrough:///"+addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+			return s.cfg.Dial(ctx, "tcp", a)
+		}),
+	)
+}

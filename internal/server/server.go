@@ -1,0 +1,316 @@
+// Package server assembles a stor-server: the Raft metadata store, the
+// control gRPC API (with leader forwarding), bootstrap or join, and the
+// heartbeat that keeps the leader's liveness view current. cmd/stor-server
+// is a thin main over it, and tests start the same Server in-process.
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/raftstore"
+)
+
+// Server is a running stor-server.
+type Server struct {
+	cfg    Config
+	logger *slog.Logger
+	store  *raftstore.Store
+	grpc   *grpc.Server
+	lis    net.Listener
+	fwd    *forwarder
+
+	ctx    context.Context // cancelled by Close and Kill
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // background loops and the gRPC serve goroutine
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Start validates cfg, opens the data dir, starts serving, and either
+// bootstraps a new cluster or starts joining one in the background (see
+// ShouldBootstrap). A data dir that belongs to another server or cluster,
+// or is damaged, is refused with an error naming the problem.
+func Start(cfg Config) (*Server, error) {
+	cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID)}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	if err := s.start(); err != nil {
+		s.cancel()
+		if s.lis != nil {
+			s.lis.Close()
+		}
+		if s.store != nil {
+			s.store.Close()
+		}
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *Server) start() error {
+	cfg := &s.cfg
+	var err error
+	s.lis = cfg.Listener
+	if s.lis == nil {
+		if s.lis, err = net.Listen("tcp", cfg.Listen); err != nil {
+			return fmt.Errorf("server: control listen: %w", err)
+		}
+	}
+	if cfg.Advertise == "" {
+		cfg.Advertise = s.lis.Addr().String()
+	}
+	if cfg.DataAdvertise == "" {
+		cfg.DataAdvertise = cfg.DataListen
+	}
+	if cfg.Capacity == 0 {
+		if cfg.Capacity, err = filesystemSize(cfg.DataDir); err != nil {
+			return err
+		}
+	}
+
+	rc := cfg.Raft
+	rc.ID, rc.Dir = cfg.ID, cfg.DataDir
+	rc.RaftBind, rc.RaftListener, rc.RaftAdvertise = cfg.RaftListen, cfg.RaftListener, cfg.RaftAdvertise
+	rc.Dial, rc.Logger = cfg.Dial, cfg.Logger
+	if s.store, err = raftstore.Open(rc); err != nil {
+		return err
+	}
+
+	s.fwd = &forwarder{s: s}
+	s.grpc = grpc.NewServer(grpc.ChainUnaryInterceptor(s.logCalls, s.fwd.intercept))
+	storpb.RegisterClusterServiceServer(s.grpc, &clusterService{s: s})
+	storpb.RegisterVolumeServiceServer(s.grpc, &volumeService{s: s})
+	storpb.RegisterSnapshotServiceServer(s.grpc, &snapshotService{s: s})
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if err := s.grpc.Serve(s.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			s.logger.Error("control API stopped", "err", err)
+		}
+	}()
+
+	switch {
+	case s.store.HadState():
+		s.logger.Info("resuming with existing state", "data_dir", cfg.DataDir)
+	case ShouldBootstrap(cfg.ID, cfg.Join):
+		if err := s.store.Bootstrap(); err != nil {
+			return err
+		}
+	default:
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.joinLoop()
+		}()
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.heartbeatLoop()
+	}()
+	s.logger.Info("stor-server started", "listen", s.lis.Addr().String(), "raft", s.store.RaftAddress(),
+		"advertise", cfg.Advertise, "data_dir", cfg.DataDir, "capacity", cfg.Capacity)
+	return nil
+}
+
+func filesystemSize(dir string) (uint64, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return 0, fmt.Errorf("server: data dir: %w", err)
+	}
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return 0, fmt.Errorf("server: measure capacity of %s: %w (set --capacity)", dir, err)
+	}
+	return st.Blocks * uint64(st.Bsize), nil
+}
+
+// Addr is the control API's listen address.
+func (s *Server) Addr() string { return s.lis.Addr().String() }
+
+// Store exposes the metadata store to in-process tests and harnesses.
+func (s *Server) Store() *raftstore.Store { return s.store }
+
+// self describes this server as it registers and reports.
+func (s *Server) self() *storpb.Server {
+	return &storpb.Server{
+		Id: s.cfg.ID, Address: s.cfg.Advertise, RaftAddress: s.store.RaftAddress(),
+		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
+		CapacityBytes: s.cfg.Capacity,
+	}
+}
+
+// joinLoop asks the seeds, in turn, to admit this server until one does.
+func (s *Server) joinLoop() {
+	backoff := 100 * time.Millisecond
+	for attempt := 0; ; attempt++ {
+		for _, seed := range s.cfg.Join {
+			if seed == s.cfg.Advertise {
+				continue
+			}
+			resp, err := callPeer(s, seed, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.JoinResponse, error) {
+				return c.Join(ctx, &storpb.JoinRequest{Server: s.self()})
+			})
+			if err == nil {
+				if err := s.store.Joined(resp.ClusterId); err != nil {
+					s.logger.Error("record membership", "err", err)
+				}
+				s.logger.Info("joined cluster", "cluster", resp.ClusterId, "via", seed, "voter", resp.Voter)
+				return
+			}
+			if attempt%10 == 0 {
+				s.logger.Warn("join failed; retrying", "seed", seed, "err", err)
+			}
+		}
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(backoff*2, 2*time.Second)
+	}
+}
+
+// heartbeatLoop reports to the leader every HeartbeatInterval.
+func (s *Server) heartbeatLoop() {
+	t := time.NewTicker(s.cfg.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		if err := s.heartbeat(); err != nil && status.Code(err) != codes.NotFound {
+			s.logger.Debug("heartbeat", "err", err)
+		}
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (s *Server) heartbeat() error {
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.HeartbeatInterval)
+	defer cancel()
+	if s.store.IsLeader() {
+		err := s.store.Heartbeat(ctx, s.self())
+		if errors.Is(err, raftstore.ErrNotFound) {
+			// The bootstrapping server registers itself once it leads.
+			_, _, err = s.store.Join(ctx, s.self())
+		}
+		return err
+	}
+	// The leader as this server knows it; if unknown (partitioned, or its
+	// raft address changed so the leader cannot reach it), the seeds.
+	targets := s.cfg.Join
+	if _, addr, err := s.store.LeaderAddress(); err == nil {
+		targets = []string{addr}
+	}
+	var err error
+	for _, addr := range targets {
+		_, err = callPeer(s, addr, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.HeartbeatResponse, error) {
+			return c.Heartbeat(ctx, &storpb.HeartbeatRequest{Server: s.self()})
+		})
+		if err == nil {
+			return nil
+		}
+	}
+	return err
+}
+
+// callPeer calls another server's ClusterService with a short timeout,
+// reusing the forwarder's connection cache.
+func callPeer[T any](s *Server, addr string, call func(context.Context, storpb.ClusterServiceClient) (T, error)) (T, error) {
+	var zero T
+	conn, err := s.fwd.conn(addr)
+	if err != nil {
+		return zero, err
+	}
+	ctx, cancel := context.WithTimeout(s.ctx, 5*time.Second)
+	defer cancel()
+	return call(ctx, storpb.NewClusterServiceClient(conn))
+}
+
+func (s *Server) logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	start := time.Now()
+	resp, err := handler(ctx, req)
+	if info.FullMethod == storpb.ClusterService_Heartbeat_FullMethodName {
+		return resp, err
+	}
+	code := status.Code(err)
+	lvl := slog.LevelDebug
+	if code == codes.Internal || code == codes.DataLoss {
+		lvl = slog.LevelError
+	}
+	s.logger.Log(ctx, lvl, "rpc", "method", info.FullMethod, "code", code.String(), "duration", time.Since(start), "err", err)
+	return resp, err
+}
+
+// Close shuts down gracefully: hands off leadership, drains RPCs (bounded by
+// ShutdownTimeout), stops Raft and closes the data dir.
+func (s *Server) Close() error {
+	s.closeOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
+		defer cancel()
+		if err := s.store.TransferLeadership(ctx); err != nil {
+			s.logger.Warn("leadership transfer before shutdown failed", "err", err)
+		}
+		s.cancel()
+		stopped := make(chan struct{})
+		go func() {
+			s.grpc.GracefulStop()
+			close(stopped)
+		}()
+		select {
+		case <-stopped:
+		case <-ctx.Done():
+			s.grpc.Stop()
+			<-stopped
+		}
+		s.closeErr = s.shutdown()
+		s.logger.Info("stor-server stopped")
+	})
+	return s.closeErr
+}
+
+// Kill stops the server abruptly, the closest an in-process test gets to
+// kill -9: no leadership transfer, in-flight RPCs are cut off.
+func (s *Server) Kill() {
+	s.closeOnce.Do(func() {
+		s.cancel()
+		s.grpc.Stop()
+		s.closeErr = s.shutdown()
+	})
+}
+
+func (s *Server) shutdown() error {
+	err := s.store.Close()
+	s.wg.Wait()
+	s.fwd.close()
+	return err
+}
+
+// Run starts a server and runs it until ctx is cancelled, then closes it
+// gracefully.
+func Run(ctx context.Context, cfg Config) error {
+	s, err := Start(cfg)
+	if err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return s.Close()
+}

@@ -1,0 +1,281 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/raftstore"
+)
+
+// The three control services. Every unary call reaching them runs on the
+// leader (the forwarder sends it there) except Status. Reads call
+// ConsistentRead first so they are linearizable.
+
+type clusterService struct {
+	storpb.UnimplementedClusterServiceServer
+	s *Server
+}
+
+func (c *clusterService) Join(ctx context.Context, req *storpb.JoinRequest) (*storpb.JoinResponse, error) {
+	clusterID, voter, err := c.s.store.Join(ctx, req.Server)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.JoinResponse{ClusterId: clusterID, Voter: voter}, nil
+}
+
+func (c *clusterService) Leave(ctx context.Context, req *storpb.LeaveRequest) (*storpb.LeaveResponse, error) {
+	return &storpb.LeaveResponse{}, c.s.store.Leave(ctx, req.ServerId)
+}
+
+func (c *clusterService) Status(ctx context.Context, _ *storpb.StatusRequest) (*storpb.StatusResponse, error) {
+	st := c.s.store.Status()
+	resp := &storpb.StatusResponse{
+		ClusterId: st.ClusterID, ServerId: st.ServerID, RaftState: st.RaftState, LeaderId: st.LeaderID,
+		Term: st.Term, LastIndex: st.LastIndex, CommitIndex: st.CommitIndex, AppliedIndex: st.Applied,
+	}
+	_ = c.s.store.View(func(r *raftstore.Reader) error {
+		if srv, err := r.Server(st.LeaderID); err == nil {
+			resp.LeaderAddress = srv.Address
+		}
+		for _, m := range st.Members {
+			mem := &storpb.Member{Id: string(m.ID), RaftAddress: string(m.Address), Suffrage: storpb.Suffrage_SUFFRAGE_NONVOTER}
+			if m.Suffrage.String() == "Voter" {
+				mem.Suffrage = storpb.Suffrage_SUFFRAGE_VOTER
+			}
+			if srv, err := r.Server(mem.Id); err == nil {
+				mem.Address, mem.State = srv.Address, srv.State
+			}
+			resp.Members = append(resp.Members, mem)
+		}
+		return nil
+	})
+	return resp, nil
+}
+
+func (c *clusterService) ListServers(ctx context.Context, _ *storpb.ListServersRequest) (*storpb.ListServersResponse, error) {
+	if err := c.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.ListServersResponse{}
+	err := c.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Servers, err = r.Servers()
+		return err
+	})
+	for _, srv := range resp.Servers {
+		if seen := c.s.store.LastSeen(srv.Id); !seen.IsZero() {
+			srv.LastSeenUnixNano = seen.UnixNano()
+		}
+	}
+	return resp, err
+}
+
+func (c *clusterService) Heartbeat(ctx context.Context, req *storpb.HeartbeatRequest) (*storpb.HeartbeatResponse, error) {
+	if err := c.s.store.Heartbeat(ctx, req.Server); err != nil {
+		return nil, err
+	}
+	return &storpb.HeartbeatResponse{LeaderId: c.s.cfg.ID}, nil
+}
+
+type volumeService struct {
+	storpb.UnimplementedVolumeServiceServer
+	s *Server
+}
+
+func (v *volumeService) CreateVolume(ctx context.Context, req *storpb.CreateVolumeRequest) (*storpb.CreateVolumeResponse, error) {
+	if err := raftstore.ValidateName("volume", req.Name); err != nil {
+		return nil, err
+	}
+	if req.SizeBytes == 0 {
+		return nil, fmt.Errorf("%w: volume %q: size must be positive", raftstore.ErrInvalidArgument, req.Name)
+	}
+	if req.ReplicaCount == 0 {
+		req.ReplicaCount = v.s.cfg.DefaultReplicas
+	}
+	vol, err := v.s.store.CreateVolume(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.CreateVolumeResponse{Volume: vol}, nil
+}
+
+func (v *volumeService) GetVolume(ctx context.Context, req *storpb.GetVolumeRequest) (*storpb.GetVolumeResponse, error) {
+	if err := v.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.GetVolumeResponse{}
+	err := v.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Volume, err = r.VolumeByRef(req.Volume)
+		return err
+	})
+	return resp, err
+}
+
+func (v *volumeService) ListVolumes(ctx context.Context, req *storpb.ListVolumesRequest) (*storpb.ListVolumesResponse, error) {
+	if err := v.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.ListVolumesResponse{}
+	err := v.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Volumes, resp.NextPageToken, err = r.Volumes(req.PageToken, int(req.PageSize))
+		return err
+	})
+	return resp, err
+}
+
+func (v *volumeService) DeleteVolume(ctx context.Context, req *storpb.DeleteVolumeRequest) (*storpb.DeleteVolumeResponse, error) {
+	return &storpb.DeleteVolumeResponse{}, v.s.store.DeleteVolume(ctx, req.Volume)
+}
+
+func (v *volumeService) ExpandVolume(ctx context.Context, req *storpb.ExpandVolumeRequest) (*storpb.ExpandVolumeResponse, error) {
+	vol, err := v.s.store.ExpandVolume(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.ExpandVolumeResponse{Volume: vol}, nil
+}
+
+func (v *volumeService) AttachVolume(ctx context.Context, req *storpb.AttachVolumeRequest) (*storpb.AttachVolumeResponse, error) {
+	vol, err := v.s.store.AttachVolume(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.AttachVolumeResponse{Volume: vol}, nil
+}
+
+func (v *volumeService) DetachVolume(ctx context.Context, req *storpb.DetachVolumeRequest) (*storpb.DetachVolumeResponse, error) {
+	vol, err := v.s.store.DetachVolume(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.DetachVolumeResponse{Volume: vol}, nil
+}
+
+// WatchVolume streams the volume's committed changes as this server
+// applies them. It is served by any server from its own state machine:
+// the stream starts from a state that includes every change the leader had
+// applied when the call arrived (see catchUp), and from then on may lag
+// the leader by the replication delay, never reorder or skip a change. A watcher that falls behind has its
+// stream ended with Aborted and should watch again.
+func (v *volumeService) WatchVolume(req *storpb.WatchVolumeRequest, stream storpb.VolumeService_WatchVolumeServer) error {
+	if err := v.s.catchUp(stream.Context()); err != nil {
+		return toStatus(err)
+	}
+	id := req.GetVolume().GetId()
+	if name := req.GetVolume().GetName(); id == "" && name != "" {
+		err := v.s.store.View(func(r *raftstore.Reader) error {
+			vol, err := r.VolumeByName(name)
+			if err == nil {
+				id = vol.Id
+			}
+			return err
+		})
+		if err != nil {
+			return toStatus(err)
+		}
+	}
+	if id == "" {
+		return status.Error(codes.InvalidArgument, "watch: name a volume by id or name")
+	}
+	events, cancel := v.s.store.Watch(id)
+	defer cancel()
+	for {
+		select {
+		case <-stream.Context().Done():
+			return stream.Context().Err()
+		case ev, ok := <-events:
+			if !ok {
+				return status.Error(codes.Aborted, "watch ended (the watcher fell behind or the server is stopping); watch again")
+			}
+			if err := stream.Send(&storpb.VolumeEvent{Volume: ev.Volume, Index: ev.Index, Deleted: ev.Deleted}); err != nil {
+				return err
+			}
+			if ev.Deleted {
+				return nil
+			}
+		}
+	}
+}
+
+type snapshotService struct {
+	storpb.UnimplementedSnapshotServiceServer
+	s *Server
+}
+
+func (n *snapshotService) CreateSnapshot(ctx context.Context, req *storpb.CreateSnapshotRequest) (*storpb.CreateSnapshotResponse, error) {
+	if err := raftstore.ValidateName("snapshot", req.Name); err != nil {
+		return nil, err
+	}
+	snap, err := n.s.store.CreateSnapshot(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.CreateSnapshotResponse{Snapshot: snap}, nil
+}
+
+func (n *snapshotService) GetSnapshot(ctx context.Context, req *storpb.GetSnapshotRequest) (*storpb.GetSnapshotResponse, error) {
+	if err := n.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.GetSnapshotResponse{}
+	err := n.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Snapshot, err = r.SnapshotByRef(req.Snapshot)
+		return err
+	})
+	return resp, err
+}
+
+func (n *snapshotService) ListSnapshots(ctx context.Context, req *storpb.ListSnapshotsRequest) (*storpb.ListSnapshotsResponse, error) {
+	if err := n.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.ListSnapshotsResponse{}
+	err := n.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Snapshots, resp.NextPageToken, err = r.Snapshots(req.VolumeId, req.PageToken, int(req.PageSize))
+		return err
+	})
+	return resp, err
+}
+
+func (n *snapshotService) DeleteSnapshot(ctx context.Context, req *storpb.DeleteSnapshotRequest) (*storpb.DeleteSnapshotResponse, error) {
+	return &storpb.DeleteSnapshotResponse{}, n.s.store.DeleteSnapshot(ctx, req.Snapshot)
+}
+
+// catchUp waits until this server's state machine has applied everything
+// the leader had applied when catchUp was called: the read-index protocol,
+// run by a follower. On the leader it is a ConsistentRead.
+func (s *Server) catchUp(ctx context.Context) error {
+	if s.store.IsLeader() {
+		return s.store.ConsistentRead(ctx)
+	}
+	_, addr, err := s.store.LeaderAddress()
+	if err != nil {
+		return err
+	}
+	st, err := callPeer(s, addr, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.StatusResponse, error) {
+		return c.Status(ctx, &storpb.StatusRequest{})
+	})
+	if err != nil {
+		return fmt.Errorf("%w: ask the leader for its applied index: %v", raftstore.ErrNoLeader, err)
+	}
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+	for s.store.AppliedIndex() < st.AppliedIndex {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	return nil
+}

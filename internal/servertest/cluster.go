@@ -1,0 +1,336 @@
+// Package servertest runs in-process stor clusters for tests: N real
+// servers on loopback with their own data dirs, a Network that can
+// partition them, and Stop, Kill, Restart, Partition and Heal.
+package servertest
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/raftstore"
+)
+
+// Options tune a test cluster. Zero fields take the defaults noted.
+type Options struct {
+	// Servers started by NewCluster. Default 3.
+	Servers int
+	// Configure, if set, edits each server's config before it starts
+	// (index i). Zones, labels, capacity, raft tuning go here.
+	Configure func(i int, cfg *server.Config)
+}
+
+// Node is one server of a Cluster. Its addresses and data dir survive
+// restarts.
+type Node struct {
+	Index    int
+	ID       string
+	Dir      string
+	Addr     string // control address
+	RaftAddr string
+
+	mu     sync.Mutex
+	srv    *server.Server
+	cfg    server.Config
+	conn   *grpc.ClientConn
+	client Clients
+}
+
+// Clients are the control API clients of one node.
+type Clients struct {
+	Cluster   storpb.ClusterServiceClient
+	Volumes   storpb.VolumeServiceClient
+	Snapshots storpb.SnapshotServiceClient
+}
+
+// Server returns the running server, or nil when stopped.
+func (n *Node) Server() *server.Server {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.srv
+}
+
+// Cluster is an in-process stor cluster.
+type Cluster struct {
+	t     testing.TB
+	opts  Options
+	Net   *Network
+	Nodes []*Node
+	log   *testLog
+}
+
+// TestConfig is the server config servertest uses: fast heartbeats and a
+// short down timeout so liveness tests run in seconds.
+func TestConfig() server.Config {
+	cfg := server.DefaultConfig()
+	cfg.HeartbeatInterval = 100 * time.Millisecond
+	cfg.ShutdownTimeout = 5 * time.Second
+	cfg.Raft.ServerDownTimeout = 2 * time.Second
+	cfg.Capacity = 1 << 40
+	return cfg
+}
+
+// NewCluster starts opts.Servers servers: the first bootstraps, the others
+// join it. It returns once every server is a registered member and a
+// leader is known. Everything is stopped in t.Cleanup.
+func NewCluster(t testing.TB, opts Options) *Cluster {
+	t.Helper()
+	if opts.Servers == 0 {
+		opts.Servers = 3
+	}
+	c := &Cluster{t: t, opts: opts, Net: NewNetwork(), log: newTestLog(t)}
+	t.Cleanup(c.Close)
+	for range opts.Servers {
+		c.AddNode()
+	}
+	c.WaitMembers(opts.Servers, 30*time.Second)
+	return c
+}
+
+// AddNode starts one more server that joins through node 0.
+func (c *Cluster) AddNode() *Node {
+	c.t.Helper()
+	i := len(c.Nodes)
+	n := &Node{Index: i, ID: fmt.Sprintf("s%d", i+1), Dir: filepath.Join(c.t.TempDir(), fmt.Sprintf("s%d", i+1))}
+	// Reserve ports: bind, note the address, release; Start rebinds them.
+	n.Addr, n.RaftAddr = freePort(c.t), freePort(c.t)
+	c.Net.Register(n.Addr, i)
+	c.Net.Register(n.RaftAddr, i)
+	cfg := TestConfig()
+	cfg.ID, cfg.DataDir, cfg.Listen, cfg.RaftListen = n.ID, n.Dir, n.Addr, n.RaftAddr
+	cfg.DataListen = "127.0.0.1:0"
+	if i > 0 {
+		cfg.Join = []string{c.Nodes[0].Addr}
+	}
+	cfg.Dial = c.Net.Dialer(i)
+	cfg.Logger = c.log.logger.With("node", n.ID)
+	if c.opts.Configure != nil {
+		c.opts.Configure(i, &cfg)
+	}
+	n.cfg = cfg
+	c.Nodes = append(c.Nodes, n)
+	c.Start(i)
+	return n
+}
+
+func freePort(t testing.TB) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("servertest: reserve port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// Start starts node i (again) with its data dir and addresses.
+func (c *Cluster) Start(i int) {
+	c.t.Helper()
+	if err := c.TryStart(i); err != nil {
+		c.t.Fatalf("servertest: start %s: %v", c.Nodes[i].ID, err)
+	}
+}
+
+// TryStart is Start returning the error (for tests of refused starts).
+func (c *Cluster) TryStart(i int) error {
+	n := c.Nodes[i]
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.srv != nil {
+		return fmt.Errorf("already running")
+	}
+	var srv *server.Server
+	var err error
+	// The port was just released by a stopped server or by freePort; a
+	// socket in TIME_WAIT cannot block a listener, but retry briefly.
+	for range 50 {
+		srv, err = server.Start(n.cfg)
+		if err == nil || !strings.Contains(err.Error(), "address already in use") {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		return err
+	}
+	n.srv = srv
+	if n.conn == nil {
+		conn, err := grpc.NewClient("passthrough:///"+n.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return err
+		}
+		n.conn = conn
+		n.client = Clients{
+			Cluster:   storpb.NewClusterServiceClient(conn),
+			Volumes:   storpb.NewVolumeServiceClient(conn),
+			Snapshots: storpb.NewSnapshotServiceClient(conn),
+		}
+	}
+	return nil
+}
+
+// Stop shuts node i down gracefully (leadership handed off).
+func (c *Cluster) Stop(i int) {
+	if srv := c.take(i); srv != nil {
+		if err := srv.Close(); err != nil {
+			c.t.Logf("servertest: stop %s: %v", c.Nodes[i].ID, err)
+		}
+	}
+}
+
+// Kill stops node i abruptly: no leadership transfer, RPCs cut off.
+func (c *Cluster) Kill(i int) {
+	if srv := c.take(i); srv != nil {
+		srv.Kill()
+	}
+}
+
+// Restart kills node i and starts it again.
+func (c *Cluster) Restart(i int) {
+	c.t.Helper()
+	c.Kill(i)
+	c.Start(i)
+}
+
+func (c *Cluster) take(i int) *server.Server {
+	n := c.Nodes[i]
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	srv := n.srv
+	n.srv = nil
+	return srv
+}
+
+// Partition cuts node i off from every other node.
+func (c *Cluster) Partition(i int) {
+	all := make([]int, len(c.Nodes))
+	for j := range all {
+		all[j] = j
+	}
+	c.Net.Isolate(i, all)
+}
+
+// Heal removes every partition.
+func (c *Cluster) Heal() { c.Net.Heal() }
+
+// Client returns the control API clients of node i (whether or not it is
+// running; calls to a stopped node fail with Unavailable).
+func (c *Cluster) Client(i int) Clients { return c.Nodes[i].client }
+
+// Leader waits up to timeout for exactly one running node that leads and
+// can serve linearizable reads, and returns its index.
+func (c *Cluster) Leader(timeout time.Duration) int {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		leader := -1
+		count := 0
+		for i, n := range c.Nodes {
+			srv := n.Server()
+			if srv == nil || !srv.Store().IsLeader() {
+				continue
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			err := srv.Store().ConsistentRead(ctx)
+			cancel()
+			if err == nil {
+				leader = i
+				count++
+			}
+		}
+		if count == 1 {
+			return leader
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	c.t.Fatalf("servertest: no leader within %v", timeout)
+	return -1
+}
+
+// WaitMembers waits until the leader's FSM has n registered servers, all
+// up, and the Raft configuration has n members.
+func (c *Cluster) WaitMembers(n int, timeout time.Duration) {
+	c.t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last string
+	for time.Now().Before(deadline) {
+		l := c.Leader(time.Until(deadline))
+		st := c.Nodes[l].Server().Store().Status()
+		up := 0
+		_ = c.Nodes[l].Server().Store().View(func(r *raftstore.Reader) error {
+			servers, _ := r.Servers()
+			for _, s := range servers {
+				if s.State == storpb.ServerState_SERVER_STATE_UP {
+					up++
+				}
+			}
+			return nil
+		})
+		if len(st.Members) == n && up == n {
+			return
+		}
+		last = fmt.Sprintf("%d raft members, %d servers up", len(st.Members), up)
+		time.Sleep(50 * time.Millisecond)
+	}
+	c.t.Fatalf("servertest: cluster did not reach %d members within %v (%s)", n, timeout, last)
+}
+
+// Close stops every node; it runs in t.Cleanup.
+func (c *Cluster) Close() {
+	for i, n := range c.Nodes {
+		c.Kill(i)
+		if n.conn != nil {
+			n.conn.Close()
+			n.conn = nil
+		}
+	}
+	c.log.stop()
+}
+
+// testLog routes server logs to t.Log until the test ends. Only warnings
+// and errors are shown unless STOR_TEST_LOG=debug or info.
+type testLog struct {
+	mu     sync.Mutex
+	t      testing.TB
+	done   bool
+	logger *slog.Logger
+}
+
+func newTestLog(t testing.TB) *testLog {
+	l := &testLog{t: t}
+	lvl := slog.LevelWarn
+	if v := os.Getenv("STOR_TEST_LOG"); v != "" {
+		_ = lvl.UnmarshalText([]byte(v))
+	}
+	l.logger = slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: lvl}))
+	return l
+}
+
+func (l *testLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.done {
+		l.t.Log(strings.TrimRight(string(p), "\n"))
+	}
+	return len(p), nil
+}
+
+func (l *testLog) stop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.done = true
+}
+
+var _ io.Writer = (*testLog)(nil)
