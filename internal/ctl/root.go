@@ -1,0 +1,275 @@
+// Package ctl is stor-ctl, the operator's command line for a stor cluster: a
+// cobra command tree over the control API (internal/client).
+//
+// The tree is built per invocation by NewRootCommand and holds no global
+// state, so tests run it in-process against fake servers. Execute runs one
+// invocation and turns its error into a single line on stderr and an exit
+// code:
+//
+//	0  success
+//	1  the call failed (the server's status message, or the cluster was
+//	   unavailable until --timeout)
+//	2  the command line is wrong (unknown command or flag, bad argument)
+//
+// Read commands print human tables (text/tabwriter) by default and protojson
+// with -o json: the object itself for single objects (a Volume, a Snapshot,
+// the StatusResponse), the response message for lists (ListVolumesResponse
+// holding every page).
+package ctl
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/stor-io/stor/internal/client"
+)
+
+// Defaults of the global flags.
+const (
+	defaultServer  = "127.0.0.1:7400"
+	defaultTimeout = 10 * time.Second
+	serverEnv      = "STOR_SERVER"
+)
+
+// Output formats accepted by --output.
+const (
+	outputTable = "table"
+	outputJSON  = "json"
+)
+
+// app is one invocation's state: where output goes and the global flags.
+type app struct {
+	stdout, stderr io.Writer
+	// now is the clock for ages ("2s ago"); time.Now outside tests.
+	now func() time.Time
+
+	server  string
+	timeout time.Duration
+	output  string
+}
+
+// usageError marks an error in the command line itself (exit code 2).
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+func usageErrorf(format string, args ...any) error {
+	return usageError{fmt.Errorf(format, args...)}
+}
+
+// NewRootCommand returns the stor-ctl command tree writing to stdout and
+// stderr. The caller sets its arguments and executes it; Execute does both.
+func NewRootCommand(stdout, stderr io.Writer) *cobra.Command {
+	return newRootCommand(&app{stdout: stdout, stderr: stderr, now: time.Now})
+}
+
+// Execute runs stor-ctl with args (without the program name) and returns the
+// process exit code. Errors are printed to stderr as one line.
+func Execute(args []string, stdout, stderr io.Writer) int {
+	return execute(&app{stdout: stdout, stderr: stderr, now: time.Now}, args)
+}
+
+func execute(a *app, args []string) int {
+	root := newRootCommand(a)
+	root.SetArgs(args)
+	err := root.Execute()
+	if err == nil {
+		return 0
+	}
+	fmt.Fprintf(a.stderr, "stor-ctl: %s\n", oneLine(err.Error()))
+	var ue usageError
+	if errors.As(err, &ue) {
+		return 2
+	}
+	return 1
+}
+
+// oneLine folds a multi-line message so an error is always one line.
+func oneLine(s string) string {
+	return strings.Join(strings.Fields(s), " ")
+}
+
+func newRootCommand(a *app) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "stor-ctl",
+		Short: "Operate a stor block storage cluster",
+		Long: `stor-ctl operates a stor cluster through its control API: cluster status,
+servers, volumes and snapshots.
+
+Any server of the cluster answers any command. Give several with
+--server a:7400,b:7400 (or $` + serverEnv + `) and stor-ctl uses the first that
+answers; while the cluster has no leader it retries until --timeout.
+The control API has no TLS yet: connections are not encrypted.
+
+Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
+		SilenceErrors: true,
+		SilenceUsage:  true,
+		Args:          unknownSubcommand,
+		RunE:          func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
+		PersistentPreRunE: func(*cobra.Command, []string) error {
+			if a.output != outputTable && a.output != outputJSON {
+				return usageErrorf("invalid --output %q: want %s or %s", a.output, outputTable, outputJSON)
+			}
+			if a.timeout <= 0 {
+				return usageErrorf("invalid --timeout %v: must be positive", a.timeout)
+			}
+			return nil
+		},
+	}
+	root.SetOut(a.stdout)
+	root.SetErr(a.stderr)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+
+	pf := root.PersistentFlags()
+	pf.StringVar(&a.server, "server", defaultServer,
+		"control address(es) of the cluster, comma-separated; $"+serverEnv+" when the flag is not given")
+	pf.DurationVar(&a.timeout, "timeout", defaultTimeout, "time limit for the whole command, retries included")
+	pf.StringVarP(&a.output, "output", "o", outputTable, "output format: table or json")
+
+	root.AddCommand(
+		newClusterCommand(a),
+		newServerCommand(a),
+		newVolumeCommand(a),
+		newSnapshotCommand(a),
+	)
+	return root
+}
+
+// group returns a command that only holds subcommands.
+func group(use, short string, subs ...*cobra.Command) *cobra.Command {
+	c := &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  unknownSubcommand,
+		RunE:  func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
+	}
+	c.AddCommand(subs...)
+	return c
+}
+
+// unknownSubcommand rejects arguments to a command that only groups others.
+func unknownSubcommand(cmd *cobra.Command, args []string) error {
+	if len(args) == 0 {
+		return nil
+	}
+	hint := ""
+	cmd.SuggestionsMinimumDistance = 2
+	if s := cmd.SuggestionsFor(args[0]); len(s) > 0 {
+		hint = fmt.Sprintf(" (did you mean %s?)", strings.Join(quoteAll(s), " or "))
+	}
+	return usageErrorf("unknown command %q for %q%s", args[0], cmd.CommandPath(), hint)
+}
+
+func quoteAll(ss []string) []string {
+	q := make([]string, len(ss))
+	for i, s := range ss {
+		q[i] = strconv.Quote(s)
+	}
+	return q
+}
+
+// commandName is the command's path without the program name, as errors
+// name it after the "stor-ctl: " prefix: "volume get".
+func commandName(cmd *cobra.Command) string {
+	if !cmd.HasParent() {
+		return cmd.Name()
+	}
+	return strings.TrimPrefix(cmd.CommandPath(), cmd.Root().Name()+" ")
+}
+
+// exactArgs requires exactly the named positional arguments.
+func exactArgs(names ...string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		switch {
+		case len(names) == 0 && len(args) > 0:
+			return usageErrorf("%s expects no arguments, got %q", commandName(cmd), args)
+		case len(args) != len(names):
+			return usageErrorf("%s expects %s, got %d argument(s)", commandName(cmd), strings.Join(names, " "), len(args))
+		}
+		for i, arg := range args {
+			if strings.TrimSpace(arg) == "" {
+				return usageErrorf("%s: %s must not be empty", commandName(cmd), names[i])
+			}
+		}
+		return nil
+	}
+}
+
+// serverAddrs returns the control addresses to dial: --server if given, else
+// $STOR_SERVER if set, else the default.
+func (a *app) serverAddrs(cmd *cobra.Command) ([]string, error) {
+	spec := a.server
+	if !cmd.Flags().Changed("server") {
+		if env := strings.TrimSpace(os.Getenv(serverEnv)); env != "" {
+			spec = env
+		}
+	}
+	var addrs []string
+	for _, s := range strings.Split(spec, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			addrs = append(addrs, s)
+		}
+	}
+	if len(addrs) == 0 {
+		return nil, usageErrorf("invalid --server %q: no address", spec)
+	}
+	return addrs, nil
+}
+
+// call dials the cluster, runs fn under --timeout and turns a gRPC error into
+// the message stor-ctl prints.
+func (a *app) call(cmd *cobra.Command, fn func(ctx context.Context, c *client.Client) error) error {
+	addrs, err := a.serverAddrs(cmd)
+	if err != nil {
+		return err
+	}
+	c, err := client.Dial(addrs)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(cmd.Context(), a.timeout)
+	defer cancel()
+	if err := fn(ctx, c); err != nil {
+		return a.describe(err, addrs)
+	}
+	return nil
+}
+
+// describe turns an error from a call into the line the operator reads: the
+// server's status message, without the gRPC code unless the message is empty.
+func (a *app) describe(err error, addrs []string) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		return err
+	}
+	at := strings.Join(addrs, ",")
+	msg := st.Message()
+	switch st.Code() {
+	case codes.Unavailable:
+		if msg == "" {
+			return fmt.Errorf("cluster unavailable at %s", at)
+		}
+		return fmt.Errorf("cluster unavailable at %s: %s", at, msg)
+	case codes.DeadlineExceeded:
+		if msg == "" || msg == context.DeadlineExceeded.Error() {
+			return fmt.Errorf("no answer from the cluster at %s within %v", at, a.timeout)
+		}
+		return fmt.Errorf("no answer from the cluster at %s within %v: %s", at, a.timeout, msg)
+	}
+	if msg == "" {
+		msg = st.Code().String()
+	}
+	return errors.New(msg)
+}

@@ -1,0 +1,306 @@
+package ctl
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
+)
+
+// listPageSize is the page size stor-ctl asks for when it lists.
+const listPageSize = 500
+
+// volumeRef names a volume by its name, or by its id when byID is set.
+func volumeRef(arg string, byID bool) *storpb.VolumeRef {
+	if byID {
+		return &storpb.VolumeRef{Id: arg}
+	}
+	return &storpb.VolumeRef{Name: arg}
+}
+
+func addIDFlag(cmd *cobra.Command, byID *bool, what string) {
+	cmd.Flags().BoolVar(byID, "id", false, "treat the "+what+" argument as an id, not a name")
+}
+
+func newVolumeCommand(a *app) *cobra.Command {
+	return group("volume", "Volumes",
+		newVolumeCreateCommand(a),
+		newVolumeGetCommand(a),
+		newVolumeListCommand(a),
+		newVolumeDeleteCommand(a),
+		newVolumeExpandCommand(a),
+	)
+}
+
+func newVolumeCreateCommand(a *app) *cobra.Command {
+	var (
+		size     string
+		replicas uint32
+		params   []string
+		zones    []string
+		node     string
+	)
+	cmd := &cobra.Command{
+		Use:   "create NAME --size SIZE",
+		Short: "Create a volume (idempotent by name)",
+		Long: `Create a volume. Creating an existing name with the same parameters returns
+the existing volume.
+
+SIZE is bytes or a number with a unit: B, KiB, MiB, GiB, TiB, PiB (binary) or
+KB, MB, GB, TB (decimal), e.g. 10GiB or 1.5TiB. The server rounds it up to a
+multiple of 4096.`,
+		Example: `  stor-ctl volume create db --size 10GiB
+  stor-ctl volume create logs --size 500GB --replicas 2 --zone a --zone b --param fs=xfs`,
+		Args: exactArgs("NAME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if !cmd.Flags().Changed("size") {
+				return usageErrorf("volume create: --size is required")
+			}
+			sizeBytes, err := ParseSize(size)
+			if err != nil {
+				return usageErrorf("--size: %v", err)
+			}
+			parameters, err := parseParams(params)
+			if err != nil {
+				return err
+			}
+			req := &storpb.CreateVolumeRequest{
+				Name:          args[0],
+				SizeBytes:     sizeBytes,
+				ReplicaCount:  replicas,
+				Parameters:    parameters,
+				Accessibility: topology(zones, node),
+			}
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.CreateVolume(ctx, req)
+				if err != nil {
+					return err
+				}
+				return a.printVolume(resp.GetVolume())
+			})
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&size, "size", "", "volume size, e.g. 10GiB (required)")
+	f.Uint32Var(&replicas, "replicas", 0, "number of replicas (default: the server's default, 3)")
+	f.StringArrayVar(&params, "param", nil, "volume parameter key=value (repeatable)")
+	f.StringArrayVar(&zones, "zone", nil, "place replicas only in this zone (repeatable: any of them)")
+	f.StringVar(&node, "node", "", "preferred server for the first replica (data locality)")
+	return cmd
+}
+
+// parseParams turns repeated key=value flags into a map.
+func parseParams(kvs []string) (map[string]string, error) {
+	if len(kvs) == 0 {
+		return nil, nil
+	}
+	m := make(map[string]string, len(kvs))
+	for _, kv := range kvs {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || strings.TrimSpace(k) == "" {
+			return nil, usageErrorf("invalid --param %q: want key=value", kv)
+		}
+		if _, dup := m[k]; dup {
+			return nil, usageErrorf("invalid --param %q: %q given twice", kv, k)
+		}
+		m[k] = v
+	}
+	return m, nil
+}
+
+// topology builds the placement requirement: replicas only in zones (if
+// any), the given node preferred (if any).
+func topology(zones []string, node string) *storpb.TopologyRequirement {
+	if len(zones) == 0 && node == "" {
+		return nil
+	}
+	req := &storpb.TopologyRequirement{}
+	for _, z := range zones {
+		req.Requisite = append(req.Requisite, &storpb.Topology{Segments: map[string]string{"zone": z}})
+	}
+	if node != "" {
+		req.Preferred = []*storpb.Topology{{Segments: map[string]string{"node": node}}}
+	}
+	return req
+}
+
+func newVolumeGetCommand(a *app) *cobra.Command {
+	var byID bool
+	cmd := &cobra.Command{
+		Use:   "get NAME",
+		Short: "Show a volume and its replicas",
+		Args:  exactArgs("NAME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: volumeRef(args[0], byID)})
+				if err != nil {
+					return err
+				}
+				return a.printVolume(resp.GetVolume())
+			})
+		},
+	}
+	addIDFlag(cmd, &byID, "NAME")
+	return cmd
+}
+
+// printVolume prints a volume's details and replicas, or the Volume as JSON.
+func (a *app) printVolume(v *storpb.Volume) error {
+	if a.jsonOutput() {
+		return a.printJSON(v)
+	}
+	attached := "-"
+	if at := v.GetAttachment(); at.GetNodeId() != "" {
+		attached = at.GetNodeId()
+		if at.GetMode() != storpb.AccessMode_ACCESS_MODE_UNSPECIFIED {
+			attached += " (" + enumName(at.GetMode()) + ")"
+		}
+	}
+	fields := []field{
+		{"ID", v.GetId()},
+		{"NAME", v.GetName()},
+		{"SIZE", FormatSize(v.GetSizeBytes())},
+		{"REPLICAS", strconv.FormatUint(uint64(v.GetReplicaCount()), 10)},
+		{"STATE", enumName(v.GetState())},
+		{"EPOCH", strconv.FormatUint(v.GetEpoch(), 10)},
+		{"GENERATION", strconv.FormatUint(v.GetGeneration(), 10)},
+		{"ATTACHED", attached},
+		{"CREATED", formatTime(v.GetCreatedUnixNano())},
+	}
+	if len(v.GetParameters()) > 0 {
+		fields = append(fields, field{"PARAMETERS", formatMap(v.GetParameters())})
+	}
+	if src := v.GetContentSource(); src.GetSnapshotId() != "" {
+		fields = append(fields, field{"SOURCE", "snapshot " + src.GetSnapshotId()})
+	} else if src.GetVolumeId() != "" {
+		fields = append(fields, field{"SOURCE", "volume " + src.GetVolumeId()})
+	}
+	if err := printFields(a.stdout, fields...); err != nil {
+		return err
+	}
+	fmt.Fprintln(a.stdout)
+	t := newTable(a.stdout, "REPLICA", "SERVER", "STATE", "GENERATION")
+	for _, r := range v.GetReplicas() {
+		t.row(r.GetId(), orDash(r.GetServerId()), enumName(r.GetState()), strconv.FormatUint(r.GetGeneration(), 10))
+	}
+	return t.flush()
+}
+
+func newVolumeListCommand(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "list",
+		Short: "List all volumes",
+		Args:  exactArgs(),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				all := &storpb.ListVolumesResponse{}
+				token := ""
+				for {
+					resp, err := c.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{PageSize: listPageSize, PageToken: token})
+					if err != nil {
+						return err
+					}
+					all.Volumes = append(all.Volumes, resp.GetVolumes()...)
+					next := resp.GetNextPageToken()
+					if next == "" {
+						break
+					}
+					if next == token {
+						return fmt.Errorf("listing volumes: the server returned page token %q twice", next)
+					}
+					token = next
+				}
+				if a.jsonOutput() {
+					return a.printJSON(all)
+				}
+				t := newTable(a.stdout, "NAME", "ID", "SIZE", "REPLICAS", "STATE", "ATTACHED")
+				for _, v := range all.GetVolumes() {
+					t.row(v.GetName(), v.GetId(), FormatSize(v.GetSizeBytes()), replicaHealth(v),
+						enumName(v.GetState()), orDash(v.GetAttachment().GetNodeId()))
+				}
+				return t.flush()
+			})
+		},
+	}
+}
+
+// replicaHealth renders healthy replicas over the volume's replica count,
+// e.g. "2/3".
+func replicaHealth(v *storpb.Volume) string {
+	healthy := 0
+	for _, r := range v.GetReplicas() {
+		if r.GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			healthy++
+		}
+	}
+	total := int(v.GetReplicaCount())
+	if total == 0 {
+		total = len(v.GetReplicas())
+	}
+	return fmt.Sprintf("%d/%d", healthy, total)
+}
+
+func newVolumeDeleteCommand(a *app) *cobra.Command {
+	var byID bool
+	cmd := &cobra.Command{
+		Use:   "delete NAME",
+		Short: "Delete a volume",
+		Args:  exactArgs("NAME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: volumeRef(args[0], byID)})
+				if err != nil {
+					return err
+				}
+				if a.jsonOutput() {
+					return a.printJSON(resp)
+				}
+				_, err = fmt.Fprintf(a.stdout, "volume %q deleted\n", args[0])
+				return err
+			})
+		},
+	}
+	addIDFlag(cmd, &byID, "NAME")
+	return cmd
+}
+
+func newVolumeExpandCommand(a *app) *cobra.Command {
+	var (
+		byID bool
+		size string
+	)
+	cmd := &cobra.Command{
+		Use:   "expand NAME --size SIZE",
+		Short: "Grow a volume to a new size",
+		Long: `Grow a volume to SIZE (see "volume create" for the units). Shrinking is
+refused; the same size is a no-op.`,
+		Args: exactArgs("NAME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if !cmd.Flags().Changed("size") {
+				return usageErrorf("volume expand: --size is required")
+			}
+			sizeBytes, err := ParseSize(size)
+			if err != nil {
+				return usageErrorf("--size: %v", err)
+			}
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{
+					Volume:    volumeRef(args[0], byID),
+					SizeBytes: sizeBytes,
+				})
+				if err != nil {
+					return err
+				}
+				return a.printVolume(resp.GetVolume())
+			})
+		},
+	}
+	cmd.Flags().StringVar(&size, "size", "", "new volume size, e.g. 20GiB (required)")
+	addIDFlag(cmd, &byID, "NAME")
+	return cmd
+}
