@@ -18,10 +18,10 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
-	"strconv"
 	"strings"
 	"syscall"
 
+	"github.com/stor-io/stor/internal/bytesize"
 	"github.com/stor-io/stor/internal/server"
 )
 
@@ -65,7 +65,7 @@ func run(args []string) error {
 		return err
 	}
 	if *capacity != "" {
-		if cfg.Capacity, err = parseBytes(*capacity); err != nil {
+		if cfg.Capacity, err = bytesize.Parse(*capacity); err != nil {
 			return fmt.Errorf("--capacity: %w", err)
 		}
 	}
@@ -101,27 +101,4 @@ func parseLabels(s string) (map[string]string, error) {
 		out[k] = v
 	}
 	return out, nil
-}
-
-// parseBytes accepts a byte count with an optional binary unit (KiB, MiB,
-// GiB, TiB).
-func parseBytes(s string) (uint64, error) {
-	units := []struct {
-		suffix string
-		mult   uint64
-	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"B", 1}}
-	for _, u := range units {
-		if num, ok := strings.CutSuffix(s, u.suffix); ok {
-			n, err := strconv.ParseUint(strings.TrimSpace(num), 10, 64)
-			if err != nil || n == 0 || n > (1<<64-1)/u.mult {
-				return 0, fmt.Errorf("%q is not a positive size", s)
-			}
-			return n * u.mult, nil
-		}
-	}
-	n, err := strconv.ParseUint(s, 10, 64)
-	if err != nil || n == 0 {
-		return 0, fmt.Errorf("%q is not a positive size (use bytes or KiB/MiB/GiB/TiB)", s)
-	}
-	return n, nil
 }

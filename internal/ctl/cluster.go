@@ -1,6 +1,8 @@
 package ctl
 
 import (
+	"github.com/stor-io/stor/internal/bytesize"
+
 	"context"
 	"fmt"
 	"strconv"
@@ -82,7 +84,7 @@ func newServerCommand(a *app) *cobra.Command {
 				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "ALLOCATED", "LAST SEEN")
 				for _, s := range resp.GetServers() {
 					t.row(s.GetId(), orDash(s.GetAddress()), orDash(s.GetZone()), enumName(s.GetState()),
-						FormatSize(s.GetCapacityBytes()), FormatSize(s.GetAllocatedBytes()),
+						bytesize.Format(s.GetCapacityBytes()), bytesize.Format(s.GetAllocatedBytes()),
 						formatAge(now, s.GetLastSeenUnixNano()))
 				}
 				return t.flush()

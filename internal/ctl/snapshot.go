@@ -1,6 +1,8 @@
 package ctl
 
 import (
+	"github.com/stor-io/stor/internal/bytesize"
+
 	"context"
 	"fmt"
 
@@ -108,7 +110,7 @@ func newSnapshotListCommand(a *app) *cobra.Command {
 				}
 				t := newTable(a.stdout, "NAME", "ID", "VOLUME ID", "SIZE", "READY", "CREATED")
 				for _, s := range all.GetSnapshots() {
-					t.row(s.GetName(), s.GetId(), s.GetVolumeId(), FormatSize(s.GetSizeBytes()),
+					t.row(s.GetName(), s.GetId(), s.GetVolumeId(), bytesize.Format(s.GetSizeBytes()),
 						yesNo(s.GetReadyToUse()), formatTime(s.GetCreatedUnixNano()))
 				}
 				return t.flush()
@@ -172,7 +174,7 @@ func (a *app) printSnapshot(s *storpb.Snapshot) error {
 		field{"ID", s.GetId()},
 		field{"NAME", s.GetName()},
 		field{"VOLUME ID", s.GetVolumeId()},
-		field{"SIZE", FormatSize(s.GetSizeBytes())},
+		field{"SIZE", bytesize.Format(s.GetSizeBytes())},
 		field{"READY", yesNo(s.GetReadyToUse())},
 		field{"CREATED", formatTime(s.GetCreatedUnixNano())},
 	)

@@ -1,6 +1,8 @@
 package ctl
 
 import (
+	"github.com/stor-io/stor/internal/bytesize"
+
 	"context"
 	"fmt"
 	"strconv"
@@ -61,7 +63,7 @@ multiple of 4096.`,
 			if !cmd.Flags().Changed("size") {
 				return usageErrorf("volume create: --size is required")
 			}
-			sizeBytes, err := ParseSize(size)
+			sizeBytes, err := bytesize.Parse(size)
 			if err != nil {
 				return usageErrorf("--size: %v", err)
 			}
@@ -164,7 +166,7 @@ func (a *app) printVolume(v *storpb.Volume) error {
 	fields := []field{
 		{"ID", v.GetId()},
 		{"NAME", v.GetName()},
-		{"SIZE", FormatSize(v.GetSizeBytes())},
+		{"SIZE", bytesize.Format(v.GetSizeBytes())},
 		{"REPLICAS", strconv.FormatUint(uint64(v.GetReplicaCount()), 10)},
 		{"STATE", enumName(v.GetState())},
 		{"EPOCH", strconv.FormatUint(v.GetEpoch(), 10)},
@@ -220,7 +222,7 @@ func newVolumeListCommand(a *app) *cobra.Command {
 				}
 				t := newTable(a.stdout, "NAME", "ID", "SIZE", "REPLICAS", "STATE", "ATTACHED")
 				for _, v := range all.GetVolumes() {
-					t.row(v.GetName(), v.GetId(), FormatSize(v.GetSizeBytes()), replicaHealth(v),
+					t.row(v.GetName(), v.GetId(), bytesize.Format(v.GetSizeBytes()), replicaHealth(v),
 						enumName(v.GetState()), orDash(v.GetAttachment().GetNodeId()))
 				}
 				return t.flush()
@@ -284,7 +286,7 @@ refused; the same size is a no-op.`,
 			if !cmd.Flags().Changed("size") {
 				return usageErrorf("volume expand: --size is required")
 			}
-			sizeBytes, err := ParseSize(size)
+			sizeBytes, err := bytesize.Parse(size)
 			if err != nil {
 				return usageErrorf("--size: %v", err)
 			}

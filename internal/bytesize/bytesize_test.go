@@ -1,4 +1,4 @@
-package ctl
+package bytesize
 
 import (
 	"math"
@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-func TestParseSize(t *testing.T) {
+func TestParse(t *testing.T) {
 	for _, tc := range []struct {
 		in      string
 		want    uint64
@@ -54,27 +54,27 @@ func TestParseSize(t *testing.T) {
 		{in: "0x10", wantErr: "unknown unit"},
 	} {
 		t.Run(tc.in, func(t *testing.T) {
-			got, err := ParseSize(tc.in)
+			got, err := Parse(tc.in)
 			if tc.wantErr != "" {
 				if err == nil {
-					t.Fatalf("ParseSize(%q) = %d, want an error containing %q", tc.in, got, tc.wantErr)
+					t.Fatalf("Parse(%q) = %d, want an error containing %q", tc.in, got, tc.wantErr)
 				}
 				if !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("ParseSize(%q) error = %q, want it to contain %q", tc.in, err, tc.wantErr)
+					t.Fatalf("Parse(%q) error = %q, want it to contain %q", tc.in, err, tc.wantErr)
 				}
 				return
 			}
 			if err != nil {
-				t.Fatalf("ParseSize(%q): %v", tc.in, err)
+				t.Fatalf("Parse(%q): %v", tc.in, err)
 			}
 			if got != tc.want {
-				t.Fatalf("ParseSize(%q) = %d, want %d", tc.in, got, tc.want)
+				t.Fatalf("Parse(%q) = %d, want %d", tc.in, got, tc.want)
 			}
 		})
 	}
 }
 
-func TestFormatSize(t *testing.T) {
+func TestFormat(t *testing.T) {
 	for _, tc := range []struct {
 		in   uint64
 		want string
@@ -94,20 +94,20 @@ func TestFormatSize(t *testing.T) {
 		{1 << 60, "1 EiB"},
 		{math.MaxUint64, "16 EiB"},
 	} {
-		if got := FormatSize(tc.in); got != tc.want {
-			t.Errorf("FormatSize(%d) = %q, want %q", tc.in, got, tc.want)
+		if got := Format(tc.in); got != tc.want {
+			t.Errorf("Format(%d) = %q, want %q", tc.in, got, tc.want)
 		}
 	}
 }
 
-// TestSizeRoundTrip checks that what FormatSize prints parses back to the
+// TestSizeRoundTrip checks that what Format prints parses back to the
 // same number of bytes when it is exact.
 func TestSizeRoundTrip(t *testing.T) {
 	for _, b := range []uint64{1, 512, 1024, 1536, 10 << 30, 1610612736, 7 << 40} {
-		s := strings.ReplaceAll(FormatSize(b), " ", "")
-		got, err := ParseSize(s)
+		s := strings.ReplaceAll(Format(b), " ", "")
+		got, err := Parse(s)
 		if err != nil || got != b {
-			t.Errorf("ParseSize(FormatSize(%d) = %q) = %d, %v", b, s, got, err)
+			t.Errorf("Parse(Format(%d) = %q) = %d, %v", b, s, got, err)
 		}
 	}
 }

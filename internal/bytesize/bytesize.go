@@ -1,4 +1,6 @@
-package ctl
+// Package bytesize parses and formats byte sizes for flags and tables
+// ("10GiB", "1.5 GiB").
+package bytesize
 
 import (
 	"fmt"
@@ -8,7 +10,7 @@ import (
 	"strings"
 )
 
-// sizeUnits maps the units ParseSize accepts (lower-cased) to their size in
+// sizeUnits maps the units Parse accepts (lower-cased) to their size in
 // bytes: binary units (KiB = 1024 B) and decimal ones (KB = 1000 B).
 var sizeUnits = map[string]uint64{
 	"":    1,
@@ -26,13 +28,13 @@ var sizeUnits = map[string]uint64{
 
 const sizeUnitList = "B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB"
 
-// ParseSize parses a size in bytes: a non-negative decimal number, possibly
+// Parse parses a size in bytes: a non-negative decimal number, possibly
 // fractional ("1.5"), followed by an optional unit, case-insensitive: B, the
 // binary KiB, MiB, GiB, TiB, PiB, or the decimal KB, MB, GB, TB. Space between
 // number and unit is allowed. A fractional result is rounded up to a whole
 // byte. Zero, negative sizes, sizes above math.MaxUint64 bytes and anything
 // else are errors.
-func ParseSize(s string) (uint64, error) {
+func Parse(s string) (uint64, error) {
 	in := strings.TrimSpace(s)
 	if in == "" {
 		return 0, fmt.Errorf("invalid size %q: empty", s)
@@ -80,14 +82,14 @@ func ParseSize(s string) (uint64, error) {
 	return q.Uint64(), nil
 }
 
-// binaryUnits are the units FormatSize uses, smallest first.
+// binaryUnits are the units Format uses, smallest first.
 var binaryUnits = []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"}
 
-// FormatSize formats a byte count in the largest binary unit it reaches, with
+// Format formats a byte count in the largest binary unit it reaches, with
 // at most one decimal: "512 B", "1.5 GiB", "10 GiB". The value is rounded to
 // the nearest tenth, so it is exact only when it shows no more precision
 // than that.
-func FormatSize(b uint64) string {
+func Format(b uint64) string {
 	i := 0
 	for i+1 < len(binaryUnits) && b >= 1<<(10*(i+1)) {
 		i++
