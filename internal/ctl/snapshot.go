@@ -1,14 +1,13 @@
 package ctl
 
 import (
-	"github.com/stor-io/stor/internal/bytesize"
-
 	"context"
 	"fmt"
 
 	"github.com/spf13/cobra"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/bytesize"
 	"github.com/stor-io/stor/internal/client"
 )
 

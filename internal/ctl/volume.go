@@ -1,8 +1,6 @@
 package ctl
 
 import (
-	"github.com/stor-io/stor/internal/bytesize"
-
 	"context"
 	"fmt"
 	"strconv"
@@ -11,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/bytesize"
 	"github.com/stor-io/stor/internal/client"
 )
 
