@@ -62,6 +62,18 @@ func openStateDB(path string) (*bolt.DB, error) {
 		}
 		return nil, fmt.Errorf("%w: open %s: %v", ErrCorrupt, path, err)
 	}
+	// Create missing buckets; a complete file is not written to, so that a
+	// start that is refused later leaves the directory as it found it.
+	complete := true
+	_ = db.View(func(tx *bolt.Tx) error {
+		for _, b := range allBuckets {
+			complete = complete && tx.Bucket(b) != nil
+		}
+		return nil
+	})
+	if complete {
+		return db, nil
+	}
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range allBuckets {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {

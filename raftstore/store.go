@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -76,6 +78,10 @@ func Open(cfg Config) (*Store, error) {
 func (s *Store) open() error {
 	cfg := s.cfg
 	hl := hclogFor(s.logger)
+	if _, err := os.Stat(filepath.Join(cfg.Dir, raftDBFile)); s.ident.Member && errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%w: %s was a member of cluster %q but its Raft state (%s) is gone; refusing to start a new cluster from it",
+			ErrCorrupt, cfg.Dir, s.ident.ClusterID, raftDBFile)
+	}
 	var err error
 	s.fsm, err = OpenFSM(filepath.Join(cfg.Dir, metaDBFile), s.logger)
 	if err != nil {
