@@ -260,7 +260,8 @@ func (c *Cluster) Leader(timeout time.Duration) int {
 }
 
 // WaitMembers waits until the leader's FSM has n registered servers, all
-// up, and the Raft configuration has n members.
+// up, the Raft configuration has n members, and every running node has
+// applied what the leader had (so each can forward to the leader).
 func (c *Cluster) WaitMembers(n int, timeout time.Duration) {
 	c.t.Helper()
 	deadline := time.Now().Add(timeout)
@@ -278,7 +279,13 @@ func (c *Cluster) WaitMembers(n int, timeout time.Duration) {
 			}
 			return nil
 		})
-		if len(st.Members) == n && up == n {
+		caughtUp := true
+		for _, node := range c.Nodes {
+			if srv := node.Server(); srv != nil && srv.Store().AppliedIndex() < st.Applied {
+				caughtUp = false
+			}
+		}
+		if len(st.Members) == n && up == n && caughtUp {
 			return
 		}
 		last = fmt.Sprintf("%d raft members, %d servers up", len(st.Members), up)
