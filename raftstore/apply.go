@@ -56,6 +56,8 @@ func (w *writer) apply(c command) (proto.Message, error) {
 		return w.createSnapshot(c.At, c.ID, c.Body.(*storpb.CreateSnapshotRequest))
 	case opDeleteSnapshot:
 		return w.deleteSnapshot(c.Body.(*storpb.SnapshotRef))
+	case opSetReplicaState:
+		return w.setReplicaState(c.Body.(*storpb.SetReplicaStateRequest))
 	}
 	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
 }
@@ -331,6 +333,55 @@ func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, e
 		return v, nil // not attached there: nothing to do
 	}
 	v.Attachment = nil
+	w.put(bucketVolumes, v.Id, v)
+	return v, nil
+}
+
+// setReplicaState applies a data-path report. Only the current epoch may
+// change the replica set, the last healthy replica is never marked faulty
+// (the engine fails the write instead: losing the last copy is worse), and
+// HEALTHY is accepted only for a rebuild that started at the replica's
+// current generation.
+func (w *writer) setReplicaState(req *storpb.SetReplicaStateRequest) (proto.Message, error) {
+	v, err := w.Volume(req.VolumeId)
+	if err != nil {
+		return nil, err
+	}
+	if req.Epoch != v.Epoch {
+		return nil, fmt.Errorf("%w: volume %q is at epoch %d, the request carries %d", ErrStaleEpoch, v.Name, v.Epoch, req.Epoch)
+	}
+	var r *storpb.Replica
+	healthy := 0
+	for _, x := range v.Replicas {
+		if x.Id == req.ReplicaId {
+			r = x
+		}
+		if x.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			healthy++
+		}
+	}
+	if r == nil {
+		return nil, fmt.Errorf("%w: volume %q has no replica %q", ErrNotFound, v.Name, req.ReplicaId)
+	}
+	if r.State == req.State {
+		return v, nil
+	}
+	switch req.State {
+	case storpb.ReplicaState_REPLICA_STATE_FAULTY:
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && healthy == 1 {
+			return nil, fmt.Errorf("%w: replica %q is the last healthy replica of volume %q", ErrFailedPrecondition, r.Id, v.Name)
+		}
+	case storpb.ReplicaState_REPLICA_STATE_REBUILDING:
+	case storpb.ReplicaState_REPLICA_STATE_HEALTHY:
+		if r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || r.Generation != req.Generation {
+			return nil, fmt.Errorf("%w: replica %q is %v at generation %d; a rebuild from generation %d cannot mark it healthy",
+				ErrFailedPrecondition, r.Id, r.State, r.Generation, req.Generation)
+		}
+	default:
+		return nil, fmt.Errorf("%w: replica state %v", ErrInvalidArgument, req.State)
+	}
+	v.Generation++
+	r.State, r.Generation = req.State, v.Generation
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil
 }

@@ -25,6 +25,7 @@ const (
 	opDetachVolume   op = 9 // Body = storpb.DetachVolumeRequest
 	opCreateSnapshot op = 10
 	opDeleteSnapshot op = 11 // Body = storpb.SnapshotRef
+	opSetReplicaState op = 12 // Body = storpb.SetReplicaStateRequest
 )
 
 var opNames = map[op]string{
@@ -33,7 +34,7 @@ var opNames = map[op]string{
 	opCreateVolume: "create-volume", opDeleteVolume: "delete-volume",
 	opExpandVolume: "expand-volume", opAttachVolume: "attach-volume",
 	opDetachVolume: "detach-volume", opCreateSnapshot: "create-snapshot",
-	opDeleteSnapshot: "delete-snapshot",
+	opDeleteSnapshot: "delete-snapshot", opSetReplicaState: "set-replica-state",
 }
 
 func (o op) String() string {
@@ -109,6 +110,8 @@ func decodeCommand(b []byte) (command, error) {
 		m = &storpb.CreateSnapshotRequest{}
 	case opDeleteSnapshot:
 		m = &storpb.SnapshotRef{}
+	case opSetReplicaState:
+		m = &storpb.SetReplicaStateRequest{}
 	default:
 		return c, fmt.Errorf("%w: unknown command %v", ErrCorrupt, c.Op)
 	}

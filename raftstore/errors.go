@@ -20,6 +20,9 @@ var (
 	ErrInsufficientServers = errors.New("raftstore: not enough servers to place replicas")
 	// ErrInsufficientCapacity: enough servers, but too few with free capacity.
 	ErrInsufficientCapacity = errors.New("raftstore: not enough free capacity to place replicas")
+	// ErrStaleEpoch: the caller's epoch is lower than the volume's: a newer
+	// attach has fenced it.
+	ErrStaleEpoch = errors.New("raftstore: stale epoch")
 	// ErrNotLeader: this server is not the leader; the caller may retry
 	// against the leader.
 	ErrNotLeader = errors.New("raftstore: not the leader")

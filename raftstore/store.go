@@ -412,6 +412,11 @@ func (s *Store) DetachVolume(ctx context.Context, req *storpb.DetachVolumeReques
 	return asVolume(s.propose(ctx, command{Op: opDetachVolume, Body: req}))
 }
 
+// SetReplicaState records a data-path report about one replica.
+func (s *Store) SetReplicaState(ctx context.Context, req *storpb.SetReplicaStateRequest) (*storpb.Volume, error) {
+	return asVolume(s.propose(ctx, command{Op: opSetReplicaState, Body: req}))
+}
+
 // CreateSnapshot records a snapshot of a volume (idempotent by name).
 func (s *Store) CreateSnapshot(ctx context.Context, req *storpb.CreateSnapshotRequest) (*storpb.Snapshot, error) {
 	m, err := s.propose(ctx, command{Op: opCreateSnapshot, ID: uuid.NewString(), Body: req})

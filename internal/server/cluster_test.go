@@ -555,3 +555,47 @@ func TestWatchVolumeThroughFollower(t *testing.T) {
 		}
 	}
 }
+
+func TestSetReplicaStateIsFencedAndKeepsTheLastCopy(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	cl := c.Client(1)
+	v := createVolume(t, cl, "v", gib, 3)
+	attach := func(node string) uint64 {
+		return retry(t, 5*time.Second, func(ctx context.Context) (*storpb.AttachVolumeResponse, error) {
+			return cl.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}, NodeId: node, Takeover: true})
+		}).Volume.Epoch
+	}
+	set := func(replica int, state storpb.ReplicaState, epoch, gen uint64) (*storpb.Volume, error) {
+		resp, err := cl.Volumes.SetReplicaState(ctxT(t, 5*time.Second), &storpb.SetReplicaStateRequest{
+			VolumeId: v.Id, ReplicaId: v.Replicas[replica].Id, State: state, Epoch: epoch, Generation: gen, Reason: "test",
+		})
+		return resp.GetVolume(), err
+	}
+	e1 := attach("a")
+	got, err := set(1, storpb.ReplicaState_REPLICA_STATE_FAULTY, e1, 0)
+	if err != nil || got.Replicas[1].State != storpb.ReplicaState_REPLICA_STATE_FAULTY || got.Generation != 2 {
+		t.Fatalf("mark faulty: %v %v", got, err)
+	}
+	e2 := attach("b")
+	if _, err := set(2, storpb.ReplicaState_REPLICA_STATE_FAULTY, e1, 0); status.Code(err) != codes.Aborted {
+		t.Fatalf("fenced engine marked a replica faulty: %v", err)
+	}
+	if _, err := set(2, storpb.ReplicaState_REPLICA_STATE_FAULTY, e2, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := set(0, storpb.ReplicaState_REPLICA_STATE_FAULTY, e2, 0); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("marking the last healthy replica faulty: %v, want FailedPrecondition", err)
+	}
+	got, err = set(1, storpb.ReplicaState_REPLICA_STATE_REBUILDING, e2, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := got.Replicas[1].Generation
+	if _, err := set(1, storpb.ReplicaState_REPLICA_STATE_HEALTHY, e2, started-1); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("healthy from a stale rebuild: %v", err)
+	}
+	got, err = set(1, storpb.ReplicaState_REPLICA_STATE_HEALTHY, e2, started)
+	if err != nil || got.Replicas[1].State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		t.Fatalf("rebuild done: %v %v", got, err)
+	}
+}

@@ -159,6 +159,15 @@ func (v *volumeService) DetachVolume(ctx context.Context, req *storpb.DetachVolu
 	return &storpb.DetachVolumeResponse{Volume: vol}, nil
 }
 
+func (v *volumeService) SetReplicaState(ctx context.Context, req *storpb.SetReplicaStateRequest) (*storpb.SetReplicaStateResponse, error) {
+	vol, err := v.s.store.SetReplicaState(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	v.s.logger.Info("replica state changed", "volume", vol.Name, "replica", req.ReplicaId, "state", req.State, "reason", req.Reason, "generation", vol.Generation)
+	return &storpb.SetReplicaStateResponse{Volume: vol}, nil
+}
+
 // WatchVolume streams the volume's committed changes as this server
 // applies them. It is served by any server from its own state machine:
 // the stream starts from a state that includes every change the leader had
