@@ -1,0 +1,39 @@
+// Package engine is the volume engine: the only writer of a volume. It
+// runs where the volume is attached (the CSI node plugin, or stor-ctl nbd
+// serve), opens every replica of the volume at the epoch its attach
+// obtained from the Raft leader, and implements a block device over them.
+//
+// # The rules it keeps (DESIGN.md, "Data path")
+//
+//  1. Fencing: Open attaches the volume (a new epoch, committed in Raft) and
+//     opens each replica at that epoch; every request carries it. When any
+//     replica refuses the epoch, or the control plane does, a newer attach
+//     exists: the engine is fenced, and every later call fails with
+//     ErrFenced without touching a replica.
+//  2. The ack rule: a write (WriteAt, WriteZeroes, Trim) returns nil only
+//     after every replica in the engine's write set applied it. When one
+//     fails, the engine first has the leader commit that replica as faulty
+//     (SetReplicaState, fenced by the epoch) and only then returns. If the
+//     leader cannot be reached the write waits (bounded by the caller's
+//     context); it is never acknowledged on a guess. If the failing replica
+//     is the last healthy one, the write fails with an I/O error.
+//  3. Flush: Flush sends a flush to every replica in the write set; each
+//     replica makes every write it completed durable, and every write the
+//     engine acknowledged was completed on all of them.
+//  4. Unclean stop: Open collects the dirty regions of every replica it
+//     opened and copies them from one healthy replica (the local one when
+//     there is one) to the others before it serves any I/O, so no two
+//     reads can see two versions of a block.
+//  5. Reads go to one healthy replica, the local one first; a replica that
+//     fails a read is marked faulty and the read is retried on another.
+//
+// The engine follows the control plane's changes to its volume through the
+// WatchVolume stream: a higher epoch fences it, a larger size grows the
+// replicas, and changes to the replica set update the write set.
+//
+// # Concurrency
+//
+// All methods are safe for concurrent use. Writes are fanned out to the
+// replicas in parallel; the write set is guarded by one mutex and copied
+// per request, so a request sees one consistent set.
+package engine

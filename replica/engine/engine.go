@@ -1,0 +1,628 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
+)
+
+var (
+	// ErrFenced: a newer attach exists; this engine may never write again.
+	ErrFenced = errors.New("engine: fenced by a newer attach")
+	// ErrIO: the volume cannot complete the request (no healthy replica
+	// could serve it).
+	ErrIO = errors.New("engine: i/o error")
+	// ErrClosed: the engine was closed.
+	ErrClosed = errors.New("engine: closed")
+)
+
+// ReplicaConn is the engine's view of one opened replica. The replica data
+// protocol client (replica/wire) implements it over the network; tests may
+// use a replica in the same process.
+type ReplicaConn interface {
+	ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) error
+	WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) error
+	WriteZeroes(ctx context.Context, o replica.Op, off, n int64) error
+	Trim(ctx context.Context, o replica.Op, off, n int64) error
+	Flush(ctx context.Context, o replica.Op) error
+	Grow(ctx context.Context, o replica.Op, size uint64) error
+	DirtyRegions(ctx context.Context, o replica.Op) ([]replica.Extent, error)
+	Close(ctx context.Context) error
+}
+
+// Connector opens a replica on the server at dataAddr at the given epoch.
+type Connector func(ctx context.Context, dataAddr, replicaID string, epoch uint64) (ReplicaConn, error)
+
+// ControlPlane is what the engine needs of the cluster's control API; the
+// generated gRPC clients satisfy it.
+type ControlPlane struct {
+	Volumes storpb.VolumeServiceClient
+	Cluster storpb.ClusterServiceClient
+}
+
+// Config configures Open.
+type Config struct {
+	// Volume names the volume (by name; or by id with VolumeIsID).
+	Volume     string
+	VolumeIsID bool
+	// NodeID is where the volume is attached (recorded in Raft).
+	NodeID string
+	// Takeover attaches even when the volume is attached to another node;
+	// the new epoch fences the previous holder.
+	Takeover bool
+	// ReadOnly attaches read-only: writes fail with replica.ErrInvalid.
+	ReadOnly bool
+	// LocalServerID is the server on this node, if any: reads prefer its
+	// replica.
+	LocalServerID string
+	// Control reaches the cluster; required.
+	Control ControlPlane
+	// Connect opens replicas; required (wire.Connector for the network).
+	Connect Connector
+	// IOTimeout bounds one request to one replica; a replica that does not
+	// answer in time is treated as failed. Default 10s.
+	IOTimeout time.Duration
+	// Logger; default slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate reports the first problem with the configuration.
+func (c *Config) Validate() error {
+	switch {
+	case c.Volume == "":
+		return errors.New("engine: config: Volume is required")
+	case c.NodeID == "":
+		return errors.New("engine: config: NodeID is required")
+	case c.Control.Volumes == nil || c.Control.Cluster == nil:
+		return errors.New("engine: config: Control clients are required")
+	case c.Connect == nil:
+		return errors.New("engine: config: Connect is required")
+	}
+	return nil
+}
+
+// member is one replica the engine writes to.
+type member struct {
+	info *storpb.Replica
+	conn ReplicaConn
+}
+
+// Engine is an open volume. See the package documentation for its rules.
+type Engine struct {
+	cfg    Config
+	logger *slog.Logger
+	id     string // volume id
+	name   string
+	epoch  uint64
+
+	size   atomic.Uint64
+	fenced atomic.Bool
+	closed atomic.Bool
+
+	// mu guards the write set and the generation. Requests copy the set
+	// under mu and release it before doing I/O.
+	mu         sync.Mutex
+	members    map[string]*member // replica id -> opened replica (healthy or rebuilding)
+	generation uint64
+	servers    map[string]*storpb.Server // server id -> server, for data addresses
+
+	// faultMu serialises reports to the control plane so one failing
+	// replica is reported once.
+	faultMu sync.Mutex
+
+	ctx    context.Context // cancelled by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// Open attaches the volume at a new epoch, opens its replicas, reconciles
+// the regions an unclean stop may have left different, and starts
+// following the volume's changes. The returned engine serves I/O.
+func Open(ctx context.Context, cfg Config) (*Engine, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.IOTimeout == 0 {
+		cfg.IOTimeout = 10 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	ref := &storpb.VolumeRef{Name: cfg.Volume}
+	if cfg.VolumeIsID {
+		ref = &storpb.VolumeRef{Id: cfg.Volume}
+	}
+	mode := storpb.AccessMode_ACCESS_MODE_READ_WRITE
+	if cfg.ReadOnly {
+		mode = storpb.AccessMode_ACCESS_MODE_READ_ONLY
+	}
+	att, err := cfg.Control.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{
+		Volume: ref, NodeId: cfg.NodeID, Mode: mode, Takeover: cfg.Takeover,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("engine: attach %s: %w", cfg.Volume, err)
+	}
+	v := att.Volume
+	e := &Engine{
+		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
+		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
+		members: map[string]*member{}, generation: v.Generation,
+	}
+	e.size.Store(v.SizeBytes)
+	e.ctx, e.cancel = context.WithCancel(context.Background())
+	if err := e.refreshServers(ctx); err != nil {
+		e.abort()
+		return nil, err
+	}
+	if err := e.openReplicas(ctx, v); err != nil {
+		e.abort()
+		return nil, err
+	}
+	if err := e.reconcile(ctx); err != nil {
+		e.abort()
+		return nil, err
+	}
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		e.follow()
+	}()
+	e.logger.Info("volume open", "replicas", len(e.members), "size", v.SizeBytes, "generation", e.generation)
+	return e, nil
+}
+
+// abort releases what a failed Open acquired. The attachment stays: the
+// caller may retry Open with Takeover, or detach.
+func (e *Engine) abort() {
+	e.closed.Store(true)
+	e.cancel()
+	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.IOTimeout)
+	defer cancel()
+	for _, m := range e.members {
+		m.conn.Close(ctx)
+	}
+}
+
+func (e *Engine) refreshServers(ctx context.Context) error {
+	resp, err := e.cfg.Control.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	if err != nil {
+		return fmt.Errorf("engine: list servers: %w", err)
+	}
+	servers := map[string]*storpb.Server{}
+	for _, s := range resp.Servers {
+		servers[s.Id] = s
+	}
+	e.mu.Lock()
+	e.servers = servers
+	e.mu.Unlock()
+	return nil
+}
+
+// openReplicas opens every healthy and rebuilding replica in parallel. A
+// healthy replica that cannot be opened is reported faulty; Open fails only
+// if no healthy replica opens.
+func (e *Engine) openReplicas(ctx context.Context, v *storpb.Volume) error {
+	type opened struct {
+		r    *storpb.Replica
+		conn ReplicaConn
+		err  error
+	}
+	var wanted []*storpb.Replica
+	for _, r := range v.Replicas {
+		if r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+			wanted = append(wanted, r)
+		}
+	}
+	results := make(chan opened, len(wanted))
+	for _, r := range wanted {
+		go func() {
+			conn, err := e.connect(ctx, r)
+			results <- opened{r, conn, err}
+		}()
+	}
+	var failed []opened
+	for range wanted {
+		o := <-results
+		if o.err != nil {
+			if errors.Is(o.err, replica.ErrStaleEpoch) {
+				e.fenced.Store(true)
+			}
+			failed = append(failed, o)
+			continue
+		}
+		e.members[o.r.Id] = &member{info: o.r, conn: o.conn}
+	}
+	if e.fenced.Load() {
+		return fmt.Errorf("engine: open %s: %w", e.name, ErrFenced)
+	}
+	if e.healthyCount() == 0 {
+		return fmt.Errorf("%w: volume %s: no healthy replica could be opened (%d failed: %v)", ErrIO, e.name, len(failed), firstErr(failed, func(o opened) error { return o.err }))
+	}
+	for _, o := range failed {
+		e.logger.Warn("replica did not open", "replica", o.r.Id, "server", o.r.ServerId, "err", o.err)
+		if err := e.markFaulty(ctx, o.r.Id, fmt.Sprintf("open failed: %v", o.err)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func firstErr[T any](xs []T, f func(T) error) error {
+	for _, x := range xs {
+		if err := f(x); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (e *Engine) connect(ctx context.Context, r *storpb.Replica) (ReplicaConn, error) {
+	e.mu.Lock()
+	srv := e.servers[r.ServerId]
+	e.mu.Unlock()
+	if srv == nil || srv.DataAddress == "" {
+		return nil, fmt.Errorf("server %q of replica %q has no data address", r.ServerId, r.Id)
+	}
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
+	defer cancel()
+	return e.cfg.Connect(ctx, srv.DataAddress, r.Id, e.epoch)
+}
+
+func (e *Engine) healthyCount() int {
+	n := 0
+	for _, m := range e.members {
+		if m.info.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			n++
+		}
+	}
+	return n
+}
+
+// ID is the volume id; Name its name; Epoch the epoch this engine holds.
+func (e *Engine) ID() string     { return e.id }
+func (e *Engine) Name() string   { return e.name }
+func (e *Engine) Epoch() uint64  { return e.epoch }
+func (e *Engine) Size() uint64   { return e.size.Load() }
+func (e *Engine) Fenced() bool   { return e.fenced.Load() }
+func (e *Engine) ReadOnly() bool { return e.cfg.ReadOnly }
+
+// op is the request header for the current generation.
+func (e *Engine) op(fua bool) replica.Op {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return replica.Op{Epoch: e.epoch, Generation: e.generation, FUA: fua}
+}
+
+// writeSet returns the replicas a write goes to (healthy and rebuilding).
+func (e *Engine) writeSet() []*member {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]*member, 0, len(e.members))
+	for _, m := range e.members {
+		out = append(out, m)
+	}
+	return out
+}
+
+// readSet returns the healthy replicas, the local one first.
+func (e *Engine) readSet() []*member {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]*member, 0, len(e.members))
+	for _, m := range e.members {
+		if m.info.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			continue
+		}
+		if m.info.ServerId == e.cfg.LocalServerID {
+			out = append([]*member{m}, out...)
+		} else {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func (e *Engine) usable() error {
+	switch {
+	case e.closed.Load():
+		return ErrClosed
+	case e.fenced.Load():
+		return ErrFenced
+	}
+	return nil
+}
+
+func (e *Engine) checkRange(off, n int64) error {
+	size := int64(e.size.Load())
+	switch {
+	case off < 0 || n < 0:
+		return fmt.Errorf("%w: negative offset %d or length %d", replica.ErrInvalid, off, n)
+	case off%replica.SectorSize != 0 || n%replica.SectorSize != 0:
+		return fmt.Errorf("%w: offset %d or length %d not a multiple of %d", replica.ErrInvalid, off, n, replica.SectorSize)
+	case off > size || n > size-off:
+		return fmt.Errorf("%w: %d bytes at %d is past the end of the %d-byte volume", replica.ErrInvalid, n, off, size)
+	}
+	return nil
+}
+
+// ReadAt reads len(p) bytes at off from one healthy replica.
+func (e *Engine) ReadAt(ctx context.Context, p []byte, off int64) error {
+	if err := e.usable(); err != nil {
+		return err
+	}
+	if err := e.checkRange(off, int64(len(p))); err != nil {
+		return err
+	}
+	for _, chunk := range chunks(off, int64(len(p))) {
+		if err := e.readChunk(ctx, p[chunk.Off-off:chunk.Off-off+chunk.Len], chunk.Off); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
+	for {
+		set := e.readSet()
+		if len(set) == 0 {
+			return fmt.Errorf("%w: volume %s has no healthy replica to read from", ErrIO, e.name)
+		}
+		m := set[0]
+		err := e.call(ctx, func(ctx context.Context) error { return m.conn.ReadAt(ctx, e.op(false), p, off) })
+		if err == nil {
+			return nil
+		}
+		if err := e.classify(ctx, err); err != nil {
+			return err
+		}
+		// The replica failed: report it, then try the next one.
+		if ferr := e.markFaulty(ctx, m.info.Id, err.Error()); ferr != nil {
+			return ferr
+		}
+	}
+}
+
+// chunks splits a range into pieces of at most replica.MaxIO bytes.
+func chunks(off, n int64) []replica.Extent {
+	if n <= replica.MaxIO {
+		return []replica.Extent{{Off: off, Len: n}}
+	}
+	var out []replica.Extent
+	for n > 0 {
+		l := min(n, replica.MaxIO)
+		out = append(out, replica.Extent{Off: off, Len: l})
+		off, n = off+l, n-l
+	}
+	return out
+}
+
+// WriteAt writes p at off on every replica; see the ack rule.
+func (e *Engine) WriteAt(ctx context.Context, p []byte, off int64, fua bool) error {
+	if err := e.writable(int64(len(p)), off); err != nil {
+		return err
+	}
+	for _, c := range chunks(off, int64(len(p))) {
+		buf := p[c.Off-off : c.Off-off+c.Len]
+		err := e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+			return m.conn.WriteAt(ctx, e.op(fua), buf, c.Off)
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// WriteZeroes makes a range read as zeroes on every replica.
+func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error {
+	if err := e.writable(n, off); err != nil {
+		return err
+	}
+	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+		return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
+	})
+}
+
+// Trim discards a range on every replica (it then reads as zeroes).
+func (e *Engine) Trim(ctx context.Context, off, n int64) error {
+	if err := e.writable(n, off); err != nil {
+		return err
+	}
+	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+		return m.conn.Trim(ctx, e.op(false), off, n)
+	})
+}
+
+// Flush makes every acknowledged write durable on every replica.
+func (e *Engine) Flush(ctx context.Context) error {
+	if err := e.usable(); err != nil {
+		return err
+	}
+	return e.flush(ctx)
+}
+
+func (e *Engine) flush(ctx context.Context) error {
+	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+		return m.conn.Flush(ctx, e.op(false))
+	})
+}
+
+func (e *Engine) writable(n, off int64) error {
+	if err := e.usable(); err != nil {
+		return err
+	}
+	if e.cfg.ReadOnly {
+		return fmt.Errorf("%w: volume %s is attached read-only", replica.ErrInvalid, e.name)
+	}
+	return e.checkRange(off, n)
+}
+
+// fanOut runs one request on every replica of set in parallel and applies
+// the ack rule to the failures.
+func (e *Engine) fanOut(ctx context.Context, set []*member, req func(context.Context, *member) error) error {
+	if len(set) == 0 {
+		return fmt.Errorf("%w: volume %s has no replica to write to", ErrIO, e.name)
+	}
+	errs := make([]error, len(set))
+	var wg sync.WaitGroup
+	for i, m := range set[1:] {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i+1] = e.call(ctx, func(ctx context.Context) error { return req(ctx, m) })
+		}()
+	}
+	errs[0] = e.call(ctx, func(ctx context.Context) error { return req(ctx, set[0]) })
+	wg.Wait()
+
+	for i, err := range errs {
+		if err == nil {
+			continue
+		}
+		if err := e.classify(ctx, errs[i]); err != nil {
+			return err
+		}
+		// The ack rule: commit the failed replica as faulty first.
+		if ferr := e.markFaulty(ctx, set[i].info.Id, err.Error()); ferr != nil {
+			return ferr
+		}
+	}
+	return nil
+}
+
+// call runs one replica request bounded by IOTimeout.
+func (e *Engine) call(ctx context.Context, f func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
+	defer cancel()
+	return f(ctx)
+}
+
+// classify decides what a replica error means for the whole request: nil
+// when the replica alone failed (the caller reports it faulty), or the
+// error the request fails with.
+func (e *Engine) classify(ctx context.Context, err error) error {
+	switch {
+	case errors.Is(err, replica.ErrStaleEpoch):
+		e.fence("a replica refused our epoch")
+		return fmt.Errorf("%w: %v", ErrFenced, err)
+	case errors.Is(err, replica.ErrInvalid):
+		return err // the request itself is bad; no replica is at fault
+	case ctx.Err() != nil:
+		return ctx.Err() // the caller gave up; nothing is known about the replica
+	}
+	return nil
+}
+
+func (e *Engine) fence(why string) {
+	if e.fenced.CompareAndSwap(false, true) {
+		e.logger.Warn("engine fenced: a newer attach exists; refusing all further I/O", "why", why)
+	}
+}
+
+// markFaulty commits the replica as faulty in Raft, waiting through leader
+// elections (Unavailable) until ctx ends, and then drops it from the
+// write set.
+func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error {
+	e.logger.Warn("replica failed; recording it faulty", "replica", replicaID, "reason", reason)
+	e.faultMu.Lock()
+	defer e.faultMu.Unlock()
+	backoff := 50 * time.Millisecond
+	for {
+		resp, err := e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+			VolumeId: e.id, ReplicaId: replicaID, State: storpb.ReplicaState_REPLICA_STATE_FAULTY,
+			Epoch: e.epoch, Reason: reason,
+		})
+		switch status.Code(err) {
+		case codes.OK:
+			e.applyVolume(resp.Volume)
+			return nil
+		case codes.Aborted:
+			e.fence("the control plane refused our epoch")
+			return fmt.Errorf("%w: %v", ErrFenced, err)
+		case codes.FailedPrecondition:
+			// The last healthy replica failed: nothing can serve the request.
+			return fmt.Errorf("%w: volume %s: replica %s failed (%s) and is the last healthy one: %v", ErrIO, e.name, replicaID, reason, err)
+		case codes.Unavailable, codes.DeadlineExceeded:
+			// No leader: wait. Never acknowledge on a guess.
+		default:
+			return fmt.Errorf("%w: volume %s: report replica %s faulty: %v", ErrIO, e.name, replicaID, err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: volume %s: replica %s failed and the control plane could not be reached to record it: %v", ErrIO, e.name, replicaID, ctx.Err())
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// applyVolume brings the write set in line with a committed volume: its
+// generation and which of our replicas are still in it. Replicas new to
+// the set, and size changes, are handled by follow.
+func (e *Engine) applyVolume(v *storpb.Volume) {
+	if v.Epoch > e.epoch {
+		e.fence(fmt.Sprintf("volume is at epoch %d", v.Epoch))
+		return
+	}
+	var drop []*member
+	e.mu.Lock()
+	if v.Generation < e.generation {
+		e.mu.Unlock()
+		return // an older view than the one we have
+	}
+	e.generation = v.Generation
+	inVolume := map[string]*storpb.Replica{}
+	for _, r := range v.Replicas {
+		inVolume[r.Id] = r
+	}
+	for id, m := range e.members {
+		r, ok := inVolume[id]
+		if !ok || r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY {
+			drop = append(drop, m)
+			delete(e.members, id)
+			continue
+		}
+		m.info = r
+	}
+	e.mu.Unlock()
+	for _, m := range drop {
+		e.logger.Info("replica left the write set", "replica", m.info.Id, "server", m.info.ServerId)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		m.conn.Close(ctx)
+		cancel()
+	}
+}
+
+// Close flushes, closes the replicas and, if detach is set, detaches the
+// volume in Raft. A fenced engine closes without flushing.
+func (e *Engine) Close(ctx context.Context, detach bool) error {
+	if !e.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	var errs []error
+	if !e.fenced.Load() {
+		errs = append(errs, e.flush(ctx))
+	}
+	e.cancel()
+	e.wg.Wait()
+	for _, m := range e.writeSet() {
+		errs = append(errs, m.conn.Close(ctx))
+	}
+	if detach && !e.fenced.Load() {
+		_, err := e.cfg.Control.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{
+			Volume: &storpb.VolumeRef{Id: e.id}, NodeId: e.cfg.NodeID,
+		})
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,377 @@
+package engine_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
+)
+
+const volSize = 8 << 20
+
+type fixture struct {
+	t       *testing.T
+	cluster *servertest.Cluster
+	client  *client.Client
+	mem     *memReplicas
+	vol     *storpb.Volume
+}
+
+func newFixture(t *testing.T) *fixture {
+	c := servertest.NewCluster(t, servertest.Options{})
+	addrs := []string{c.Nodes[0].Addr, c.Nodes[1].Addr, c.Nodes[2].Addr}
+	cl, err := client.Dial(addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: "vol", SizeBytes: volSize, ReplicaCount: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &fixture{t: t, cluster: c, client: cl, mem: newMemReplicas(volSize), vol: resp.Volume}
+}
+
+func (f *fixture) config(node string) engine.Config {
+	return engine.Config{
+		Volume: "vol", NodeID: node,
+		Control: engine.ControlPlane{Volumes: f.client.Volumes, Cluster: f.client.Cluster},
+		Connect: f.mem.connect, IOTimeout: 2 * time.Second,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
+}
+
+func (f *fixture) open(cfg engine.Config) *engine.Engine {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	e, err := engine.Open(ctx, cfg)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	f.t.Cleanup(func() { e.Close(context.Background(), false) })
+	return e
+}
+
+func (f *fixture) replica(i int) *memReplica { return f.mem.get(f.vol.Replicas[i].Id) }
+
+func (f *fixture) volume() *storpb.Volume {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := f.client.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: f.vol.Id}})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return resp.Volume
+}
+
+func ctx10(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func randomBytes(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, seed))
+	p := make([]byte, n)
+	for i := range p {
+		p[i] = byte(r.Uint32())
+	}
+	return p
+}
+
+func TestWritesReachEveryReplicaAndReadBack(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	if e.Epoch() != 1 || e.Size() != volSize {
+		t.Fatalf("epoch %d size %d", e.Epoch(), e.Size())
+	}
+	data := randomBytes(1, 64<<10)
+	if err := e.WriteAt(ctx10(t), data, 4096*3, false); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if got := f.replica(i).snapshot()[4096*3 : 4096*3+len(data)]; !bytes.Equal(got, data) {
+			t.Fatalf("replica %d does not hold the acknowledged write", i)
+		}
+	}
+	got := make([]byte, len(data))
+	if err := e.ReadAt(ctx10(t), got, 4096*3); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read back: %v, equal %v", err, bytes.Equal(got, data))
+	}
+	if err := e.Flush(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if f.replica(i).flushes == 0 {
+			t.Fatalf("replica %d was not flushed", i)
+		}
+	}
+}
+
+func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	cases := []struct {
+		name string
+		call func() error
+	}{
+		{"write past the end", func() error { return e.WriteAt(ctx10(t), make([]byte, 4096), volSize-2048, false) }},
+		{"write at the end", func() error { return e.WriteAt(ctx10(t), make([]byte, 512), volSize, false) }},
+		{"negative offset", func() error { return e.WriteAt(ctx10(t), make([]byte, 512), -512, false) }},
+		{"misaligned offset", func() error { return e.WriteAt(ctx10(t), make([]byte, 512), 100, false) }},
+		{"misaligned length", func() error { return e.WriteAt(ctx10(t), make([]byte, 100), 0, false) }},
+		{"read past the end", func() error { return e.ReadAt(ctx10(t), make([]byte, 8192), volSize-4096) }},
+		{"negative zeroes", func() error { return e.WriteZeroes(ctx10(t), 0, -4096, false) }},
+		{"trim past the end", func() error { return e.Trim(ctx10(t), volSize-4096, 8192) }},
+	}
+	for _, tc := range cases {
+		if err := tc.call(); !errors.Is(err, replica.ErrInvalid) {
+			t.Errorf("%s: got %v, want replica.ErrInvalid", tc.name, err)
+		}
+	}
+	for i := range 3 {
+		if w := f.replica(i).writes; w != 0 {
+			t.Fatalf("replica %d saw %d writes from refused requests", i, w)
+		}
+	}
+	if v := f.volume(); v.Generation != 1 {
+		t.Fatalf("bad input changed the replica set: generation %d", v.Generation)
+	}
+}
+
+// gatedVolumes holds SetReplicaState until released, as if the leader
+// were unreachable.
+type gatedVolumes struct {
+	storpb.VolumeServiceClient
+	mu      sync.Mutex
+	gate    chan struct{}
+	entered chan struct{}
+}
+
+func (g *gatedVolumes) SetReplicaState(ctx context.Context, in *storpb.SetReplicaStateRequest, opts ...grpc.CallOption) (*storpb.SetReplicaStateResponse, error) {
+	g.mu.Lock()
+	gate := g.gate
+	g.mu.Unlock()
+	if gate != nil {
+		select {
+		case g.entered <- struct{}{}:
+		default:
+		}
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return g.VolumeServiceClient.SetReplicaState(ctx, in, opts...)
+}
+
+func TestAckRuleCommitsTheFaultBeforeAcknowledging(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	gated := &gatedVolumes{VolumeServiceClient: f.client.Volumes, entered: make(chan struct{}, 1)}
+	cfg.Control.Volumes = gated
+	e := f.open(cfg)
+
+	// Replica 2 starts failing, and the control plane is unreachable.
+	gated.mu.Lock()
+	gated.gate = make(chan struct{})
+	gated.mu.Unlock()
+	f.replica(2).mu.Lock()
+	f.replica(2).failIO = true
+	f.replica(2).mu.Unlock()
+
+	data := randomBytes(2, 4096)
+	done := make(chan error, 1)
+	go func() { done <- e.WriteAt(ctx10(t), data, 0, false) }()
+	<-gated.entered
+	select {
+	case err := <-done:
+		t.Fatalf("write returned (%v) before the fault was committed", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if v := f.volume(); v.Replicas[2].State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		t.Fatalf("replica marked %v while the control plane was unreachable", v.Replicas[2].State)
+	}
+	close(gated.gate)
+	if err := <-done; err != nil {
+		t.Fatalf("write after the fault was committed: %v", err)
+	}
+	v := f.volume()
+	if v.Replicas[2].State != storpb.ReplicaState_REPLICA_STATE_FAULTY || v.Generation != 2 {
+		t.Fatalf("after the ack: replica 2 %v, generation %d", v.Replicas[2].State, v.Generation)
+	}
+	// The two healthy replicas hold the write; later writes skip the faulty one.
+	for i := range 2 {
+		if !bytes.Equal(f.replica(i).snapshot()[:4096], data) {
+			t.Fatalf("healthy replica %d lacks the acknowledged write", i)
+		}
+	}
+	before := f.replica(2).writes
+	if err := e.WriteAt(ctx10(t), data, 8192, false); err != nil {
+		t.Fatal(err)
+	}
+	if f.replica(2).writes != before {
+		t.Fatal("a faulty replica still receives writes")
+	}
+}
+
+func TestLastHealthyReplicaFailingFailsTheWrite(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	for i := range 3 {
+		f.replica(i).mu.Lock()
+		f.replica(i).failIO = true
+		f.replica(i).mu.Unlock()
+	}
+	err := e.WriteAt(ctx10(t), make([]byte, 4096), 0, false)
+	if !errors.Is(err, engine.ErrIO) {
+		t.Fatalf("all replicas failing: %v, want ErrIO", err)
+	}
+	healthy := 0
+	for _, r := range f.volume().Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			healthy++
+		}
+	}
+	if healthy != 1 {
+		t.Fatalf("%d healthy replicas left, want exactly 1 (the last copy is never marked faulty)", healthy)
+	}
+}
+
+// blindVolumes never delivers watch events, as if the engine's node were
+// partitioned from the control plane.
+type blindVolumes struct{ storpb.VolumeServiceClient }
+
+func (blindVolumes) WatchVolume(ctx context.Context, in *storpb.WatchVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[storpb.VolumeEvent], error) {
+	<-ctx.Done()
+	return nil, ctx.Err()
+}
+
+func TestNewerAttachFencesTheOldEngine(t *testing.T) {
+	f := newFixture(t)
+	cfgA := f.config("node-a")
+	cfgA.Control.Volumes = blindVolumes{f.client.Volumes} // A never hears of B
+	a := f.open(cfgA)
+	if err := a.WriteAt(ctx10(t), randomBytes(3, 4096), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	cfgB := f.config("node-b")
+	cfgB.Takeover = true
+	b := f.open(cfgB)
+	if b.Epoch() != a.Epoch()+1 {
+		t.Fatalf("epochs a=%d b=%d", a.Epoch(), b.Epoch())
+	}
+	bData := randomBytes(4, 4096)
+	if err := b.WriteAt(ctx10(t), bData, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	err := a.WriteAt(ctx10(t), randomBytes(5, 4096), 0, false)
+	if !errors.Is(err, engine.ErrFenced) {
+		t.Fatalf("old engine's write: %v, want ErrFenced", err)
+	}
+	if err := a.Flush(ctx10(t)); !errors.Is(err, engine.ErrFenced) {
+		t.Fatalf("old engine's flush: %v, want ErrFenced", err)
+	}
+	for i := range 3 {
+		r := f.replica(i)
+		if !bytes.Equal(r.snapshot()[:4096], bData) {
+			t.Fatalf("replica %d does not hold the new engine's write", i)
+		}
+		r.mu.Lock()
+		for j, ep := range r.accepted {
+			if j > 0 && ep < r.accepted[j-1] {
+				t.Fatalf("replica %d accepted epoch %d after epoch %d", i, ep, r.accepted[j-1])
+			}
+		}
+		r.mu.Unlock()
+	}
+	// The fenced engine did not mark any replica faulty.
+	if v := f.volume(); v.Generation != 1 {
+		t.Fatalf("generation %d: the fenced engine changed the replica set", v.Generation)
+	}
+}
+
+func TestOpenReconcilesDirtyRegions(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	base := randomBytes(6, 2<<20)
+	if err := e.WriteAt(ctx10(t), base, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Flush(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	// An unclean stop mid-write: replica 1 got a write the others did not.
+	r1 := f.replica(1)
+	r1.mu.Lock()
+	copy(r1.data[1<<20:], randomBytes(7, 4096))
+	r1.dirty[1<<20] = true
+	r1.mu.Unlock()
+
+	e2 := f.open(func() engine.Config { c := f.config("n1"); c.Takeover = true; return c }())
+	a, b, c := f.replica(0).snapshot(), f.replica(1).snapshot(), f.replica(2).snapshot()
+	if !bytes.Equal(a, b) || !bytes.Equal(b, c) {
+		t.Fatal("replicas differ after the reconciling open")
+	}
+	got := make([]byte, 2<<20)
+	if err := e2.ReadAt(ctx10(t), got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got[:1<<20], base[:1<<20]) || !bytes.Equal(got[1<<20+4096:], base[1<<20+4096:]) {
+		t.Fatal("reconcile changed data outside the dirty region")
+	}
+}
+
+func TestReadFailsOverToAnotherReplica(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	data := randomBytes(8, 4096)
+	if err := e.WriteAt(ctx10(t), data, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		f.replica(i).mu.Lock()
+		f.replica(i).failIO = true
+		f.replica(i).mu.Unlock()
+	}
+	got := make([]byte, 4096)
+	if err := e.ReadAt(ctx10(t), got, 0); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read with two failing replicas: %v", err)
+	}
+}
+
+func TestEngineFollowsExpansion(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	if _, err := f.client.Volumes.ExpandVolume(ctx10(t), &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: f.vol.Id}, SizeBytes: 2 * volSize}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for e.Size() != 2*volSize {
+		if time.Now().After(deadline) {
+			t.Fatalf("engine size %d after expansion", e.Size())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := e.WriteAt(ctx10(t), make([]byte, 4096), 2*volSize-4096, false); err != nil {
+		t.Fatalf("write in the grown space: %v", err)
+	}
+}

@@ -1,0 +1,175 @@
+package engine_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
+)
+
+// memReplica is an in-memory replica that fences by epoch like the real
+// store, with switches to make it fail.
+type memReplica struct {
+	mu       sync.Mutex
+	id       string
+	data     []byte
+	epoch    uint64
+	dirty    map[int64]bool // region offsets (1 MiB) written since the last flush
+	flushes  int
+	failIO   bool          // every request fails with ErrIO
+	hold     chan struct{} // if set, writes block until it is closed
+	writes   int
+	accepted []uint64 // epochs of accepted writes
+}
+
+const region = 1 << 20
+
+func newMemReplica(id string, size int) *memReplica {
+	return &memReplica{id: id, data: make([]byte, size), dirty: map[int64]bool{}}
+}
+
+func (r *memReplica) fence(epoch uint64) error {
+	if epoch < r.epoch {
+		return fmt.Errorf("%w: %d < %d", replica.ErrStaleEpoch, epoch, r.epoch)
+	}
+	r.epoch = epoch
+	return nil
+}
+
+func (r *memReplica) check(o replica.Op, off, n int64) error {
+	if err := r.fence(o.Epoch); err != nil {
+		return err
+	}
+	if r.failIO {
+		return fmt.Errorf("%w: injected", replica.ErrIO)
+	}
+	if off < 0 || n < 0 || off+n > int64(len(r.data)) {
+		return fmt.Errorf("%w: range", replica.ErrInvalid)
+	}
+	return nil
+}
+
+func (r *memReplica) snapshot() []byte {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]byte(nil), r.data...)
+}
+
+// conn is one opened connection to a memReplica.
+type conn struct{ r *memReplica }
+
+func (c conn) ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, off, int64(len(p))); err != nil {
+		return err
+	}
+	copy(p, c.r.data[off:])
+	return nil
+}
+
+func (c conn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	c.r.mu.Lock()
+	hold := c.r.hold
+	c.r.mu.Unlock()
+	if hold != nil {
+		select {
+		case <-hold:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, off, int64(len(p))); err != nil {
+		return err
+	}
+	copy(c.r.data[off:], p)
+	c.r.dirty[off/region*region] = true
+	c.r.writes++
+	c.r.accepted = append(c.r.accepted, o.Epoch)
+	return nil
+}
+
+func (c conn) WriteZeroes(ctx context.Context, o replica.Op, off, n int64) error {
+	return c.WriteAt(ctx, o, make([]byte, n), off)
+}
+
+func (c conn) Trim(ctx context.Context, o replica.Op, off, n int64) error {
+	return c.WriteZeroes(ctx, o, off, n)
+}
+
+func (c conn) Flush(ctx context.Context, o replica.Op) error {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return err
+	}
+	c.r.flushes++
+	clear(c.r.dirty)
+	return nil
+}
+
+func (c conn) Grow(ctx context.Context, o replica.Op, size uint64) error {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return err
+	}
+	if int(size) > len(c.r.data) {
+		c.r.data = append(c.r.data, make([]byte, int(size)-len(c.r.data))...)
+	}
+	return nil
+}
+
+func (c conn) DirtyRegions(ctx context.Context, o replica.Op) ([]replica.Extent, error) {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return nil, err
+	}
+	var out []replica.Extent
+	for off := range c.r.dirty {
+		out = append(out, replica.Extent{Off: off, Len: region})
+	}
+	return out, nil
+}
+
+func (c conn) Close(ctx context.Context) error { return nil }
+
+// memReplicas is a set of memReplicas addressed by replica id.
+type memReplicas struct {
+	mu   sync.Mutex
+	size int
+	byID map[string]*memReplica
+}
+
+func newMemReplicas(size int) *memReplicas {
+	return &memReplicas{size: size, byID: map[string]*memReplica{}}
+}
+
+func (m *memReplicas) get(id string) *memReplica {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r := m.byID[id]
+	if r == nil {
+		r = newMemReplica(id, m.size)
+		m.byID[id] = r
+	}
+	return r
+}
+
+func (m *memReplicas) connect(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
+	r := m.get(replicaID)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.failIO {
+		return nil, fmt.Errorf("%w: injected", replica.ErrIO)
+	}
+	if err := r.fence(epoch); err != nil {
+		return nil, err
+	}
+	return conn{r}, nil
+}

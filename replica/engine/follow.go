@@ -1,0 +1,106 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// follow watches the volume in the control plane until the engine closes,
+// re-watching after a broken stream.
+func (e *Engine) follow() {
+	backoff := 50 * time.Millisecond
+	for e.ctx.Err() == nil {
+		stream, err := e.cfg.Control.Volumes.WatchVolume(e.ctx, &storpb.WatchVolumeRequest{Volume: &storpb.VolumeRef{Id: e.id}})
+		if err == nil {
+			for {
+				ev, err := stream.Recv()
+				if err != nil {
+					break
+				}
+				backoff = 50 * time.Millisecond
+				if ev.Deleted {
+					e.fence("the volume was deleted")
+					return
+				}
+				e.onVolume(ev.Volume)
+			}
+		}
+		select {
+		case <-e.ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+// onVolume applies one committed state of the volume.
+func (e *Engine) onVolume(v *storpb.Volume) {
+	if v.Epoch > e.epoch {
+		e.fence(fmt.Sprintf("volume attached again at epoch %d", v.Epoch))
+		return
+	}
+	if v.SizeBytes > e.size.Load() {
+		if err := e.grow(v.SizeBytes); err != nil {
+			e.logger.Warn("grow replicas", "size", v.SizeBytes, "err", err)
+		}
+	}
+	e.applyVolume(v)
+	e.addNewReplicas(v)
+}
+
+// grow grows every replica, then the engine: no write may reach past the
+// end of a replica that has not grown yet.
+func (e *Engine) grow(size uint64) error {
+	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.IOTimeout)
+	defer cancel()
+	err := e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+		return m.conn.Grow(ctx, e.op(false), size)
+	})
+	if err != nil {
+		return err
+	}
+	e.size.Store(size)
+	e.logger.Info("volume grew", "size", size)
+	return nil
+}
+
+// addNewReplicas opens replicas that joined the set (as rebuilding), so
+// every later write reaches them too.
+func (e *Engine) addNewReplicas(v *storpb.Volume) {
+	for _, r := range v.Replicas {
+		if r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+			continue
+		}
+		e.mu.Lock()
+		_, have := e.members[r.Id]
+		_, known := e.servers[r.ServerId]
+		e.mu.Unlock()
+		if have {
+			continue
+		}
+		if !known {
+			if err := e.refreshServers(e.ctx); err != nil {
+				e.logger.Warn("refresh servers", "err", err)
+				continue
+			}
+		}
+		conn, err := e.connect(e.ctx, r)
+		if err != nil {
+			e.logger.Warn("open new replica", "replica", r.Id, "server", r.ServerId, "err", err)
+			continue
+		}
+		e.mu.Lock()
+		if _, raced := e.members[r.Id]; raced {
+			e.mu.Unlock()
+			conn.Close(e.ctx)
+			continue
+		}
+		e.members[r.Id] = &member{info: r, conn: conn}
+		e.mu.Unlock()
+		e.logger.Info("replica joined the write set", "replica", r.Id, "server", r.ServerId)
+	}
+}
