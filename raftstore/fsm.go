@@ -27,6 +27,7 @@ type FSM struct {
 	hub    *watchHub
 
 	applied atomic.Uint64 // mirror of meta/applied_index after each commit
+	changed chan struct{} // signalled (never blocking) after every commit
 
 	// mu guards db: readers hold it shared, Restore swaps the file under it
 	// exclusively.
@@ -49,7 +50,7 @@ func OpenFSM(path string, logger *slog.Logger) (*FSM, error) {
 	if err != nil {
 		return nil, err
 	}
-	f := &FSM{path: path, logger: logger, db: db, hub: newWatchHub()}
+	f := &FSM{path: path, logger: logger, db: db, hub: newWatchHub(), changed: make(chan struct{}, 1)}
 	f.applied.Store(f.readApplied())
 	return f, nil
 }
@@ -183,9 +184,21 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
 	if last > 0 {
 		f.applied.Store(last)
 		f.publishLocked(changed, last)
+		f.signal()
 	}
 	return out
 }
+
+func (f *FSM) signal() {
+	select {
+	case f.changed <- struct{}{}:
+	default:
+	}
+}
+
+// Changed is signalled after the state changes (coalesced: one signal may
+// stand for many changes). It has one consumer: whoever reads it first.
+func (f *FSM) Changed() <-chan struct{} { return f.changed }
 
 // publishLocked sends the new state of changed volumes to their watchers.
 // Callers hold f.mu (shared is enough).
@@ -256,6 +269,7 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.logger.Info("restored state machine from snapshot", "applied_index", idx)
 	// Every watcher gets its volume's state as of the snapshot.
 	f.publishLocked(f.hub.watched(), idx)
+	f.signal()
 	return nil
 }
 

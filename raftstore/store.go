@@ -301,6 +301,10 @@ func (s *Store) LeaderAddress() (id, address string, err error) {
 // AppliedIndex is the index of the last entry this server's FSM applied.
 func (s *Store) AppliedIndex() uint64 { return s.fsm.AppliedIndex() }
 
+// Changed is signalled after this server's state machine changes
+// (coalesced; for one consumer).
+func (s *Store) Changed() <-chan struct{} { return s.fsm.Changed() }
+
 // View reads the local FSM state (possibly stale on a follower).
 func (s *Store) View(fn func(r *Reader) error) error { return s.fsm.View(fn) }
 
