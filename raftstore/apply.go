@@ -3,6 +3,7 @@ package raftstore
 import (
 	"fmt"
 	"maps"
+	"slices"
 	"unicode"
 	"unicode/utf8"
 
@@ -57,7 +58,9 @@ func (w *writer) apply(c command) (proto.Message, error) {
 	case opDeleteSnapshot:
 		return w.deleteSnapshot(c.Body.(*storpb.SnapshotRef))
 	case opSetReplicaState:
-		return w.setReplicaState(c.Body.(*storpb.SetReplicaStateRequest))
+		return w.setReplicaState(c.At, c.Body.(*storpb.SetReplicaStateRequest))
+	case opReplaceReplica:
+		return w.replaceReplica(c.At, c.ID, c.Body.(*storpb.ReplaceReplicaRequest))
 	}
 	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
 }
@@ -341,8 +344,9 @@ func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, e
 // change the replica set, the last healthy replica is never marked faulty
 // (the engine fails the write instead: losing the last copy is worse), and
 // HEALTHY is accepted only for a rebuild that started at the replica's
-// current generation.
-func (w *writer) setReplicaState(req *storpb.SetReplicaStateRequest) (proto.Message, error) {
+// current generation. A FAULTY replica that becomes REBUILDING gets a delta
+// rebuild from the generation at which it became faulty.
+func (w *writer) setReplicaState(at int64, req *storpb.SetReplicaStateRequest) (proto.Message, error) {
 	v, err := w.Volume(req.VolumeId)
 	if err != nil {
 		return nil, err
@@ -350,28 +354,26 @@ func (w *writer) setReplicaState(req *storpb.SetReplicaStateRequest) (proto.Mess
 	if req.Epoch != v.Epoch {
 		return nil, fmt.Errorf("%w: volume %q is at epoch %d, the request carries %d", ErrStaleEpoch, v.Name, v.Epoch, req.Epoch)
 	}
-	var r *storpb.Replica
-	healthy := 0
-	for _, x := range v.Replicas {
-		if x.Id == req.ReplicaId {
-			r = x
-		}
-		if x.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-			healthy++
-		}
-	}
+	r := findReplica(v, req.ReplicaId)
 	if r == nil {
 		return nil, fmt.Errorf("%w: volume %q has no replica %q", ErrNotFound, v.Name, req.ReplicaId)
 	}
 	if r.State == req.State {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && req.RebuildTotalBytes > 0 {
+			r.RebuildDoneBytes, r.RebuildTotalBytes = req.RebuildDoneBytes, req.RebuildTotalBytes
+			w.put(bucketVolumes, v.Id, v)
+		}
 		return v, nil
 	}
 	switch req.State {
 	case storpb.ReplicaState_REPLICA_STATE_FAULTY:
-		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && healthy == 1 {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && healthyCount(v) == 1 {
 			return nil, fmt.Errorf("%w: replica %q is the last healthy replica of volume %q", ErrFailedPrecondition, r.Id, v.Name)
 		}
 	case storpb.ReplicaState_REPLICA_STATE_REBUILDING:
+		if r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+			return nil, fmt.Errorf("%w: replica %q is %v; only a faulty replica starts rebuilding", ErrFailedPrecondition, r.Id, r.State)
+		}
 	case storpb.ReplicaState_REPLICA_STATE_HEALTHY:
 		if r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || r.Generation != req.Generation {
 			return nil, fmt.Errorf("%w: replica %q is %v at generation %d; a rebuild from generation %d cannot mark it healthy",
@@ -380,8 +382,110 @@ func (w *writer) setReplicaState(req *storpb.SetReplicaStateRequest) (proto.Mess
 	default:
 		return nil, fmt.Errorf("%w: replica state %v", ErrInvalidArgument, req.State)
 	}
+	from := r.Generation // for FAULTY -> REBUILDING: when it became faulty
 	v.Generation++
-	r.State, r.Generation = req.State, v.Generation
+	prev := r.State
+	r.State, r.Generation, r.StateSinceUnixNano = req.State, v.Generation, at
+	r.RebuildDoneBytes, r.RebuildTotalBytes, r.RebuildFromGeneration = 0, 0, 0
+	switch {
+	case req.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY:
+		r.UnhealthySinceUnixNano = 0
+	case prev == storpb.ReplicaState_REPLICA_STATE_HEALTHY:
+		r.UnhealthySinceUnixNano = at
+	}
+	if req.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+		r.RebuildFromGeneration = from
+		r.RebuildTotalBytes = req.RebuildTotalBytes
+	}
+	w.put(bucketVolumes, v.Id, v)
+	return v, nil
+}
+
+func findReplica(v *storpb.Volume, id string) *storpb.Replica {
+	for _, r := range v.Replicas {
+		if r.Id == id {
+			return r
+		}
+	}
+	return nil
+}
+
+func healthyCount(v *storpb.Volume) int {
+	n := 0
+	for _, r := range v.Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			n++
+		}
+	}
+	return n
+}
+
+// replaceReplica removes a replica and/or adds a new one, which starts as
+// REBUILDING (full). The last healthy replica is never removed.
+func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceReplicaRequest) (proto.Message, error) {
+	v, err := w.VolumeByRef(req.Volume)
+	if err != nil {
+		return nil, err
+	}
+	var old *storpb.Replica
+	if req.ReplicaId != "" {
+		if old = findReplica(v, req.ReplicaId); old == nil {
+			return nil, fmt.Errorf("%w: volume %q has no replica %q", ErrNotFound, v.Name, req.ReplicaId)
+		}
+		if old.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && healthyCount(v) == 1 {
+			return nil, fmt.Errorf("%w: replica %q is the last healthy replica of volume %q", ErrFailedPrecondition, old.Id, v.Name)
+		}
+	} else if req.RemoveOnly {
+		return nil, fmt.Errorf("%w: remove needs a replica id", ErrInvalidArgument)
+	}
+	var keep []*storpb.Replica
+	var existing []string
+	for _, r := range v.Replicas {
+		if r != old {
+			keep = append(keep, r)
+		}
+		existing = append(existing, r.ServerId)
+	}
+	var added *storpb.Replica
+	if !req.RemoveOnly {
+		if old == nil && len(v.Replicas) >= int(v.ReplicaCount) {
+			return nil, fmt.Errorf("%w: volume %q already has %d replicas", ErrFailedPrecondition, v.Name, len(v.Replicas))
+		}
+		if newID == "" {
+			return nil, fmt.Errorf("%w: replace-replica without a new replica id", ErrCorrupt)
+		}
+		servers, err := w.Servers()
+		if err != nil {
+			return nil, err
+		}
+		if req.ServerId != "" {
+			servers = slices.DeleteFunc(servers, func(s *storpb.Server) bool { return s.Id != req.ServerId })
+			if len(servers) == 0 {
+				return nil, fmt.Errorf("%w: server %q", ErrNotFound, req.ServerId)
+			}
+		}
+		chosen, err := Place(servers, PlaceRequest{
+			Replicas: 1, SizeBytes: v.SizeBytes, Existing: existing,
+			Accessibility: &storpb.TopologyRequirement{Requisite: v.Accessibility.GetRequisite()},
+		})
+		if err != nil {
+			return nil, fmt.Errorf("volume %q: new replica: %w", v.Name, err)
+		}
+		added = &storpb.Replica{
+			Id: newID, ServerId: chosen[0], State: storpb.ReplicaState_REPLICA_STATE_REBUILDING,
+			StateSinceUnixNano: at, UnhealthySinceUnixNano: at,
+		}
+		keep = append(keep, added)
+	}
+	v.Generation++
+	if added != nil {
+		added.Generation = v.Generation
+		w.addAllocated([]string{added.ServerId}, int64(v.SizeBytes))
+	}
+	if old != nil {
+		w.addAllocated([]string{old.ServerId}, -int64(v.SizeBytes))
+	}
+	v.Replicas = keep
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil
 }

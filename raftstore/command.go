@@ -26,6 +26,7 @@ const (
 	opCreateSnapshot op = 10
 	opDeleteSnapshot op = 11 // Body = storpb.SnapshotRef
 	opSetReplicaState op = 12 // Body = storpb.SetReplicaStateRequest
+	opReplaceReplica  op = 13 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
 )
 
 var opNames = map[op]string{
@@ -35,6 +36,7 @@ var opNames = map[op]string{
 	opExpandVolume: "expand-volume", opAttachVolume: "attach-volume",
 	opDetachVolume: "detach-volume", opCreateSnapshot: "create-snapshot",
 	opDeleteSnapshot: "delete-snapshot", opSetReplicaState: "set-replica-state",
+	opReplaceReplica: "replace-replica",
 }
 
 func (o op) String() string {
@@ -112,6 +114,8 @@ func decodeCommand(b []byte) (command, error) {
 		m = &storpb.SnapshotRef{}
 	case opSetReplicaState:
 		m = &storpb.SetReplicaStateRequest{}
+	case opReplaceReplica:
+		m = &storpb.ReplaceReplicaRequest{}
 	default:
 		return c, fmt.Errorf("%w: unknown command %v", ErrCorrupt, c.Op)
 	}

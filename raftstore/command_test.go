@@ -30,6 +30,7 @@ func TestOpValuesArePinned(t *testing.T) {
 		{opDetachVolume, 9, "detach-volume"},
 		{opCreateSnapshot, 10, "create-snapshot"},
 		{opDeleteSnapshot, 11, "delete-snapshot"},
+		{opSetReplicaState, 12, "set-replica-state"},
 	}
 	if len(opNames) != len(want) {
 		t.Errorf("opNames has %d ops, this test knows %d: add the new op here and to commandRoundTripCases", len(opNames), len(want))
@@ -96,6 +97,10 @@ func commandRoundTripCases() []struct {
 			VolumeId: "vol-6c2a", Name: "nightly",
 		}}},
 		{name: "delete-snapshot", cmd: command{Op: opDeleteSnapshot, At: 10, Body: &storpb.SnapshotRef{Id: "snap-9"}}},
+		{name: "set-replica-state", cmd: command{Op: opSetReplicaState, At: 11, Body: &storpb.SetReplicaStateRequest{
+			VolumeId: "vol-6c2a", ReplicaId: "vol-6c2a-r2", State: storpb.ReplicaState_REPLICA_STATE_HEALTHY,
+			Epoch: 4, Generation: 9, Reason: "rebuild complete",
+		}}},
 		// Edge values of the header.
 		{name: "negative time, long id", cmd: command{Op: opInitCluster, At: math.MinInt64, ID: string(bytes.Repeat([]byte("x"), 300))}},
 		{name: "max time, empty id", cmd: command{Op: opRemoveServer, At: math.MaxInt64}},
@@ -201,7 +206,7 @@ func TestDecodeCommandRejects(t *testing.T) {
 		{"wrong version", append([]byte{2}, valid[1:]...)},
 		{"version zero", append([]byte{0}, valid[1:]...)},
 		{"op zero", append(header(0), 0)},
-		{"unknown op", append(header(12), 0)},
+		{"unknown op", append(header(byte(len(opNames)+1)), 0)},
 		{"op 255", append(header(255), 0)},
 		{"id longer than the entry", append(header(byte(opRemoveServer)), 5, 'a', 'b')},
 		{"id length overflows", append(header(byte(opRemoveServer)), 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01)},

@@ -59,6 +59,14 @@ type Config struct {
 	// ServerDownTimeout: the leader marks a server down when it has not
 	// reported for this long. Default 10s.
 	ServerDownTimeout time.Duration
+	// ReplicaGrace: replicas on a server that has been down this long are
+	// marked faulty by the leader (an attached engine marks a replica
+	// faulty at its first failed write, without waiting). Default 30s.
+	ReplicaGrace time.Duration
+	// ReplaceAfter: a replica unhealthy this long is replaced by a new one
+	// on another server (a full rebuild). A replica whose server returns
+	// sooner gets a delta rebuild. Default 10m.
+	ReplaceAfter time.Duration
 	// ApplyTimeout bounds how long a proposal may wait to be enqueued when
 	// the caller's context has no deadline. Default 10s.
 	ApplyTimeout time.Duration
@@ -84,6 +92,8 @@ func DefaultConfig() Config {
 		SnapshotRetain:     2,
 		MaxVoters:          3,
 		ServerDownTimeout:  10 * time.Second,
+		ReplicaGrace:       30 * time.Second,
+		ReplaceAfter:       10 * time.Minute,
 		ApplyTimeout:       10 * time.Second,
 	}
 }
@@ -127,6 +137,8 @@ func (c *Config) withDefaults() {
 	setDefault(&c.SnapshotRetain, d.SnapshotRetain)
 	setDefault(&c.MaxVoters, d.MaxVoters)
 	setDefault(&c.ServerDownTimeout, d.ServerDownTimeout)
+	setDefault(&c.ReplicaGrace, d.ReplicaGrace)
+	setDefault(&c.ReplaceAfter, d.ReplaceAfter)
 	setDefault(&c.ApplyTimeout, d.ApplyTimeout)
 	if c.Logger == nil {
 		c.Logger = slog.Default()

@@ -90,6 +90,7 @@ func (s *Store) lead(ctx context.Context) {
 	for {
 		s.checkLiveness(ctx, start)
 		s.promoteVoters(ctx)
+		s.reconcileReplicas(ctx)
 		select {
 		case <-ctx.Done():
 			return
@@ -168,5 +169,98 @@ func (s *Store) promoteVoters(ctx context.Context) {
 		}
 		s.logger.Info("promoted non-voter to voter", "promoted", m.ID)
 		voters++
+	}
+}
+
+// reconcileReplicas is the leader's repair loop over every volume:
+//
+//   - a healthy or rebuilding replica on a server down longer than
+//     ReplicaGrace becomes faulty;
+//   - a faulty replica whose server is up again starts a delta rebuild
+//     (only regions written while it was away), while it has been
+//     unhealthy for less than ReplaceAfter;
+//   - a faulty replica unhealthy for longer than ReplaceAfter, or any
+//     replica whose server was removed, is replaced by a new replica
+//     elsewhere (full rebuild); a rebuild in progress is never replaced
+//     for being slow;
+//   - a volume with fewer replicas than its count gets new ones.
+//
+// Each decision is one committed command, proposed with the volume's
+// current epoch, so a concurrent attach makes it fail harmlessly (it is
+// retried at the next tick).
+func (s *Store) reconcileReplicas(ctx context.Context) {
+	var vols []*storpb.Volume
+	servers := map[string]*storpb.Server{}
+	_ = s.fsm.View(func(r *Reader) error {
+		vols, _, _ = r.Volumes("", 0)
+		list, _ := r.Servers()
+		for _, srv := range list {
+			servers[srv.Id] = srv
+		}
+		return nil
+	})
+	now := s.cfg.Now()
+	for _, v := range vols {
+		for _, r := range v.Replicas {
+			if ctx.Err() != nil {
+				return
+			}
+			srv := servers[r.ServerId]
+			down := srv == nil || srv.State == storpb.ServerState_SERVER_STATE_DOWN
+			downFor := time.Duration(0)
+			if srv != nil && down {
+				downFor = now.Sub(time.Unix(0, srv.LastSeenUnixNano))
+			}
+			unhealthyFor := time.Duration(0)
+			if r.UnhealthySinceUnixNano != 0 {
+				unhealthyFor = now.Sub(time.Unix(0, r.UnhealthySinceUnixNano))
+			}
+			switch {
+			case srv == nil || (r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && unhealthyFor > s.cfg.ReplaceAfter):
+				s.repair(ctx, "replace", v, r, func() error {
+					_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: r.Id})
+					return err
+				})
+			case r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY && down && (srv == nil || downFor > s.cfg.ReplicaGrace):
+				s.repair(ctx, "mark faulty (server down)", v, r, func() error {
+					return s.setReplica(ctx, v, r, storpb.ReplicaState_REPLICA_STATE_FAULTY, "server "+r.ServerId+" is down")
+				})
+			case r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && !down:
+				s.repair(ctx, "delta rebuild", v, r, func() error {
+					return s.setReplica(ctx, v, r, storpb.ReplicaState_REPLICA_STATE_REBUILDING, "server "+r.ServerId+" is up")
+				})
+			}
+		}
+		if n := len(v.Replicas); n < int(v.ReplicaCount) && ctx.Err() == nil {
+			s.repair(ctx, "add replica", v, nil, func() error {
+				_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+				return err
+			})
+		}
+	}
+}
+
+func (s *Store) setReplica(ctx context.Context, v *storpb.Volume, r *storpb.Replica, state storpb.ReplicaState, reason string) error {
+	_, err := s.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+		VolumeId: v.Id, ReplicaId: r.Id, State: state, Epoch: v.Epoch, Reason: reason,
+	})
+	return err
+}
+
+// repair runs one reconciler decision and logs its outcome. Refusals
+// (the last healthy copy, no server to place on) are expected and retried
+// at the next tick; they are logged at debug level.
+func (s *Store) repair(ctx context.Context, what string, v *storpb.Volume, r *storpb.Replica, do func() error) {
+	replicaID := ""
+	if r != nil {
+		replicaID = r.Id
+	}
+	err := do()
+	switch {
+	case err == nil:
+		s.logger.Info("replica repair", "action", what, "volume", v.Name, "replica", replicaID)
+	case ctx.Err() != nil:
+	default:
+		s.logger.Debug("replica repair deferred", "action", what, "volume", v.Name, "replica", replicaID, "err", err)
 	}
 }

@@ -421,6 +421,11 @@ func (s *Store) SetReplicaState(ctx context.Context, req *storpb.SetReplicaState
 	return asVolume(s.propose(ctx, command{Op: opSetReplicaState, Body: req}))
 }
 
+// ReplaceReplica removes and/or adds a replica (see storpb.ReplaceReplicaRequest).
+func (s *Store) ReplaceReplica(ctx context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.Volume, error) {
+	return asVolume(s.propose(ctx, command{Op: opReplaceReplica, ID: uuid.NewString(), Body: req}))
+}
+
 // CreateSnapshot records a snapshot of a volume (idempotent by name).
 func (s *Store) CreateSnapshot(ctx context.Context, req *storpb.CreateSnapshotRequest) (*storpb.Snapshot, error) {
 	m, err := s.propose(ctx, command{Op: opCreateSnapshot, ID: uuid.NewString(), Body: req})

@@ -422,9 +422,21 @@ type Replica struct {
 	ServerId string                 `protobuf:"bytes,2,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
 	State    ReplicaState           `protobuf:"varint,3,opt,name=state,proto3,enum=stor.v1.ReplicaState" json:"state,omitempty"`
 	// The replica-set generation at which this replica entered its state.
-	Generation    uint64 `protobuf:"varint,4,opt,name=generation,proto3" json:"generation,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Generation uint64 `protobuf:"varint,4,opt,name=generation,proto3" json:"generation,omitempty"`
+	// When it entered its state (unix nanoseconds, the proposer's clock).
+	StateSinceUnixNano int64 `protobuf:"varint,5,opt,name=state_since_unix_nano,json=stateSinceUnixNano,proto3" json:"state_since_unix_nano,omitempty"`
+	// For a REBUILDING replica: copy only the regions written since this
+	// generation (a delta rebuild); 0 means a full rebuild.
+	RebuildFromGeneration uint64 `protobuf:"varint,6,opt,name=rebuild_from_generation,json=rebuildFromGeneration,proto3" json:"rebuild_from_generation,omitempty"`
+	// Rebuild progress, reported by the rebuilder: bytes done of total.
+	RebuildDoneBytes  uint64 `protobuf:"varint,7,opt,name=rebuild_done_bytes,json=rebuildDoneBytes,proto3" json:"rebuild_done_bytes,omitempty"`
+	RebuildTotalBytes uint64 `protobuf:"varint,8,opt,name=rebuild_total_bytes,json=rebuildTotalBytes,proto3" json:"rebuild_total_bytes,omitempty"`
+	// When the replica stopped being healthy (kept while it bounces between
+	// FAULTY and REBUILDING); 0 while healthy. The leader replaces a replica
+	// that has not been healthy for too long.
+	UnhealthySinceUnixNano int64 `protobuf:"varint,9,opt,name=unhealthy_since_unix_nano,json=unhealthySinceUnixNano,proto3" json:"unhealthy_since_unix_nano,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *Replica) Reset() {
@@ -481,6 +493,41 @@ func (x *Replica) GetState() ReplicaState {
 func (x *Replica) GetGeneration() uint64 {
 	if x != nil {
 		return x.Generation
+	}
+	return 0
+}
+
+func (x *Replica) GetStateSinceUnixNano() int64 {
+	if x != nil {
+		return x.StateSinceUnixNano
+	}
+	return 0
+}
+
+func (x *Replica) GetRebuildFromGeneration() uint64 {
+	if x != nil {
+		return x.RebuildFromGeneration
+	}
+	return 0
+}
+
+func (x *Replica) GetRebuildDoneBytes() uint64 {
+	if x != nil {
+		return x.RebuildDoneBytes
+	}
+	return 0
+}
+
+func (x *Replica) GetRebuildTotalBytes() uint64 {
+	if x != nil {
+		return x.RebuildTotalBytes
+	}
+	return 0
+}
+
+func (x *Replica) GetUnhealthySinceUnixNano() int64 {
+	if x != nil {
+		return x.UnhealthySinceUnixNano
 	}
 	return 0
 }
@@ -2322,9 +2369,13 @@ type SetReplicaStateRequest struct {
 	// replica changed since, the request is refused (FAILED_PRECONDITION).
 	Generation uint64 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
 	// Why, for the log (e.g. the I/O error).
-	Reason        string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Reason string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
+	// For REBUILDING: progress of a rebuild under way (no new generation);
+	// a replica already REBUILDING only has its progress updated.
+	RebuildDoneBytes  uint64 `protobuf:"varint,7,opt,name=rebuild_done_bytes,json=rebuildDoneBytes,proto3" json:"rebuild_done_bytes,omitempty"`
+	RebuildTotalBytes uint64 `protobuf:"varint,8,opt,name=rebuild_total_bytes,json=rebuildTotalBytes,proto3" json:"rebuild_total_bytes,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *SetReplicaStateRequest) Reset() {
@@ -2399,6 +2450,20 @@ func (x *SetReplicaStateRequest) GetReason() string {
 	return ""
 }
 
+func (x *SetReplicaStateRequest) GetRebuildDoneBytes() uint64 {
+	if x != nil {
+		return x.RebuildDoneBytes
+	}
+	return 0
+}
+
+func (x *SetReplicaStateRequest) GetRebuildTotalBytes() uint64 {
+	if x != nil {
+		return x.RebuildTotalBytes
+	}
+	return 0
+}
+
 type SetReplicaStateResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Volume        *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
@@ -2443,6 +2508,127 @@ func (x *SetReplicaStateResponse) GetVolume() *Volume {
 	return nil
 }
 
+// ReplaceReplica swaps a replica for a new one on another server, which
+// joins as REBUILDING (a full rebuild). Operators use it to move a replica
+// (stor-ctl replica remove/add); the leader uses it for replicas whose
+// server stayed away too long.
+type ReplaceReplicaRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Volume *VolumeRef             `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	// The replica to remove; empty to only add one (the volume has fewer
+	// replicas than its replica count).
+	ReplicaId string `protobuf:"bytes,2,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	// Place the new replica here; empty lets placement choose.
+	ServerId string `protobuf:"bytes,3,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
+	// Remove without adding (the volume then runs with fewer replicas
+	// until a replica is added).
+	RemoveOnly    bool `protobuf:"varint,4,opt,name=remove_only,json=removeOnly,proto3" json:"remove_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplaceReplicaRequest) Reset() {
+	*x = ReplaceReplicaRequest{}
+	mi := &file_control_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplaceReplicaRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplaceReplicaRequest) ProtoMessage() {}
+
+func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
+func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
+func (x *ReplaceReplicaRequest) GetReplicaId() string {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return ""
+}
+
+func (x *ReplaceReplicaRequest) GetServerId() string {
+	if x != nil {
+		return x.ServerId
+	}
+	return ""
+}
+
+func (x *ReplaceReplicaRequest) GetRemoveOnly() bool {
+	if x != nil {
+		return x.RemoveOnly
+	}
+	return false
+}
+
+type ReplaceReplicaResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Volume        *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplaceReplicaResponse) Reset() {
+	*x = ReplaceReplicaResponse{}
+	mi := &file_control_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplaceReplicaResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplaceReplicaResponse) ProtoMessage() {}
+
+func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
+func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *ReplaceReplicaResponse) GetVolume() *Volume {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
 type WatchVolumeRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Volume        *VolumeRef             `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
@@ -2452,7 +2638,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2464,7 +2650,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2477,7 +2663,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -2501,7 +2687,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2513,7 +2699,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2526,7 +2712,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -2562,7 +2748,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2574,7 +2760,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2587,7 +2773,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -2613,7 +2799,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2625,7 +2811,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2638,7 +2824,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -2658,7 +2844,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2670,7 +2856,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2683,7 +2869,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -2709,7 +2895,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2721,7 +2907,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2734,7 +2920,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -2753,7 +2939,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2765,7 +2951,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2778,7 +2964,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -2800,7 +2986,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2812,7 +2998,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2825,7 +3011,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -2859,7 +3045,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2871,7 +3057,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2884,7 +3070,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -2910,7 +3096,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2922,7 +3108,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2935,7 +3121,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -2953,7 +3139,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2965,7 +3151,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2978,7 +3164,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 var File_control_proto protoreflect.FileDescriptor
@@ -3001,14 +3187,19 @@ const file_control_proto_rawDesc = "" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x83\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x87\x03\n" +
 	"\aReplica\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
 	"\tserver_id\x18\x02 \x01(\tR\bserverId\x12+\n" +
 	"\x05state\x18\x03 \x01(\x0e2\x15.stor.v1.ReplicaStateR\x05state\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x04 \x01(\x04R\n" +
-	"generation\"|\n" +
+	"generation\x121\n" +
+	"\x15state_since_unix_nano\x18\x05 \x01(\x03R\x12stateSinceUnixNano\x126\n" +
+	"\x17rebuild_from_generation\x18\x06 \x01(\x04R\x15rebuildFromGeneration\x12,\n" +
+	"\x12rebuild_done_bytes\x18\a \x01(\x04R\x10rebuildDoneBytes\x12.\n" +
+	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\x129\n" +
+	"\x19unhealthy_since_unix_nano\x18\t \x01(\x03R\x16unhealthySinceUnixNano\"|\n" +
 	"\n" +
 	"Attachment\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12'\n" +
@@ -3148,7 +3339,7 @@ const file_control_proto_rawDesc = "" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\"?\n" +
 	"\x14DetachVolumeResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xcf\x01\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xad\x02\n" +
 	"\x16SetReplicaStateRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1d\n" +
 	"\n" +
@@ -3158,8 +3349,19 @@ const file_control_proto_rawDesc = "" +
 	"\n" +
 	"generation\x18\x05 \x01(\x04R\n" +
 	"generation\x12\x16\n" +
-	"\x06reason\x18\x06 \x01(\tR\x06reason\"B\n" +
+	"\x06reason\x18\x06 \x01(\tR\x06reason\x12,\n" +
+	"\x12rebuild_done_bytes\x18\a \x01(\x04R\x10rebuildDoneBytes\x12.\n" +
+	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\"B\n" +
 	"\x17SetReplicaStateResponse\x12'\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xa0\x01\n" +
+	"\x15ReplaceReplicaRequest\x12*\n" +
+	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\x02 \x01(\tR\treplicaId\x12\x1b\n" +
+	"\tserver_id\x18\x03 \x01(\tR\bserverId\x12\x1f\n" +
+	"\vremove_only\x18\x04 \x01(\bR\n" +
+	"removeOnly\"A\n" +
+	"\x16ReplaceReplicaResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"@\n" +
 	"\x12WatchVolumeRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\"f\n" +
@@ -3218,7 +3420,7 @@ const file_control_proto_rawDesc = "" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
 	"\x06Status\x12\x16.stor.v1.StatusRequest\x1a\x17.stor.v1.StatusResponse\x12H\n" +
 	"\vListServers\x12\x1b.stor.v1.ListServersRequest\x1a\x1c.stor.v1.ListServersResponse\x12B\n" +
-	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse2\xb8\x05\n" +
+	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse2\x8b\x06\n" +
 	"\rVolumeService\x12K\n" +
 	"\fCreateVolume\x12\x1c.stor.v1.CreateVolumeRequest\x1a\x1d.stor.v1.CreateVolumeResponse\x12B\n" +
 	"\tGetVolume\x12\x19.stor.v1.GetVolumeRequest\x1a\x1a.stor.v1.GetVolumeResponse\x12H\n" +
@@ -3228,7 +3430,8 @@ const file_control_proto_rawDesc = "" +
 	"\fAttachVolume\x12\x1c.stor.v1.AttachVolumeRequest\x1a\x1d.stor.v1.AttachVolumeResponse\x12K\n" +
 	"\fDetachVolume\x12\x1c.stor.v1.DetachVolumeRequest\x1a\x1d.stor.v1.DetachVolumeResponse\x12B\n" +
 	"\vWatchVolume\x12\x1b.stor.v1.WatchVolumeRequest\x1a\x14.stor.v1.VolumeEvent0\x01\x12T\n" +
-	"\x0fSetReplicaState\x12\x1f.stor.v1.SetReplicaStateRequest\x1a .stor.v1.SetReplicaStateResponse2\xd1\x02\n" +
+	"\x0fSetReplicaState\x12\x1f.stor.v1.SetReplicaStateRequest\x1a .stor.v1.SetReplicaStateResponse\x12Q\n" +
+	"\x0eReplaceReplica\x12\x1e.stor.v1.ReplaceReplicaRequest\x1a\x1f.stor.v1.ReplaceReplicaResponse2\xd1\x02\n" +
 	"\x0fSnapshotService\x12Q\n" +
 	"\x0eCreateSnapshot\x12\x1e.stor.v1.CreateSnapshotRequest\x1a\x1f.stor.v1.CreateSnapshotResponse\x12H\n" +
 	"\vGetSnapshot\x12\x1b.stor.v1.GetSnapshotRequest\x1a\x1c.stor.v1.GetSnapshotResponse\x12N\n" +
@@ -3248,7 +3451,7 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 51)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
 var file_control_proto_goTypes = []any{
 	(ServerState)(0),                // 0: stor.v1.ServerState
 	(VolumeState)(0),                // 1: stor.v1.VolumeState
@@ -3291,31 +3494,33 @@ var file_control_proto_goTypes = []any{
 	(*DetachVolumeResponse)(nil),    // 38: stor.v1.DetachVolumeResponse
 	(*SetReplicaStateRequest)(nil),  // 39: stor.v1.SetReplicaStateRequest
 	(*SetReplicaStateResponse)(nil), // 40: stor.v1.SetReplicaStateResponse
-	(*WatchVolumeRequest)(nil),      // 41: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),             // 42: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),   // 43: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),  // 44: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),             // 45: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),      // 46: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),     // 47: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),    // 48: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 49: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 50: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 51: stor.v1.DeleteSnapshotResponse
-	nil,                             // 52: stor.v1.Server.LabelsEntry
-	nil,                             // 53: stor.v1.Topology.SegmentsEntry
-	nil,                             // 54: stor.v1.Volume.ParametersEntry
-	nil,                             // 55: stor.v1.CreateVolumeRequest.ParametersEntry
+	(*ReplaceReplicaRequest)(nil),   // 41: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),  // 42: stor.v1.ReplaceReplicaResponse
+	(*WatchVolumeRequest)(nil),      // 43: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),             // 44: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),   // 45: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),  // 46: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),             // 47: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),      // 48: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),     // 49: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),    // 50: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 51: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 52: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 53: stor.v1.DeleteSnapshotResponse
+	nil,                             // 54: stor.v1.Server.LabelsEntry
+	nil,                             // 55: stor.v1.Topology.SegmentsEntry
+	nil,                             // 56: stor.v1.Volume.ParametersEntry
+	nil,                             // 57: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	52, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	54, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
 	2,  // 2: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 3: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	53, // 4: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	55, // 4: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
 	9,  // 5: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
 	9,  // 6: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	54, // 7: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	56, // 7: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
 	8,  // 8: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 9: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
 	7,  // 10: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
@@ -3327,7 +3532,7 @@ var file_control_proto_depIdxs = []int32{
 	18, // 16: stor.v1.StatusResponse.members:type_name -> stor.v1.Member
 	5,  // 17: stor.v1.ListServersResponse.servers:type_name -> stor.v1.Server
 	5,  // 18: stor.v1.HeartbeatRequest.server:type_name -> stor.v1.Server
-	55, // 19: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	57, // 19: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
 	8,  // 20: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
 	10, // 21: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
 	11, // 22: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
@@ -3344,54 +3549,58 @@ var file_control_proto_depIdxs = []int32{
 	11, // 33: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
 	2,  // 34: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
 	11, // 35: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	26, // 36: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	11, // 37: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	12, // 38: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	45, // 39: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	12, // 40: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	12, // 41: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	45, // 42: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	13, // 43: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	15, // 44: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	17, // 45: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	20, // 46: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	22, // 47: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	24, // 48: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	27, // 49: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	29, // 50: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	31, // 51: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	33, // 52: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	35, // 53: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	37, // 54: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	41, // 55: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	39, // 56: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	43, // 57: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	46, // 58: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	48, // 59: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	50, // 60: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	14, // 61: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	16, // 62: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	19, // 63: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	21, // 64: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	23, // 65: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	25, // 66: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	28, // 67: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	30, // 68: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	32, // 69: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	34, // 70: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	36, // 71: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	38, // 72: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	42, // 73: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	40, // 74: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	44, // 75: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	47, // 76: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	49, // 77: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	51, // 78: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	61, // [61:79] is the sub-list for method output_type
-	43, // [43:61] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	26, // 36: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	11, // 37: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	26, // 38: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	11, // 39: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	12, // 40: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	47, // 41: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	12, // 42: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	12, // 43: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	47, // 44: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	13, // 45: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	15, // 46: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	17, // 47: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	20, // 48: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	22, // 49: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	24, // 50: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	27, // 51: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	29, // 52: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	31, // 53: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	33, // 54: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	35, // 55: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	37, // 56: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	43, // 57: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	39, // 58: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	41, // 59: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	45, // 60: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	48, // 61: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	50, // 62: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	52, // 63: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	14, // 64: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	16, // 65: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	19, // 66: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	21, // 67: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	23, // 68: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	25, // 69: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	28, // 70: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	30, // 71: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	32, // 72: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	34, // 73: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	36, // 74: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	38, // 75: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	44, // 76: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	40, // 77: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	42, // 78: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	46, // 79: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	49, // 80: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	51, // 81: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	53, // 82: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	64, // [64:83] is the sub-list for method output_type
+	45, // [45:64] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }
@@ -3409,7 +3618,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      5,
-			NumMessages:   51,
+			NumMessages:   53,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -296,6 +296,7 @@ const (
 	VolumeService_DetachVolume_FullMethodName    = "/stor.v1.VolumeService/DetachVolume"
 	VolumeService_WatchVolume_FullMethodName     = "/stor.v1.VolumeService/WatchVolume"
 	VolumeService_SetReplicaState_FullMethodName = "/stor.v1.VolumeService/SetReplicaState"
+	VolumeService_ReplaceReplica_FullMethodName  = "/stor.v1.VolumeService/ReplaceReplica"
 )
 
 // VolumeServiceClient is the client API for VolumeService service.
@@ -311,6 +312,7 @@ type VolumeServiceClient interface {
 	DetachVolume(ctx context.Context, in *DetachVolumeRequest, opts ...grpc.CallOption) (*DetachVolumeResponse, error)
 	WatchVolume(ctx context.Context, in *WatchVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[VolumeEvent], error)
 	SetReplicaState(ctx context.Context, in *SetReplicaStateRequest, opts ...grpc.CallOption) (*SetReplicaStateResponse, error)
+	ReplaceReplica(ctx context.Context, in *ReplaceReplicaRequest, opts ...grpc.CallOption) (*ReplaceReplicaResponse, error)
 }
 
 type volumeServiceClient struct {
@@ -420,6 +422,16 @@ func (c *volumeServiceClient) SetReplicaState(ctx context.Context, in *SetReplic
 	return out, nil
 }
 
+func (c *volumeServiceClient) ReplaceReplica(ctx context.Context, in *ReplaceReplicaRequest, opts ...grpc.CallOption) (*ReplaceReplicaResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReplaceReplicaResponse)
+	err := c.cc.Invoke(ctx, VolumeService_ReplaceReplica_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // VolumeServiceServer is the server API for VolumeService service.
 // All implementations must embed UnimplementedVolumeServiceServer
 // for forward compatibility.
@@ -433,6 +445,7 @@ type VolumeServiceServer interface {
 	DetachVolume(context.Context, *DetachVolumeRequest) (*DetachVolumeResponse, error)
 	WatchVolume(*WatchVolumeRequest, grpc.ServerStreamingServer[VolumeEvent]) error
 	SetReplicaState(context.Context, *SetReplicaStateRequest) (*SetReplicaStateResponse, error)
+	ReplaceReplica(context.Context, *ReplaceReplicaRequest) (*ReplaceReplicaResponse, error)
 	mustEmbedUnimplementedVolumeServiceServer()
 }
 
@@ -469,6 +482,9 @@ func (UnimplementedVolumeServiceServer) WatchVolume(*WatchVolumeRequest, grpc.Se
 }
 func (UnimplementedVolumeServiceServer) SetReplicaState(context.Context, *SetReplicaStateRequest) (*SetReplicaStateResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SetReplicaState not implemented")
+}
+func (UnimplementedVolumeServiceServer) ReplaceReplica(context.Context, *ReplaceReplicaRequest) (*ReplaceReplicaResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReplaceReplica not implemented")
 }
 func (UnimplementedVolumeServiceServer) mustEmbedUnimplementedVolumeServiceServer() {}
 func (UnimplementedVolumeServiceServer) testEmbeddedByValue()                       {}
@@ -646,6 +662,24 @@ func _VolumeService_SetReplicaState_Handler(srv interface{}, ctx context.Context
 	return interceptor(ctx, in, info, handler)
 }
 
+func _VolumeService_ReplaceReplica_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReplaceReplicaRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(VolumeServiceServer).ReplaceReplica(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: VolumeService_ReplaceReplica_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(VolumeServiceServer).ReplaceReplica(ctx, req.(*ReplaceReplicaRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // VolumeService_ServiceDesc is the grpc.ServiceDesc for VolumeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -684,6 +718,10 @@ var VolumeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SetReplicaState",
 			Handler:    _VolumeService_SetReplicaState_Handler,
+		},
+		{
+			MethodName: "ReplaceReplica",
+			Handler:    _VolumeService_ReplaceReplica_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -168,6 +168,15 @@ func (v *volumeService) SetReplicaState(ctx context.Context, req *storpb.SetRepl
 	return &storpb.SetReplicaStateResponse{Volume: vol}, nil
 }
 
+func (v *volumeService) ReplaceReplica(ctx context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.ReplaceReplicaResponse, error) {
+	vol, err := v.s.store.ReplaceReplica(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	v.s.logger.Info("replica replaced", "volume", vol.Name, "removed", req.ReplicaId, "generation", vol.Generation)
+	return &storpb.ReplaceReplicaResponse{Volume: vol}, nil
+}
+
 // WatchVolume streams the volume's committed changes as this server
 // applies them. It is served by any server from its own state machine:
 // the stream starts from a state that includes every change the leader had

@@ -1,0 +1,152 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/internal/servertest"
+)
+
+func getVolume(t *testing.T, c *servertest.Cluster, from int, id string) *storpb.Volume {
+	t.Helper()
+	return retry(t, 10*time.Second, func(ctx context.Context) (*storpb.GetVolumeResponse, error) {
+		return c.Client(from).Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+	}).Volume
+}
+
+// waitVolume polls the volume until cond holds.
+func waitVolume(t *testing.T, c *servertest.Cluster, from int, id string, within time.Duration, what string, cond func(v *storpb.Volume) bool) *storpb.Volume {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		v := getVolume(t, c, from, id)
+		if cond(v) {
+			return v
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not reached within %v; volume %v", what, within, v)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func replicaOn(v *storpb.Volume, serverID string) *storpb.Replica {
+	for _, r := range v.Replicas {
+		if r.ServerId == serverID {
+			return r
+		}
+	}
+	return nil
+}
+
+func TestServerReturningInTimeGetsDeltaRebuild(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Configure: func(i int, cfg *server.Config) {
+		cfg.Raft.ReplicaGrace = 500 * time.Millisecond
+		cfg.Raft.ReplaceAfter = time.Minute
+	}})
+	leader := c.Leader(10 * time.Second)
+	victim := (leader + 1) % 3
+	id := c.Nodes[victim].ID
+	v := createVolume(t, c.Client(leader), "v", gib, 3)
+	c.Kill(victim)
+	faulty := waitVolume(t, c, leader, v.Id, 10*time.Second, "replica faulty after its server went down", func(v *storpb.Volume) bool {
+		return replicaOn(v, id).GetState() == storpb.ReplicaState_REPLICA_STATE_FAULTY
+	})
+	faultGen := replicaOn(faulty, id).Generation
+	c.Start(victim)
+	rebuilding := waitVolume(t, c, leader, v.Id, 10*time.Second, "delta rebuild after the server returned", func(v *storpb.Volume) bool {
+		return replicaOn(v, id).GetState() == storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	})
+	r := replicaOn(rebuilding, id)
+	if r.RebuildFromGeneration != faultGen || r.UnhealthySinceUnixNano == 0 {
+		t.Fatalf("rebuilding replica %v: want a delta from generation %d", r, faultGen)
+	}
+	if len(rebuilding.Replicas) != 3 {
+		t.Fatalf("replica set changed size: %v", rebuilding.Replicas)
+	}
+}
+
+func TestReplicaUnhealthyTooLongIsReplaced(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
+		cfg.Raft.ReplicaGrace = 200 * time.Millisecond
+		cfg.Raft.ReplaceAfter = time.Second
+	}})
+	leader := c.Leader(10 * time.Second)
+	v := createVolume(t, c.Client(leader), "v", gib, 3)
+	var victim int
+	for i, n := range c.Nodes {
+		if i != leader && replicaOn(v, n.ID) != nil {
+			victim = i
+			break
+		}
+	}
+	gone := c.Nodes[victim].ID
+	c.Kill(victim)
+	replaced := waitVolume(t, c, leader, v.Id, 15*time.Second, "replacement placed", func(v *storpb.Volume) bool {
+		return replicaOn(v, gone) == nil && len(v.Replicas) == 3
+	})
+	var fresh *storpb.Replica
+	for _, r := range replaced.Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+			fresh = r
+		}
+	}
+	if fresh == nil || fresh.RebuildFromGeneration != 0 {
+		t.Fatalf("replacement %v: want a full rebuild (from generation 0)", fresh)
+	}
+	servers := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
+		return c.Client(leader).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	}).Servers
+	for _, s := range servers {
+		want := uint64(0)
+		if replicaOn(replaced, s.Id) != nil {
+			want = gib
+		}
+		if s.AllocatedBytes != want {
+			t.Fatalf("server %s allocates %d bytes, want %d", s.Id, s.AllocatedBytes, want)
+		}
+	}
+}
+
+func TestReplaceReplicaByOperator(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 4})
+	cl := c.Client(0)
+	v := createVolume(t, cl, "v", gib, 3)
+	var spare string
+	for _, n := range c.Nodes {
+		if replicaOn(v, n.ID) == nil {
+			spare = n.ID
+		}
+	}
+	moved := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.ReplaceReplicaResponse, error) {
+		return cl.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id, ServerId: spare})
+	}).Volume
+	if r := replicaOn(moved, spare); r == nil || r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || len(moved.Replicas) != 3 {
+		t.Fatalf("after moving a replica to %s: %v", spare, moved.Replicas)
+	}
+	// Adding to a full volume, or onto a server that already holds one, is refused.
+	_, err := cl.Volumes.ReplaceReplica(ctxT(t, 5*time.Second), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("add to a full volume: %v", err)
+	}
+	// Remove the two healthy ones: the second is the last healthy copy.
+	var healthy []string
+	for _, r := range moved.Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			healthy = append(healthy, r.Id)
+		}
+	}
+	if _, err := cl.Volumes.ReplaceReplica(ctxT(t, 5*time.Second), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: healthy[0], RemoveOnly: true}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = cl.Volumes.ReplaceReplica(ctxT(t, 5*time.Second), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: healthy[1], RemoveOnly: true})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("removing the last healthy replica: %v", err)
+	}
+}
