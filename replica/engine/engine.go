@@ -37,6 +37,11 @@ type ReplicaConn interface {
 	Flush(ctx context.Context, o replica.Op) error
 	Grow(ctx context.Context, o replica.Op, size uint64) error
 	DirtyRegions(ctx context.Context, o replica.Op) ([]replica.Extent, error)
+	Extents(ctx context.Context, o replica.Op, snapshotID string, from int64, limit int) ([]replica.Extent, error)
+	WrittenSince(ctx context.Context, o replica.Op, generation uint64) ([]replica.Extent, error)
+	BeginRebuild(ctx context.Context, o replica.Op) error
+	RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int64) error
+	EndRebuild(ctx context.Context, o replica.Op) error
 	Close(ctx context.Context) error
 }
 
@@ -113,6 +118,7 @@ type Engine struct {
 	// under mu and release it before doing I/O.
 	mu         sync.Mutex
 	members    map[string]*member // replica id -> opened replica (healthy or rebuilding)
+	rebuilding map[string]bool    // replica ids with a rebuild goroutine running
 	generation uint64
 	servers    map[string]*storpb.Server // server id -> server, for data addresses
 
@@ -156,7 +162,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e := &Engine{
 		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
 		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
-		members: map[string]*member{}, generation: v.Generation,
+		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
 	}
 	e.size.Store(v.SizeBytes)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -177,6 +183,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		defer e.wg.Done()
 		e.follow()
 	}()
+	e.startRebuilds()
 	e.logger.Info("volume open", "replicas", len(e.members), "size", v.SizeBytes, "generation", e.generation)
 	return e, nil
 }
@@ -397,13 +404,7 @@ func chunks(off, n int64) []replica.Extent {
 	if n <= replica.MaxIO {
 		return []replica.Extent{{Off: off, Len: n}}
 	}
-	var out []replica.Extent
-	for n > 0 {
-		l := min(n, replica.MaxIO)
-		out = append(out, replica.Extent{Off: off, Len: l})
-		off, n = off+l, n-l
-	}
-	return out
+	return chunksOf(off, n, replica.MaxIO)
 }
 
 // WriteAt writes p at off on every replica; see the ack rule.

@@ -375,3 +375,78 @@ func TestEngineFollowsExpansion(t *testing.T) {
 		t.Fatalf("write in the grown space: %v", err)
 	}
 }
+
+func TestFaultyReplicaIsRebuiltWhileWritesGoOn(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	if err := e.WriteAt(ctx10(t), randomBytes(10, 2<<20), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	// Replica 2 fails a write: the engine records it faulty and goes on.
+	r2 := f.replica(2)
+	r2.mu.Lock()
+	r2.failIO = true
+	r2.mu.Unlock()
+	if err := e.WriteAt(ctx10(t), randomBytes(11, 4096), 1<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	missed := randomBytes(12, 64<<10) // written while replica 2 is out
+	if err := e.WriteAt(ctx10(t), missed, 3<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	// Its server is up, so the leader starts a delta rebuild; the engine
+	// drives it while a writer keeps writing.
+	r2.mu.Lock()
+	r2.failIO = false
+	r2.mu.Unlock()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := uint64(0); ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			off := int64(i%128) * 4096 * 4 // below 2 MiB: never over the missed range
+			if err := e.WriteAt(context.Background(), randomBytes(100+i, 4096), off, false); err != nil {
+				t.Errorf("write during rebuild: %v", err)
+				return
+			}
+		}
+	}()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		v := f.volume()
+		if v.Replicas[2].State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica 2 not healthy again: %v", v.Replicas[2])
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	if err := e.Flush(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	a, b, c := f.replica(0).snapshot(), f.replica(1).snapshot(), f.replica(2).snapshot()
+	if !bytes.Equal(a, b) || !bytes.Equal(a, c) {
+		t.Fatal("replicas differ after the rebuild")
+	}
+	if !bytes.Equal(c[3<<20:3<<20+len(missed)], missed) {
+		t.Fatal("the rebuilt replica lacks a write made while it was out")
+	}
+	r2.mu.Lock()
+	defer r2.mu.Unlock()
+	if r2.rebuilds == 0 {
+		t.Fatal("no rebuild ran")
+	}
+	// A delta copies the regions written while it was out, not the volume.
+	if copied := r2.rebuildOps; copied == 0 || copied > 8 {
+		t.Fatalf("delta rebuild issued %d copy writes; want a few regions' worth", copied)
+	}
+}

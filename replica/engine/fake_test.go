@@ -22,12 +22,19 @@ type memReplica struct {
 	hold     chan struct{} // if set, writes block until it is closed
 	writes   int
 	accepted []uint64 // epochs of accepted writes
+
+	allocated  map[int64]bool   // 4 KiB blocks ever written
+	history    map[int64]uint64 // region -> highest generation written
+	protected  map[int64]bool   // blocks written since BeginRebuild (nil: no rebuild)
+	rebuilds   int              // completed rebuilds
+	rebuildOps int              // RebuildWrite calls
 }
 
 const region = 1 << 20
 
 func newMemReplica(id string, size int) *memReplica {
-	return &memReplica{id: id, data: make([]byte, size), dirty: map[int64]bool{}}
+	return &memReplica{id: id, data: make([]byte, size), dirty: map[int64]bool{},
+		allocated: map[int64]bool{}, history: map[int64]uint64{}}
 }
 
 func (r *memReplica) fence(epoch uint64) error {
@@ -87,9 +94,90 @@ func (c conn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) er
 		return err
 	}
 	copy(c.r.data[off:], p)
-	c.r.dirty[off/region*region] = true
+	for b := off / 4096; b*4096 < off+int64(len(p)); b++ {
+		c.r.allocated[b] = true
+		if c.r.protected != nil {
+			c.r.protected[b] = true
+		}
+	}
+	for reg := off / region * region; reg < off+int64(len(p)); reg += region {
+		c.r.dirty[reg] = true
+		c.r.history[reg] = max(c.r.history[reg], o.Generation)
+	}
 	c.r.writes++
 	c.r.accepted = append(c.r.accepted, o.Epoch)
+	return nil
+}
+
+func (c conn) Extents(ctx context.Context, o replica.Op, snap string, from int64, limit int) ([]replica.Extent, error) {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return nil, err
+	}
+	var out []replica.Extent
+	for b := from / 4096; b*4096 < int64(len(c.r.data)); b++ {
+		if c.r.allocated[b] {
+			out = append(out, replica.Extent{Off: b * 4096, Len: 4096})
+			if limit > 0 && len(out) == limit {
+				break
+			}
+		}
+	}
+	return out, nil
+}
+
+func (c conn) WrittenSince(ctx context.Context, o replica.Op, gen uint64) ([]replica.Extent, error) {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return nil, err
+	}
+	var out []replica.Extent
+	for reg, g := range c.r.history {
+		if g >= gen {
+			out = append(out, replica.Extent{Off: reg, Len: region})
+		}
+	}
+	return out, nil
+}
+
+func (c conn) BeginRebuild(ctx context.Context, o replica.Op) error {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return err
+	}
+	c.r.protected = map[int64]bool{}
+	return nil
+}
+
+func (c conn) RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, off, int64(len(p))); err != nil {
+		return err
+	}
+	c.r.rebuildOps++
+	for i := int64(0); i < int64(len(p)); i += 4096 {
+		b := (off + i) / 4096
+		if c.r.protected[b] {
+			continue
+		}
+		copy(c.r.data[off+i:off+i+4096], p[i:i+4096])
+		c.r.allocated[b] = true
+	}
+	return nil
+}
+
+func (c conn) EndRebuild(ctx context.Context, o replica.Op) error {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, 0, 0); err != nil {
+		return err
+	}
+	c.r.protected = nil
+	c.r.rebuilds++
 	return nil
 }
 

@@ -50,6 +50,7 @@ func (e *Engine) onVolume(v *storpb.Volume) {
 	}
 	e.applyVolume(v)
 	e.addNewReplicas(v)
+	e.startRebuilds()
 }
 
 // grow grows every replica, then the engine: no write may reach past the

@@ -1,0 +1,242 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
+)
+
+// RebuildSource is what a rebuild reads from: one healthy replica, and the
+// write history of every healthy replica (for a delta).
+type RebuildSource struct {
+	// Read is the healthy replica the data is copied from.
+	Read ReplicaConn
+	// History are all healthy replicas (Read among them): a delta copies
+	// the regions any of them wrote since the target fell behind.
+	History []ReplicaConn
+}
+
+// RebuildPlan says what to copy.
+type RebuildPlan struct {
+	// FromGeneration > 0 asks for a delta: the regions written at or after
+	// that generation (the one at which the target became faulty), plus
+	// the target's own dirty regions (writes it took that the others may
+	// not have). 0 is a full rebuild of every allocated extent.
+	FromGeneration uint64
+	// Size is the volume size.
+	Size int64
+}
+
+// RebuildStats is what a rebuild did.
+type RebuildStats struct {
+	Delta  bool  // a delta rebuild (false: full, also when a delta was impossible)
+	Ranges int   // ranges copied
+	Bytes  int64 // bytes copied
+}
+
+// Rebuild copies a volume into a rebuilding target replica while writes
+// may go on (they reach the target too: the caller keeps it in the write
+// set). The target protects every block a normal write touches after
+// BeginRebuild from the copy (replica invariant 4), so the copy never
+// overwrites newer data. progress, if set, is called about once a second.
+func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(done, total int64)) (RebuildStats, error) {
+	var st RebuildStats
+	if err := dst.BeginRebuild(ctx, o); err != nil {
+		return st, fmt.Errorf("rebuild: begin: %w", err)
+	}
+	ranges, delta, err := planRanges(ctx, o, src, dst, plan)
+	if err != nil {
+		return st, err
+	}
+	st.Delta = delta
+	var total int64
+	for _, r := range ranges {
+		total += r.Len
+	}
+	buf := make([]byte, min(total, replica.MaxIO, 1<<20))
+	last := time.Now()
+	for _, r := range ranges {
+		for _, c := range chunksOf(r.Off, r.Len, int64(len(buf))) {
+			p := buf[:c.Len]
+			if err := src.Read.ReadAt(ctx, o, p, c.Off); err != nil {
+				return st, fmt.Errorf("rebuild: read source: %w", errSource{err})
+			}
+			if err := dst.RebuildWrite(ctx, o, p, c.Off); err != nil {
+				return st, fmt.Errorf("rebuild: write target: %w", err)
+			}
+			st.Bytes += c.Len
+			if progress != nil && time.Since(last) > time.Second {
+				progress(st.Bytes, total)
+				last = time.Now()
+			}
+		}
+		st.Ranges++
+	}
+	if err := dst.EndRebuild(ctx, o); err != nil {
+		return st, fmt.Errorf("rebuild: end: %w", err)
+	}
+	if err := dst.Flush(ctx, o); err != nil {
+		return st, fmt.Errorf("rebuild: flush target: %w", err)
+	}
+	if progress != nil {
+		progress(st.Bytes, total)
+	}
+	return st, nil
+}
+
+// errSource marks an error as the source's (so the caller blames the
+// right replica).
+type errSource struct{ error }
+
+func (e errSource) Unwrap() error { return e.error }
+
+// IsSourceError reports whether a Rebuild error came from the source.
+func IsSourceError(err error) bool {
+	var s errSource
+	return errors.As(err, &s)
+}
+
+func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan) ([]replica.Extent, bool, error) {
+	if plan.FromGeneration > 0 {
+		var regions []replica.Extent
+		lost := false
+		for _, h := range src.History {
+			r, err := h.WrittenSince(ctx, o, plan.FromGeneration)
+			if errors.Is(err, replica.ErrHistoryLost) {
+				lost = true
+				break
+			}
+			if err != nil {
+				return nil, false, fmt.Errorf("rebuild: write history: %w", errSource{err})
+			}
+			regions = append(regions, r...)
+		}
+		if !lost {
+			own, err := dst.DirtyRegions(ctx, o)
+			if err != nil {
+				return nil, false, fmt.Errorf("rebuild: target dirty regions: %w", err)
+			}
+			return mergeExtents(append(regions, own...), plan.Size), true, nil
+		}
+	}
+	var all []replica.Extent
+	from := int64(0)
+	for {
+		page, err := src.Read.Extents(ctx, o, "", from, 4096)
+		if err != nil {
+			return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err})
+		}
+		if len(page) == 0 {
+			break
+		}
+		all = append(all, page...)
+		last := page[len(page)-1]
+		from = last.Off + last.Len
+	}
+	return mergeExtents(all, plan.Size), false, nil
+}
+
+// chunksOf splits a range into pieces of at most n bytes.
+func chunksOf(off, length, n int64) []replica.Extent {
+	var out []replica.Extent
+	for length > 0 {
+		l := min(length, n)
+		out = append(out, replica.Extent{Off: off, Len: l})
+		off, length = off+l, length-l
+	}
+	return out
+}
+
+// startRebuilds starts a rebuild for every rebuilding replica in the write
+// set that has none running. The engine drives rebuilds of its own volume
+// because it also sends the target every new write: there is no moment
+// when a write reaches the source and not the target.
+func (e *Engine) startRebuilds() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed.Load() || e.fenced.Load() {
+		return
+	}
+	for id, m := range e.members {
+		if m.info.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || e.rebuilding[id] {
+			continue
+		}
+		e.rebuilding[id] = true
+		info := m.info
+		e.wg.Add(1)
+		go func() {
+			defer e.wg.Done()
+			e.rebuild(info)
+			e.mu.Lock()
+			delete(e.rebuilding, info.Id)
+			e.mu.Unlock()
+		}()
+	}
+}
+
+// rebuild copies into one rebuilding replica and reports it healthy.
+func (e *Engine) rebuild(r *storpb.Replica) {
+	ctx := e.ctx
+	log := e.logger.With("replica", r.Id, "server", r.ServerId, "delta_from", r.RebuildFromGeneration)
+	e.mu.Lock()
+	target := e.members[r.Id]
+	e.mu.Unlock()
+	sources := e.readSet()
+	if target == nil || len(sources) == 0 {
+		return
+	}
+	var history []ReplicaConn
+	for _, s := range sources {
+		history = append(history, s.conn)
+	}
+	start := time.Now()
+	log.Info("rebuild started", "source", sources[0].info.Id)
+	lastReport := time.Time{}
+	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, History: history}, target.conn,
+		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load())},
+		func(done, total int64) {
+			if time.Since(lastReport) < 2*time.Second {
+				return
+			}
+			lastReport = time.Now()
+			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+				VolumeId: e.id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Epoch: e.epoch,
+				RebuildDoneBytes: uint64(done), RebuildTotalBytes: uint64(max(total, 1)),
+			})
+		})
+	if err != nil {
+		if ctx.Err() != nil {
+			return
+		}
+		log.Warn("rebuild failed", "err", err)
+		if cerr := e.classify(ctx, err); cerr != nil {
+			return // fenced, or a bad request
+		}
+		blame := r.Id
+		if IsSourceError(err) {
+			blame = sources[0].info.Id
+		}
+		_ = e.markFaulty(ctx, blame, fmt.Sprintf("rebuild: %v", err))
+		return
+	}
+	resp, err := e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+		VolumeId: e.id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_HEALTHY,
+		Epoch: e.epoch, Generation: r.Generation, Reason: "rebuild complete",
+	})
+	if err != nil {
+		if status.Code(err) == codes.Aborted {
+			e.fence("the control plane refused our epoch")
+		}
+		log.Warn("rebuild done but not recorded", "err", err)
+		return
+	}
+	e.applyVolume(resp.Volume)
+	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
+}
