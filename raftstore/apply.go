@@ -17,14 +17,32 @@ const (
 	BlockSize = 4096
 	// MaxReplicas bounds a volume's replica count.
 	MaxReplicas = 7
+	// MaxVolumeSize bounds a volume's size (1 PiB, the replica store's
+	// limit); it also keeps every size far from integer overflow.
+	MaxVolumeSize = 1 << 50
 	// maxNameLen bounds volume and snapshot names (a Kubernetes PV name is
 	// at most 253 bytes).
 	maxNameLen = 253
 )
 
-// RoundSize rounds a size up to a multiple of BlockSize.
+// RoundSize rounds a size up to a multiple of BlockSize. Sizes above
+// MaxVolumeSize are returned unchanged (callers refuse them).
 func RoundSize(size uint64) uint64 {
+	if size > MaxVolumeSize {
+		return size
+	}
 	return (size + BlockSize - 1) / BlockSize * BlockSize
+}
+
+// checkSize refuses zero and oversized volume sizes.
+func checkSize(name string, size uint64) error {
+	switch {
+	case size == 0:
+		return fmt.Errorf("%w: volume %q: size must be positive", ErrInvalidArgument, name)
+	case size > MaxVolumeSize:
+		return fmt.Errorf("%w: volume %q: size %d exceeds the limit of %d bytes (1 PiB)", ErrInvalidArgument, name, size, uint64(MaxVolumeSize))
+	}
+	return nil
 }
 
 // apply executes one command. Each case validates everything first and
@@ -42,7 +60,7 @@ func (w *writer) apply(c command) (proto.Message, error) {
 	case opSetServerState:
 		return w.setServerState(c.At, c.Body.(*storpb.Server))
 	case opRemoveServer:
-		return w.removeServer(c.ID)
+		return w.removeServer(c.At, c.ID)
 	case opCreateVolume:
 		return w.createVolume(c.At, c.ID, c.Body.(*storpb.CreateVolumeRequest))
 	case opDeleteVolume:
@@ -122,8 +140,10 @@ func (w *writer) setServerState(at int64, in *storpb.Server) (proto.Message, err
 }
 
 // removeServer forgets a server. Its replicas are lost with it: each
-// becomes faulty in a new replica-set generation.
-func (w *writer) removeServer(id string) (proto.Message, error) {
+// becomes faulty in a new replica-set generation and is flagged
+// ServerRemoved, so it counts against no server (not even one registered
+// again under the same id) until the leader replaces it.
+func (w *writer) removeServer(at int64, id string) (proto.Message, error) {
 	s, err := w.Server(id)
 	if err != nil {
 		return nil, err
@@ -135,12 +155,15 @@ func (w *writer) removeServer(id string) (proto.Message, error) {
 	for _, v := range vols {
 		changed := false
 		for _, r := range v.Replicas {
-			if r.ServerId == id && r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+			if r.ServerId == id && !r.ServerRemoved {
 				if !changed {
 					v.Generation++
 					changed = true
 				}
-				r.State, r.Generation = storpb.ReplicaState_REPLICA_STATE_FAULTY, v.Generation
+				if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+					r.UnhealthySinceUnixNano = at
+				}
+				r.State, r.Generation, r.ServerRemoved = storpb.ReplicaState_REPLICA_STATE_FAULTY, v.Generation, true
 			}
 		}
 		if changed {
@@ -171,10 +194,14 @@ func (w *writer) addAllocated(serverIDs []string, delta int64) {
 
 // ---------------------------------------------------------------- volumes
 
+// replicaServers lists the servers whose allocation a volume's replicas
+// count against (not those of replicas whose server was removed).
 func replicaServers(v *storpb.Volume) []string {
 	ids := make([]string, 0, len(v.Replicas))
 	for _, r := range v.Replicas {
-		ids = append(ids, r.ServerId)
+		if !r.ServerRemoved {
+			ids = append(ids, r.ServerId)
+		}
 	}
 	return ids
 }
@@ -183,10 +210,11 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 	if err := ValidateName("volume", req.Name); err != nil {
 		return nil, err
 	}
+	if err := checkSize(req.Name, req.SizeBytes); err != nil {
+		return nil, err
+	}
 	size := RoundSize(req.SizeBytes)
 	switch {
-	case req.SizeBytes == 0:
-		return nil, fmt.Errorf("%w: volume %q: size must be positive", ErrInvalidArgument, req.Name)
 	case req.ReplicaCount < 1 || req.ReplicaCount > MaxReplicas:
 		return nil, fmt.Errorf("%w: volume %q: replica count %d is outside 1..%d", ErrInvalidArgument, req.Name, req.ReplicaCount, MaxReplicas)
 	}
@@ -278,10 +306,11 @@ func (w *writer) expandVolume(req *storpb.ExpandVolumeRequest) (proto.Message, e
 	if err != nil {
 		return nil, err
 	}
+	if err := checkSize(v.Name, req.SizeBytes); err != nil {
+		return nil, err
+	}
 	size := RoundSize(req.SizeBytes)
 	switch {
-	case req.SizeBytes == 0:
-		return nil, fmt.Errorf("%w: volume %q: size must be positive", ErrInvalidArgument, v.Name)
 	case size < v.SizeBytes:
 		return nil, fmt.Errorf("%w: volume %q is %d bytes; volumes cannot shrink to %d", ErrFailedPrecondition, v.Name, v.SizeBytes, size)
 	case size == v.SizeBytes:
@@ -482,7 +511,7 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		added.Generation = v.Generation
 		w.addAllocated([]string{added.ServerId}, int64(v.SizeBytes))
 	}
-	if old != nil {
+	if old != nil && !old.ServerRemoved {
 		w.addAllocated([]string{old.ServerId}, -int64(v.SizeBytes))
 	}
 	v.Replicas = keep

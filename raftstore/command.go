@@ -14,17 +14,17 @@ import (
 type op uint8
 
 const (
-	opInitCluster    op = 1 // ID = cluster id
-	opRegisterServer op = 2 // Body = storpb.Server
-	opSetServerState op = 3 // Body = storpb.Server (id, state)
-	opRemoveServer   op = 4 // ID = server id
-	opCreateVolume   op = 5 // ID = new volume id, Body = storpb.CreateVolumeRequest
-	opDeleteVolume   op = 6 // Body = storpb.VolumeRef
-	opExpandVolume   op = 7 // Body = storpb.ExpandVolumeRequest
-	opAttachVolume   op = 8 // Body = storpb.AttachVolumeRequest
-	opDetachVolume   op = 9 // Body = storpb.DetachVolumeRequest
-	opCreateSnapshot op = 10
-	opDeleteSnapshot op = 11 // Body = storpb.SnapshotRef
+	opInitCluster     op = 1 // ID = cluster id
+	opRegisterServer  op = 2 // Body = storpb.Server
+	opSetServerState  op = 3 // Body = storpb.Server (id, state)
+	opRemoveServer    op = 4 // ID = server id
+	opCreateVolume    op = 5 // ID = new volume id, Body = storpb.CreateVolumeRequest
+	opDeleteVolume    op = 6 // Body = storpb.VolumeRef
+	opExpandVolume    op = 7 // Body = storpb.ExpandVolumeRequest
+	opAttachVolume    op = 8 // Body = storpb.AttachVolumeRequest
+	opDetachVolume    op = 9 // Body = storpb.DetachVolumeRequest
+	opCreateSnapshot  op = 10
+	opDeleteSnapshot  op = 11 // Body = storpb.SnapshotRef
 	opSetReplicaState op = 12 // Body = storpb.SetReplicaStateRequest
 	opReplaceReplica  op = 13 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
 )

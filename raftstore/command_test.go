@@ -31,6 +31,7 @@ func TestOpValuesArePinned(t *testing.T) {
 		{opCreateSnapshot, 10, "create-snapshot"},
 		{opDeleteSnapshot, 11, "delete-snapshot"},
 		{opSetReplicaState, 12, "set-replica-state"},
+		{opReplaceReplica, 13, "replace-replica"},
 	}
 	if len(opNames) != len(want) {
 		t.Errorf("opNames has %d ops, this test knows %d: add the new op here and to commandRoundTripCases", len(opNames), len(want))
@@ -99,7 +100,10 @@ func commandRoundTripCases() []struct {
 		{name: "delete-snapshot", cmd: command{Op: opDeleteSnapshot, At: 10, Body: &storpb.SnapshotRef{Id: "snap-9"}}},
 		{name: "set-replica-state", cmd: command{Op: opSetReplicaState, At: 11, Body: &storpb.SetReplicaStateRequest{
 			VolumeId: "vol-6c2a", ReplicaId: "vol-6c2a-r2", State: storpb.ReplicaState_REPLICA_STATE_HEALTHY,
-			Epoch: 4, Generation: 9, Reason: "rebuild complete",
+			Epoch: 4, Generation: 9, Reason: "rebuild complete", RebuildDoneBytes: 5, RebuildTotalBytes: 10,
+		}}},
+		{name: "replace-replica", cmd: command{Op: opReplaceReplica, At: 12, ID: "vol-6c2a-r4", Body: &storpb.ReplaceReplicaRequest{
+			Volume: &storpb.VolumeRef{Id: "vol-6c2a"}, ReplicaId: "vol-6c2a-r2", ServerId: "s3", RemoveOnly: true,
 		}}},
 		// Edge values of the header.
 		{name: "negative time, long id", cmd: command{Op: opInitCluster, At: math.MinInt64, ID: string(bytes.Repeat([]byte("x"), 300))}},

@@ -138,7 +138,8 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	applied := f.applied.Load()
-	changed := map[string]bool{} // volume ids touched by this batch
+	watching := f.hub.any()
+	var events []VolumeEvent // one per committed change to a volume, in order
 	var last uint64
 	err := f.db.Update(func(tx *bolt.Tx) error {
 		w := &writer{Reader: Reader{tx: tx}}
@@ -158,14 +159,17 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
 			}
 			msg, err := w.apply(cmd)
 			out[i] = result{msg: msg, err: err}
-			if err == nil {
+			if err == nil && watching {
 				if v, ok := msg.(*storpb.Volume); ok {
-					changed[v.Id] = true
+					ev := VolumeEvent{Index: l.Index, Deleted: cmd.Op == opDeleteVolume, id: v.Id}
+					if !ev.Deleted {
+						ev.Volume = proto.Clone(v).(*storpb.Volume)
+					}
+					events = append(events, ev)
 				}
-				if cmd.Op == opRemoveServer {
-					// Every volume with a replica there may have changed.
-					for _, id := range w.lastTouched {
-						changed[id] = true
+				for _, id := range w.lastTouched { // side effects (a removed server)
+					if v, err := w.Volume(id); err == nil {
+						events = append(events, VolumeEvent{Volume: v, Index: l.Index, id: id})
 					}
 				}
 			}
@@ -183,7 +187,9 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
 	}
 	if last > 0 {
 		f.applied.Store(last)
-		f.publishLocked(changed, last)
+		for _, ev := range events {
+			f.hub.publish(ev.id, ev)
+		}
 		f.signal()
 	}
 	return out
@@ -200,17 +206,17 @@ func (f *FSM) signal() {
 // stand for many changes). It has one consumer: whoever reads it first.
 func (f *FSM) Changed() <-chan struct{} { return f.changed }
 
-// publishLocked sends the new state of changed volumes to their watchers.
-// Callers hold f.mu (shared is enough).
-func (f *FSM) publishLocked(changed map[string]bool, index uint64) {
-	if len(changed) == 0 || !f.hub.any() {
+// publishCurrentLocked sends the current state of the given volumes to
+// their watchers (after a restore). Callers hold f.mu.
+func (f *FSM) publishCurrentLocked(ids map[string]bool, index uint64) {
+	if len(ids) == 0 {
 		return
 	}
 	_ = f.db.View(func(tx *bolt.Tx) error {
 		r := &Reader{tx: tx}
-		for id := range changed {
+		for id := range ids {
 			v, err := r.Volume(id)
-			f.hub.publish(id, VolumeEvent{Volume: v, Index: index, Deleted: err != nil})
+			f.hub.publish(id, VolumeEvent{Volume: v, Index: index, Deleted: err != nil, id: id})
 		}
 		return nil
 	})
@@ -239,14 +245,13 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	defer rc.Close()
 	tmp := f.path + ".restore"
 	if err := writeFileSync(tmp, rc); err != nil {
+		os.Remove(tmp)
 		return fmt.Errorf("raftstore: restore: %w", err)
 	}
-	check, err := openStateDB(tmp)
-	if err != nil {
+	if err := checkStateImage(tmp); err != nil {
 		os.Remove(tmp)
-		return fmt.Errorf("raftstore: restore: snapshot image: %w", err)
+		return fmt.Errorf("raftstore: restore: %w", err)
 	}
-	check.Close()
 
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -268,8 +273,83 @@ func (f *FSM) Restore(rc io.ReadCloser) error {
 	f.applied.Store(idx)
 	f.logger.Info("restored state machine from snapshot", "applied_index", idx)
 	// Every watcher gets its volume's state as of the snapshot.
-	f.publishLocked(f.hub.watched(), idx)
+	f.publishCurrentLocked(f.hub.watched(), idx)
 	f.signal()
+	return nil
+}
+
+// checkStateImage validates a snapshot image before it replaces the state:
+// a bbolt file whose header agrees with its length (bbolt maps the file and
+// would fault on pages past its end), holding a state machine with an
+// applied index. Raft already checksums snapshots; this guards against an
+// image that was never a state machine's.
+func checkStateImage(path string) error {
+	if err := checkBoltLength(path); err != nil {
+		return err
+	}
+	db, err := bolt.Open(path, 0o600, &bolt.Options{ReadOnly: true, Timeout: time.Second})
+	if err != nil {
+		return fmt.Errorf("%w: snapshot image: %v", ErrCorrupt, err)
+	}
+	defer db.Close()
+	return db.View(func(tx *bolt.Tx) error {
+		for _, b := range allBuckets {
+			if tx.Bucket(b) == nil {
+				return fmt.Errorf("%w: snapshot image has no %q bucket", ErrCorrupt, b)
+			}
+		}
+		if (&Reader{tx: tx}).AppliedIndex() == 0 {
+			return fmt.Errorf("%w: snapshot image has no applied index", ErrCorrupt)
+		}
+		return nil
+	})
+}
+
+// bbolt's on-disk meta page, as laid out by go.etcd.io/bbolt: a 16-byte
+// page header, then magic, version, page size, flags (4 bytes each), the
+// root bucket (16), the freelist page id (8), the high-water page id (8).
+const (
+	boltMagic       = 0xED0CDAED
+	boltMetaOffset  = 16
+	boltPgidOffset  = boltMetaOffset + 16 + 16 + 8
+	boltMinFileSize = 4 * 512
+)
+
+// checkBoltLength refuses a file shorter than the pages its meta pages
+// claim, or without a valid meta page.
+func checkBoltLength(path string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if len(b) < boltMinFileSize {
+		return fmt.Errorf("%w: snapshot image is %d bytes, too short for a database", ErrCorrupt, len(b))
+	}
+	le := binary.LittleEndian
+	ok := false
+	for _, pageOff := range []int{0, -1} {
+		off := 0
+		if pageOff == -1 {
+			ps := int(le.Uint32(b[boltMetaOffset+8:]))
+			if ps < 512 || ps > 1<<20 || ps+boltPgidOffset+8 > len(b) {
+				continue
+			}
+			off = ps
+		}
+		m := b[off+boltMetaOffset:]
+		if le.Uint32(m) != boltMagic {
+			continue
+		}
+		pageSize := uint64(le.Uint32(m[8:]))
+		pgid := le.Uint64(b[off+boltPgidOffset:])
+		if pageSize == 0 || pgid > uint64(len(b))/pageSize {
+			return fmt.Errorf("%w: snapshot image is %d bytes but its header counts %d pages of %d bytes", ErrCorrupt, len(b), pgid, pageSize)
+		}
+		ok = true
+	}
+	if !ok {
+		return fmt.Errorf("%w: snapshot image has no valid bbolt meta page", ErrCorrupt)
+	}
 	return nil
 }
 

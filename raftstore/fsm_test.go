@@ -2,7 +2,6 @@ package raftstore
 
 import (
 	"bytes"
-	"encoding/base64"
 	"encoding/binary"
 	"errors"
 	"flag"
@@ -179,6 +178,14 @@ func cmdSetReplicaState(volumeID, replicaID string, st storpb.ReplicaState, epoc
 	}}
 }
 
+// cmdReplaceReplica removes replicaID (if set) and adds newID (unless
+// removeOnly), on serverID if set.
+func cmdReplaceReplica(volumeID, replicaID, serverID, newID string, removeOnly bool) command {
+	return command{Op: opReplaceReplica, ID: newID, Body: &storpb.ReplaceReplicaRequest{
+		Volume: &storpb.VolumeRef{Id: volumeID}, ReplicaId: replicaID, ServerId: serverID, RemoveOnly: removeOnly,
+	}}
+}
+
 func cmdCreateSnapshot(id, volumeID, name string) command {
 	return command{Op: opCreateSnapshot, ID: id, Body: &storpb.CreateSnapshotRequest{VolumeId: volumeID, Name: name}}
 }
@@ -221,7 +228,8 @@ func richWorkload() []command {
 		cmdAttachVolume("vol-1", "node-1", false),
 		cmdAttachVolume("vol-1", "node-2", true),
 		cmdExpandVolume("vol-4", 6*mib),
-		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_REBUILDING, 0, 0),
+		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_FAULTY, 0, 0),     // generation 2
+		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_REBUILDING, 0, 0), // generation 3
 		cmdSetReplicaState("vol-1", "vol-1-r3", storpb.ReplicaState_REPLICA_STATE_FAULTY, 2, 0),
 		cmdCreateSnapshot("snap-1", "vol-1", "snap-one"),
 		cmdCreateSnapshot("snap-2", "vol-2", "snap-two"),
@@ -260,7 +268,7 @@ func checkRichState(t testing.TB, f *FSM) {
 			len(v2.Replicas) != 2 || v2.Replicas[0].ServerId != "s2" {
 			t.Errorf("vol-2: %v", v2)
 		}
-		if v4, err := r.Volume("vol-4"); err != nil || v4.SizeBytes != 6*mib || v4.Generation != 2 {
+		if v4, err := r.Volume("vol-4"); err != nil || v4.SizeBytes != 6*mib || v4.Generation != 3 {
 			t.Errorf("vol-4: %v, %v", v4, err)
 		}
 		if _, err := r.Volume("vol-3"); !errors.Is(err, ErrNotFound) {
@@ -744,8 +752,9 @@ func determinismWorkload() []command {
 		cmdExpandVolume("vol-1", 4096),                       // refused: shrink
 		cmdExpandVolume("vol-1", 10*mib),                     // no-op
 		cmdDeleteVolume("vol-1"),                             // refused: attached
-		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_HEALTHY, 0, 1), // refused: rebuild from generation 1
-		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_HEALTHY, 0, 2),
+		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_HEALTHY, 0, 2), // refused: rebuild from generation 2
+		cmdSetReplicaState("vol-4", "vol-4-r2", storpb.ReplicaState_REPLICA_STATE_HEALTHY, 0, 3),
+		cmdReplaceReplica("vol-1", "vol-1-r3", "", "vol-1-r4", false),
 		cmdSetReplicaState("vol-1", "vol-1-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 1, 0), // refused: stale epoch
 		cmdRemoveServer("s2"),
 		cmdCreateVolume("vol-7", "pvc-seven", 7*mib, 2),
@@ -890,6 +899,18 @@ func TestFSMRefusedCommandsLeaveNoTrace(t *testing.T) {
 		{"replica state: healthy without a rebuild", cmdSetReplicaState("vol-a", "vol-a-r3", storpb.ReplicaState_REPLICA_STATE_HEALTHY, 1, 2), ErrFailedPrecondition},
 		{"replica state: healthy from an older rebuild", cmdSetReplicaState("vol-b", "vol-b-r1", storpb.ReplicaState_REPLICA_STATE_HEALTHY, 0, 2), ErrFailedPrecondition},
 		{"replica state: unspecified", cmdSetReplicaState("vol-a", "vol-a-r1", storpb.ReplicaState_REPLICA_STATE_UNSPECIFIED, 1, 0), ErrInvalidArgument},
+		{"replica state: rebuild a healthy replica", cmdSetReplicaState("vol-a", "vol-a-r1", storpb.ReplicaState_REPLICA_STATE_REBUILDING, 1, 0), ErrFailedPrecondition},
+		{"replace replica: unknown volume", cmdReplaceReplica("nope", "nope-r1", "", "new-r", false), ErrNotFound},
+		{"replace replica: unknown replica", cmdReplaceReplica("vol-a", "nope", "", "new-r", false), ErrNotFound},
+		{"replace replica: remove only, no replica", cmdReplaceReplica("vol-a", "", "", "", true), ErrInvalidArgument},
+		{"replace replica: add to a full volume", cmdReplaceReplica("vol-a", "", "", "new-r", false), ErrFailedPrecondition},
+		{"replace replica: remove the last healthy", cmdReplaceReplica("vol-b", "vol-b-r2", "", "", true), ErrFailedPrecondition},
+		{"replace replica: unknown server", cmdReplaceReplica("vol-a", "vol-a-r3", "nope", "new-r", false), ErrNotFound},
+		{"replace replica: server already holds one", cmdReplaceReplica("vol-a", "vol-a-r3", "s1", "new-r", false), ErrInsufficientServers},
+		{"replace replica: no new replica id", cmdReplaceReplica("vol-a", "vol-a-r3", "", "", false), ErrCorrupt},
+	}
+	if v := readVolume(t, f, "vol-a"); v.Replicas[0].ServerId != "s1" {
+		t.Fatalf("fixture: vol-a-r1 is on %s; the case \"server already holds one\" assumes s1", v.Replicas[0].ServerId)
 	}
 	// Sentinels are distinct: a case that only matched a broader one
 	// would not show which error the FSM chose.
@@ -1080,6 +1101,9 @@ func TestFSMAllocationAccounting(t *testing.T) {
 		cmdAttachVolume("vol-e", "node-1", false),
 		cmdSetReplicaState("vol-e", "vol-e-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 1, 0),
 		cmdSetReplicaState("vol-e", "vol-e-r1", storpb.ReplicaState_REPLICA_STATE_REBUILDING, 1, 0),
+		cmdReplaceReplica("vol-a", "vol-a-r1", "", "vol-a-r4", false), // to the one server without a replica
+		cmdReplaceReplica("vol-e", "vol-e-r1", "", "", true),
+		cmdReplaceReplica("vol-e", "", "", "vol-e-r4", false),
 		cmdDeleteVolume("vol-c"),
 		cmdCreateVolume("vol-f", "pvc-f", 2*gib, 1), // fits only on s4, which reports no capacity
 		cmdExpandVolume("vol-a", 2*gib),             // refused: capacity
@@ -1165,13 +1189,21 @@ func TestFSMRemoveServerMarksReplicasFaulty(t *testing.T) {
 			}
 			want := proto.Clone(before).(*storpb.Volume)
 			bumped := false
-			for _, rep := range want.Replicas {
-				if rep.ServerId == gone && rep.State != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+			for i, rep := range want.Replicas {
+				if rep.ServerId == gone && !rep.ServerRemoved {
 					if !bumped {
 						want.Generation++
 						bumped = true
 					}
+					if rep.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+						// It became unhealthy when its server was removed.
+						if got.Replicas[i].UnhealthySinceUnixNano == 0 {
+							t.Errorf("volume %s replica %s: no unhealthy-since time", before.Id, rep.Id)
+						}
+						rep.UnhealthySinceUnixNano = got.Replicas[i].UnhealthySinceUnixNano
+					}
 					rep.State, rep.Generation = storpb.ReplicaState_REPLICA_STATE_FAULTY, want.Generation
+					rep.ServerRemoved = true
 				}
 			}
 			if !proto.Equal(got, want) {
@@ -1225,7 +1257,8 @@ func TestFSMAllocationAfterServerRejoins(t *testing.T) {
 		cmdRegisterServer("s1", "a", gib, nil),
 		cmdRegisterServer("s2", "b", gib, nil),
 		cmdRegisterServer("s3", "c", gib, nil),
-		cmdCreateVolume("vol-old", "pvc-old", 100*mib, 3), // a replica on every server
+		cmdCreateVolume("vol-old", "pvc-old", 100*mib, 3),   // a replica on every server
+		cmdCreateVolume("vol-old2", "pvc-old2", 300*mib, 3), // and another
 		cmdRemoveServer("s1"),
 		cmdRegisterServer("s1", "a", gib, nil), // rejoins with nothing allocated
 		cmdCreateVolumeReq("vol-new", &storpb.CreateVolumeRequest{
@@ -1246,6 +1279,18 @@ func TestFSMAllocationAfterServerRejoins(t *testing.T) {
 	}
 	if got := allocated(); got != 10*mib {
 		t.Fatalf("s1 allocated %d after rejoining and receiving vol-new, want %d", got, 10*mib)
+	}
+	// The leader replaces replicas whose server stayed away (here: only
+	// removes it; the volume runs on two until one is added).
+	var lost string
+	for _, r := range readVolume(t, f, "vol-old2").Replicas {
+		if r.ServerId == "s1" {
+			lost = r.Id
+		}
+	}
+	mustApply(t, f, cmdReplaceReplica("vol-old2", lost, "", "", true))
+	if got := allocated(); got != 10*mib {
+		t.Errorf("s1 allocated %d after vol-old2's lost replica on s1 was removed, want %d", got, 10*mib)
 	}
 	mustApply(t, f, cmdExpandVolume("vol-old", 200*mib))
 	if got := allocated(); got != 10*mib {
@@ -1307,428 +1352,6 @@ func TestFSMHugeVolumeSizes(t *testing.T) {
 			}
 		})
 	}
-}
-
-// --------------------------------------------------------------- paging
-
-// walkPages lists everything with page size limit and returns the ids in
-// the order received.
-func walkPages[T any](t *testing.T, limit int, list func(token string, limit int) ([]T, string, error), id func(T) string, allowEmptyLast bool) []string {
-	t.Helper()
-	var ids []string
-	token := ""
-	for page := 0; ; page++ {
-		if page > 100 {
-			t.Fatalf("limit %d: more than 100 pages; the token does not advance", limit)
-		}
-		items, next, err := list(token, limit)
-		if err != nil {
-			t.Fatalf("limit %d, page %d: %v", limit, page, err)
-		}
-		if limit > 0 && len(items) > limit {
-			t.Fatalf("limit %d, page %d: %d items", limit, page, len(items))
-		}
-		if len(items) == 0 && (next != "" || page > 0 && !allowEmptyLast) {
-			t.Fatalf("limit %d, page %d: empty page, next token %q", limit, page, next)
-		}
-		for _, it := range items {
-			ids = append(ids, id(it))
-		}
-		if next == "" {
-			return ids
-		}
-		token = next
-	}
-}
-
-func pagingFixture(t *testing.T) (f *FSM, volIDs []string, snapsOf map[string][]string, snapIDs []string) {
-	f = openTestFSM(t, "")
-	mustApply(t, f, cmdRegisterServer("s1", "", 0, nil))
-	// Created out of id order: listing is by id, not by creation.
-	for _, id := range []string{"v-07", "v-02", "v-10", "v-01", "v-05", "v-03", "v-09"} {
-		mustApply(t, f, cmdCreateVolume(id, "name-of-"+id, mib, 1))
-	}
-	snapsOf = map[string][]string{}
-	for _, s := range []struct{ id, vol string }{
-		{"sn-04", "v-01"}, {"sn-01", "v-02"}, {"sn-03", "v-01"}, {"sn-02", "v-07"}, {"sn-05", "v-01"}, {"sn-06", "v-02"},
-	} {
-		mustApply(t, f, cmdCreateSnapshot(s.id, s.vol, "name-of-"+s.id))
-		snapsOf[s.vol] = append(snapsOf[s.vol], s.id)
-	}
-	for _, ids := range snapsOf {
-		slices.Sort(ids)
-	}
-	return f, []string{"v-01", "v-02", "v-03", "v-05", "v-07", "v-09", "v-10"},
-		snapsOf, []string{"sn-01", "sn-02", "sn-03", "sn-04", "sn-05", "sn-06"}
-}
-
-func TestReaderPaging(t *testing.T) {
-	f, volIDs, snapsOf, snapIDs := pagingFixture(t)
-	view := func(fn func(r *Reader)) {
-		t.Helper()
-		if err := f.View(func(r *Reader) error { fn(r); return nil }); err != nil {
-			t.Fatal(err)
-		}
-	}
-	volID := func(v *storpb.Volume) string { return v.Id }
-	snapID := func(s *storpb.Snapshot) string { return s.Id }
-
-	t.Run("volumes", func(t *testing.T) {
-		for limit := 0; limit <= len(volIDs)+1; limit++ {
-			view(func(r *Reader) {
-				got := walkPages(t, limit, r.Volumes, volID, false)
-				if !slices.Equal(got, volIDs) {
-					t.Errorf("limit %d: walked %v, want %v", limit, got, volIDs)
-				}
-			})
-		}
-	})
-	t.Run("snapshots", func(t *testing.T) {
-		for limit := 0; limit <= len(snapIDs)+1; limit++ {
-			view(func(r *Reader) {
-				list := func(token string, limit int) ([]*storpb.Snapshot, string, error) {
-					return r.Snapshots("", token, limit)
-				}
-				if got := walkPages(t, limit, list, snapID, false); !slices.Equal(got, snapIDs) {
-					t.Errorf("limit %d: walked %v, want %v", limit, got, snapIDs)
-				}
-			})
-		}
-	})
-	t.Run("snapshots of one volume", func(t *testing.T) {
-		for _, vol := range []string{"v-01", "v-02", "v-07", "v-05", "nope"} {
-			want := snapsOf[vol]
-			for limit := 0; limit <= len(snapIDs)+1; limit++ {
-				view(func(r *Reader) {
-					list := func(token string, limit int) ([]*storpb.Snapshot, string, error) {
-						return r.Snapshots(vol, token, limit)
-					}
-					got := walkPages(t, limit, list, snapID, true)
-					if !slices.Equal(got, want) {
-						t.Errorf("volume %s, limit %d: walked %v, want %v", vol, limit, got, want)
-					}
-				})
-			}
-		}
-	})
-	t.Run("bad tokens", func(t *testing.T) {
-		b64 := base64.RawURLEncoding.EncodeToString
-		for _, token := range []string{
-			"garbage!", "%%%", "====", b64([]byte("nope")), b64([]byte("v1:")), b64([]byte("v2:v-01")),
-			base64.StdEncoding.EncodeToString([]byte("v1:v-01?")), // padded, other alphabet
-		} {
-			view(func(r *Reader) {
-				if _, _, err := r.Volumes(token, 2); !errors.Is(err, ErrInvalidArgument) {
-					t.Errorf("Volumes(%q): %v, want ErrInvalidArgument", token, err)
-				}
-				if _, _, err := r.Snapshots("", token, 2); !errors.Is(err, ErrInvalidArgument) {
-					t.Errorf("Snapshots(%q): %v, want ErrInvalidArgument", token, err)
-				}
-				if _, _, err := r.Snapshots("v-01", token, 0); !errors.Is(err, ErrInvalidArgument) {
-					t.Errorf("Snapshots(v-01, %q): %v, want ErrInvalidArgument", token, err)
-				}
-			})
-		}
-	})
-	t.Run("item deleted between pages", func(t *testing.T) {
-		var token string
-		view(func(r *Reader) {
-			page, next, err := r.Volumes("", 3)
-			if err != nil || len(page) != 3 || next == "" {
-				t.Fatalf("first page: %v, %q, %v", page, next, err)
-			}
-			token = next
-		})
-		// The token's own key goes away; the walk resumes after it.
-		mustApply(t, f, cmdDeleteVolume(volIDs[2]))
-		view(func(r *Reader) {
-			got := walkPages(t, 2, func(tok string, limit int) ([]*storpb.Volume, string, error) {
-				if tok == "" {
-					tok = token
-				}
-				return r.Volumes(tok, limit)
-			}, volID, false)
-			if want := volIDs[3:]; !slices.Equal(got, want) {
-				t.Errorf("resumed walk %v, want %v", got, want)
-			}
-		})
-	})
-}
-
-// ------------------------------------------------------------- watching
-
-const watchTimeout = 5 * time.Second
-
-func recvEvent(t *testing.T, ch <-chan VolumeEvent) VolumeEvent {
-	t.Helper()
-	select {
-	case ev, ok := <-ch:
-		if !ok {
-			t.Fatal("watch channel closed, want an event")
-		}
-		return ev
-	case <-time.After(watchTimeout):
-		t.Fatal("no watch event")
-	}
-	panic("unreachable")
-}
-
-// drainUntilClosed reads ch until it closes and returns what it read.
-func drainUntilClosed(t *testing.T, ch <-chan VolumeEvent) []VolumeEvent {
-	t.Helper()
-	var evs []VolumeEvent
-	deadline := time.After(watchTimeout)
-	for {
-		select {
-		case ev, ok := <-ch:
-			if !ok {
-				return evs
-			}
-			evs = append(evs, ev)
-		case <-deadline:
-			t.Fatalf("watch channel not closed; read %d events", len(evs))
-		}
-	}
-}
-
-func checkEvent(t *testing.T, got VolumeEvent, index uint64, vol *storpb.Volume, deleted bool) {
-	t.Helper()
-	if got.Index != index || got.Deleted != deleted || (vol == nil) != (got.Volume == nil) ||
-		(vol != nil && !proto.Equal(got.Volume, vol)) {
-		t.Fatalf("event {index %d, deleted %v, volume %v}\nwant  {index %d, deleted %v, volume %v}",
-			got.Index, got.Deleted, got.Volume, index, deleted, vol)
-	}
-}
-
-// watchFixture: 3 servers and vol-1 with a replica on each.
-func watchFixture(t *testing.T) *FSM {
-	f := openTestFSM(t, "")
-	mustApply(t, f, watchFixtureCommands()...)
-	return f
-}
-
-func watchFixtureCommands() []command {
-	return []command{
-		cmdRegisterServer("s1", "a", 0, nil),
-		cmdRegisterServer("s2", "b", 0, nil),
-		cmdRegisterServer("s3", "c", 0, nil),
-		cmdCreateVolume("vol-1", "pvc-1", mib, 3),
-	}
-}
-
-func TestFSMWatch(t *testing.T) {
-	f := watchFixture(t)
-	ch, cancel := f.Watch("vol-1")
-	defer cancel()
-	checkEvent(t, recvEvent(t, ch), f.AppliedIndex(), readVolume(t, f, "vol-1"), false)
-
-	type want struct {
-		index   uint64
-		vol     *storpb.Volume
-		deleted bool
-	}
-	var wants []want
-	for _, step := range []struct {
-		cmd   command
-		event bool
-	}{
-		{cmdAttachVolume("vol-1", "node-1", false), true},
-		{cmdExpandVolume("vol-1", 2*mib), true},
-		{cmdCreateVolume("vol-2", "pvc-2", mib, 1), false},
-		{cmdAttachVolume("vol-2", "node-1", false), false},
-		{cmdCreateSnapshot("snap-1", "vol-1", "snap-1"), false},
-		{cmdDeleteSnapshot("snap-1"), false},
-		{cmdRegisterServer("s4", "d", 0, nil), false},
-		{cmdAttachVolume("vol-1", "node-2", true), true},
-		{cmdAttachVolume("vol-1", "node-3", false), false},                                               // refused
-		{cmdSetReplicaState("vol-1", "vol-1-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 1, 0), false}, // refused: stale epoch
-		{cmdSetReplicaState("vol-1", "vol-1-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 2, 0), true},
-		{cmdRemoveServer("s3"), true}, // vol-1's replica there turns faulty
-		{cmdDetachVolume("vol-1", ""), true},
-		{cmdDeleteVolume("vol-1"), true},
-	} {
-		r := applyCommands(t, f, step.cmd)[0]
-		if !step.event {
-			continue
-		}
-		if r.err != nil {
-			t.Fatalf("%v: %v", step.cmd.Op, r.err)
-		}
-		w := want{index: f.AppliedIndex()}
-		switch step.cmd.Op {
-		case opDeleteVolume:
-			w.deleted = true
-		case opRemoveServer:
-			w.vol = readVolume(t, f, "vol-1")
-		default:
-			w.vol = r.msg.(*storpb.Volume)
-		}
-		wants = append(wants, w)
-	}
-	for _, w := range wants {
-		checkEvent(t, recvEvent(t, ch), w.index, w.vol, w.deleted)
-	}
-	cancel()
-	if extra := drainUntilClosed(t, ch); len(extra) > 0 {
-		t.Fatalf("events after the last change: %+v", extra)
-	}
-	if f.hub.any() {
-		t.Error("hub still has watchers after cancel")
-	}
-	cancel() // twice is harmless
-}
-
-func TestFSMWatchUnknownVolume(t *testing.T) {
-	f := watchFixture(t)
-	ch, cancel := f.Watch("vol-new")
-	defer cancel()
-	checkEvent(t, recvEvent(t, ch), f.AppliedIndex(), nil, true)
-	r := mustApply(t, f, cmdCreateVolume("vol-new", "pvc-new", mib, 2))[0]
-	checkEvent(t, recvEvent(t, ch), f.AppliedIndex(), r.msg.(*storpb.Volume), false)
-}
-
-func TestFSMWatchEndsOnCancelAndClose(t *testing.T) {
-	f := watchFixture(t)
-	ch1, cancel1 := f.Watch("vol-1")
-	ch2, cancel2 := f.Watch("vol-1")
-	defer cancel2()
-	recvEvent(t, ch1)
-	recvEvent(t, ch2)
-	cancel1()
-	drainUntilClosed(t, ch1)
-	// The other watcher of the same volume goes on.
-	mustApply(t, f, cmdAttachVolume("vol-1", "node-1", false))
-	if ev := recvEvent(t, ch2); ev.Volume.GetEpoch() != 1 {
-		t.Fatalf("event %+v, want epoch 1", ev)
-	}
-	if err := f.Close(); err != nil {
-		t.Fatal(err)
-	}
-	drainUntilClosed(t, ch2)
-}
-
-// TestFSMWatchSlowWatcherIsDropped: a watcher that does not read must not
-// hold up ApplyBatch; it is dropped, and its channel closes once it has
-// read what was buffered.
-func TestFSMWatchSlowWatcherIsDropped(t *testing.T) {
-	// No Close in a cleanup, no deferred cancel, no logging to t: if
-	// ApplyBatch blocks on the watcher, those would block or log after the
-	// test too, and turn this test's failure into a hang.
-	f, err := OpenFSM(filepath.Join(t.TempDir(), "meta.db"), slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	mustApply(t, f, watchFixtureCommands()...)
-	ch, cancel := f.Watch("vol-1")
-
-	total := 3 * watchBuffer
-	first := f.AppliedIndex() + 1
-	var cmds []command
-	for i := range total {
-		cmds = append(cmds, cmdAttachVolume("vol-1", fmt.Sprintf("node-%d", i%2), true))
-	}
-	logs := commandLogs(t, first, cmds...)
-	done := make(chan []interface{}, total)
-	go func() {
-		for _, l := range logs {
-			done <- f.ApplyBatch([]*raft.Log{l})
-		}
-		close(done)
-	}()
-	deadline := time.After(10 * time.Second)
-	for n := 0; ; n++ {
-		var out []interface{}
-		var ok bool
-		select {
-		case out, ok = <-done:
-		case <-deadline:
-			t.Fatalf("ApplyBatch blocked by a watcher that does not read (after %d entries)", n)
-		}
-		if !ok {
-			break
-		}
-		if r, _ := out[0].(result); r.err != nil {
-			t.Fatalf("attach %d: %v", n, r.err)
-		}
-	}
-	if f.hub.any() {
-		t.Error("the slow watcher is still subscribed")
-	}
-	evs := drainUntilClosed(t, ch)
-	if len(evs) >= total+1 {
-		t.Fatalf("read %d events from a watcher that fell %d behind; it was never dropped", len(evs), total)
-	}
-	for i := 1; i < len(evs); i++ {
-		if evs[i].Index <= evs[i-1].Index {
-			t.Fatalf("event %d has index %d after %d", i, evs[i].Index, evs[i-1].Index)
-		}
-	}
-	t.Logf("dropped after delivering %d of %d events (watchBuffer %d)", len(evs), total+1, watchBuffer)
-	// Watching again starts from the current state: nothing is lost.
-	ch2, cancel2 := f.Watch("vol-1")
-	ev := recvEvent(t, ch2)
-	if ev.Index != f.AppliedIndex() || ev.Volume.GetEpoch() != uint64(total) {
-		t.Errorf("re-watch: index %d epoch %d, want %d and %d", ev.Index, ev.Volume.GetEpoch(), f.AppliedIndex(), total)
-	}
-	cancel()
-	cancel2()
-	if err := f.Close(); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// TestFSMWatchRestorePublishes: after Restore every watcher gets its
-// volume's state as of the snapshot.
-func TestFSMWatchRestorePublishes(t *testing.T) {
-	src := openTestFSM(t, "")
-	mustApply(t, src, richWorkload()...)
-	image := snapshotBytes(t, src)
-
-	dst := openTestFSM(t, "")
-	mustApply(t, dst, cmdRegisterServer("s9", "", 0, nil), cmdCreateVolume("vol-stale", "pvc-stale", mib, 1))
-	chNew, cancelNew := dst.Watch("vol-1") // only in the snapshot
-	defer cancelNew()
-	chOld, cancelOld := dst.Watch("vol-stale") // only before the restore
-	defer cancelOld()
-	checkEvent(t, recvEvent(t, chNew), dst.AppliedIndex(), nil, true)
-	checkEvent(t, recvEvent(t, chOld), dst.AppliedIndex(), readVolume(t, dst, "vol-stale"), false)
-
-	if err := dst.Restore(io.NopCloser(bytes.NewReader(image))); err != nil {
-		t.Fatal(err)
-	}
-	checkEvent(t, recvEvent(t, chNew), src.AppliedIndex(), readVolume(t, src, "vol-1"), false)
-	checkEvent(t, recvEvent(t, chOld), src.AppliedIndex(), nil, true)
-
-	// Changes after the restore keep coming.
-	r := applyCommands(t, dst, cmdDetachVolume("vol-1", ""))[0]
-	checkEvent(t, recvEvent(t, chNew), dst.AppliedIndex(), r.msg.(*storpb.Volume), false)
-}
-
-// TestFSMWatchOneEventPerChange: Watch promises "one event per committed
-// change, in index order". Raft hands the FSM several entries per
-// ApplyBatch; two changes to one volume in one batch are two changes.
-func TestFSMWatchOneEventPerChange(t *testing.T) {
-	f := watchFixture(t)
-	ch, cancel := f.Watch("vol-1")
-	defer cancel()
-	recvEvent(t, ch)
-	first := f.AppliedIndex() + 1
-	res := applyCommands(t, f,
-		cmdAttachVolume("vol-1", "node-1", false),
-		cmdAttachVolume("vol-1", "node-2", true),
-	)
-	for i, r := range res {
-		if r.err != nil {
-			t.Fatalf("entry %d: %v", i, r.err)
-		}
-	}
-	ev := recvEvent(t, ch)
-	if ev.Index != first {
-		t.Errorf("first event after the batch: index %d, epoch %d, node %q; want index %d (the attach to node-1, epoch 1)",
-			ev.Index, ev.Volume.GetEpoch(), ev.Volume.GetAttachment().GetNodeId(), first)
-	}
-	checkEvent(t, ev, first, res[0].msg.(*storpb.Volume), false)
-	checkEvent(t, recvEvent(t, ch), first+1, res[1].msg.(*storpb.Volume), false)
 }
 
 // ----------------------------------------------------------- concurrency

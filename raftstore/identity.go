@@ -27,9 +27,9 @@ const (
 	snapshotsDir = "snapshots"
 )
 
-// ourEntries are the names Store creates in its directory; lost+found is
-// what a fresh ext4 filesystem holds.
-var ourEntries = map[string]bool{identityFile: true, raftDBFile: true, metaDBFile: true, snapshotsDir: true, "lost+found": true}
+// ourEntries are the names a stor data directory holds: Store's files, the
+// replica store's directory, and lost+found (a fresh ext4 filesystem's).
+var ourEntries = map[string]bool{identityFile: true, raftDBFile: true, metaDBFile: true, snapshotsDir: true, "lost+found": true, "replicas": true}
 
 // loadIdentity checks that dir is either new (created, or empty) or belongs
 // to server id, and returns its identity.

@@ -216,7 +216,7 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 				unhealthyFor = now.Sub(time.Unix(0, r.UnhealthySinceUnixNano))
 			}
 			switch {
-			case srv == nil || (r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && unhealthyFor > s.cfg.ReplaceAfter):
+			case srv == nil || r.ServerRemoved || (r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && unhealthyFor > s.cfg.ReplaceAfter):
 				s.repair(ctx, "replace", v, r, func() error {
 					_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: r.Id})
 					return err

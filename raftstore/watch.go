@@ -3,6 +3,8 @@ package raftstore
 import (
 	"sync"
 
+	bolt "go.etcd.io/bbolt"
+
 	storpb "github.com/stor-io/stor/api/proto"
 )
 
@@ -12,6 +14,8 @@ type VolumeEvent struct {
 	Volume  *storpb.Volume
 	Index   uint64
 	Deleted bool
+
+	id string // the volume's id, for routing
 }
 
 // watchBuffer is how many events a watcher may fall behind before it is
@@ -110,16 +114,26 @@ func (h *watchHub) closeAll() {
 // than a buffer behind, or when the FSM closes; a consumer that sees the
 // channel close without cancelling should watch again.
 func (f *FSM) Watch(volumeID string) (<-chan VolumeEvent, func()) {
-	// Subscribe first, then read: a change committed in between is
-	// delivered twice, never lost; indexes let the consumer drop repeats.
-	w := f.hub.add(volumeID)
+	// Subscribe and read the current state with applies excluded: a batch
+	// either committed before (the read sees it) or starts after (it sees
+	// the subscriber and publishes its changes).
 	var first VolumeEvent
-	err := f.View(func(r *Reader) error {
-		first.Index = r.AppliedIndex()
-		v, err := r.Volume(volumeID)
-		first.Volume, first.Deleted = v, err != nil
-		return nil
-	})
+	f.mu.Lock()
+	w := f.hub.add(volumeID)
+	err := ErrClosed
+	if f.db != nil {
+		err = f.db.View(func(tx *bolt.Tx) error {
+			r := &Reader{tx: tx}
+			first.Index = r.AppliedIndex()
+			v, err := r.Volume(volumeID)
+			first.Volume, first.Deleted = v, err != nil
+			return nil
+		})
+	}
+	f.mu.Unlock()
+	if err != nil {
+		f.hub.remove(volumeID, w)
+	}
 	out := make(chan VolumeEvent, watchBuffer+1)
 	done := make(chan struct{})
 	var once sync.Once
@@ -143,7 +157,7 @@ func (f *FSM) Watch(volumeID string) (<-chan VolumeEvent, func()) {
 					return
 				}
 				if ev.Index <= last {
-					continue
+					continue // already reflected in what this watcher saw
 				}
 				last = ev.Index
 				select {

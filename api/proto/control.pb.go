@@ -435,8 +435,11 @@ type Replica struct {
 	// FAULTY and REBUILDING); 0 while healthy. The leader replaces a replica
 	// that has not been healthy for too long.
 	UnhealthySinceUnixNano int64 `protobuf:"varint,9,opt,name=unhealthy_since_unix_nano,json=unhealthySinceUnixNano,proto3" json:"unhealthy_since_unix_nano,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// The replica's server left the cluster: its data is gone with it, it
+	// counts against no server's allocation, and the leader replaces it.
+	ServerRemoved bool `protobuf:"varint,10,opt,name=server_removed,json=serverRemoved,proto3" json:"server_removed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Replica) Reset() {
@@ -530,6 +533,13 @@ func (x *Replica) GetUnhealthySinceUnixNano() int64 {
 		return x.UnhealthySinceUnixNano
 	}
 	return 0
+}
+
+func (x *Replica) GetServerRemoved() bool {
+	if x != nil {
+		return x.ServerRemoved
+	}
+	return false
 }
 
 type Attachment struct {
@@ -3187,7 +3197,7 @@ const file_control_proto_rawDesc = "" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x87\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xae\x03\n" +
 	"\aReplica\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
 	"\tserver_id\x18\x02 \x01(\tR\bserverId\x12+\n" +
@@ -3199,7 +3209,9 @@ const file_control_proto_rawDesc = "" +
 	"\x17rebuild_from_generation\x18\x06 \x01(\x04R\x15rebuildFromGeneration\x12,\n" +
 	"\x12rebuild_done_bytes\x18\a \x01(\x04R\x10rebuildDoneBytes\x12.\n" +
 	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\x129\n" +
-	"\x19unhealthy_since_unix_nano\x18\t \x01(\x03R\x16unhealthySinceUnixNano\"|\n" +
+	"\x19unhealthy_since_unix_nano\x18\t \x01(\x03R\x16unhealthySinceUnixNano\x12%\n" +
+	"\x0eserver_removed\x18\n" +
+	" \x01(\bR\rserverRemoved\"|\n" +
 	"\n" +
 	"Attachment\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12'\n" +

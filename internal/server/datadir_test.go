@@ -17,7 +17,7 @@ import (
 func loopbackConfig(t *testing.T, id, dir string) server.Config {
 	cfg := server.DefaultConfig()
 	cfg.ID, cfg.DataDir = id, dir
-	cfg.Listen, cfg.RaftListen = "127.0.0.1:0", "127.0.0.1:0"
+	cfg.Listen, cfg.RaftListen, cfg.DataListen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Capacity = 1 << 30
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	return cfg
@@ -31,7 +31,11 @@ func initDataDir(t *testing.T, id, dir string) {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(10 * time.Second)
-	for !srv.Store().IsLeader() {
+	hasClusterID := func() bool {
+		b, _ := os.ReadFile(filepath.Join(dir, "identity.json"))
+		return strings.Contains(string(b), `"cluster_id"`)
+	}
+	for !srv.Store().IsLeader() || !hasClusterID() {
 		if time.Now().After(deadline) {
 			t.Fatal("single server did not become leader")
 		}
@@ -142,7 +146,7 @@ func TestRestartResumesWithoutRebootstrap(t *testing.T) {
 	}
 	initDataDir(t, "s1", dir) // restart: resumes, same cluster
 	again, _ := os.ReadFile(filepath.Join(dir, "identity.json"))
-	if string(again) != string(ident) || !strings.Contains(string(ident), `"member": true`) {
+	if string(again) != string(ident) || !strings.Contains(string(ident), `"member": true`) || !strings.Contains(string(ident), `"cluster_id"`) {
 		t.Fatalf("identity changed across restart:\n%s\n%s", ident, again)
 	}
 }

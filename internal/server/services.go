@@ -92,8 +92,8 @@ func (v *volumeService) CreateVolume(ctx context.Context, req *storpb.CreateVolu
 	if err := raftstore.ValidateName("volume", req.Name); err != nil {
 		return nil, err
 	}
-	if req.SizeBytes == 0 {
-		return nil, fmt.Errorf("%w: volume %q: size must be positive", raftstore.ErrInvalidArgument, req.Name)
+	if req.SizeBytes == 0 || req.SizeBytes > raftstore.MaxVolumeSize {
+		return nil, fmt.Errorf("%w: volume %q: size %d is not in 1..%d", raftstore.ErrInvalidArgument, req.Name, req.SizeBytes, uint64(raftstore.MaxVolumeSize))
 	}
 	if req.ReplicaCount == 0 {
 		req.ReplicaCount = v.s.cfg.DefaultReplicas

@@ -70,6 +70,7 @@ type Cluster struct {
 	Net   *Network
 	Nodes []*Node
 	log   *testLog
+	base  string // parent of the nodes' data dirs
 }
 
 // TestConfig is the server config servertest uses: fast heartbeats and a
@@ -91,7 +92,9 @@ func NewCluster(t testing.TB, opts Options) *Cluster {
 	if opts.Servers == 0 {
 		opts.Servers = 3
 	}
-	c := &Cluster{t: t, opts: opts, Net: NewNetwork(), log: newTestLog(t)}
+	// The data dirs' removal must run after the servers stop: cleanups run
+	// last-registered first, so create the base dir before registering Close.
+	c := &Cluster{t: t, opts: opts, Net: NewNetwork(), log: newTestLog(t), base: t.TempDir()}
 	t.Cleanup(c.Close)
 	for range opts.Servers {
 		c.AddNode()
@@ -104,7 +107,7 @@ func NewCluster(t testing.TB, opts Options) *Cluster {
 func (c *Cluster) AddNode() *Node {
 	c.t.Helper()
 	i := len(c.Nodes)
-	n := &Node{Index: i, ID: fmt.Sprintf("s%d", i+1), Dir: filepath.Join(c.t.TempDir(), fmt.Sprintf("s%d", i+1))}
+	n := &Node{Index: i, ID: fmt.Sprintf("s%d", i+1), Dir: filepath.Join(c.base, fmt.Sprintf("s%d", i+1))}
 	// Reserve ports: bind, note the address, release; Start rebinds them.
 	n.Addr, n.RaftAddr = freePort(c.t), freePort(c.t)
 	c.Net.Register(n.Addr, i)
