@@ -67,6 +67,21 @@ type fakeVolumes struct {
 	listReqs   []*storpb.ListVolumesRequest
 	deletes    []*storpb.VolumeRef
 	expansions []*storpb.ExpandVolumeRequest
+	replaces   []*storpb.ReplaceReplicaRequest
+}
+
+func (f *fakeVolumes) ReplaceReplica(_ context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.ReplaceReplicaResponse, error) {
+	f.mu.Lock()
+	f.replaces = append(f.replaces, req)
+	f.mu.Unlock()
+	v, err := f.find(req.GetVolume())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetReplicaId() == "r-1" && req.GetRemoveOnly() {
+		return nil, status.Error(codes.FailedPrecondition, `replica "r-1" is the last healthy replica of volume "db"`)
+	}
+	return &storpb.ReplaceReplicaResponse{Volume: v}, nil
 }
 
 func (f *fakeVolumes) find(ref *storpb.VolumeRef) (*storpb.Volume, error) {
@@ -238,7 +253,9 @@ func newFake(t *testing.T) *fakeCluster3 {
 					Attachment: &storpb.Attachment{NodeId: "node-a", Mode: storpb.AccessMode_ACCESS_MODE_READ_WRITE},
 					Replicas: []*storpb.Replica{
 						healthy("r-1", "s1"), healthy("r-2", "s2"),
-						{Id: "r-3", ServerId: "s3", State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Generation: 12},
+						{Id: "r-3", ServerId: "s3", State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Generation: 12,
+							RebuildFromGeneration: 9, RebuildDoneBytes: 3 << 30, RebuildTotalBytes: 4 << 30,
+							StateSinceUnixNano: testNow.Add(-90 * time.Second).UnixNano()},
 					}},
 				{Id: "vol-2", Name: "logs", SizeBytes: 1610612736, ReplicaCount: 2, State: storpb.VolumeState_VOLUME_STATE_CREATING,
 					Replicas: []*storpb.Replica{healthy("r-4", "s1"), healthy("r-5", "s2")}},
@@ -440,9 +457,9 @@ func TestVolumeGet(t *testing.T) {
 		{"GENERATION:", "12"},
 		{"ATTACHED:", "node-a (read-write)"},
 		{"CREATED:", "2026-02-01T08:30:00Z"},
-		{"REPLICA", "SERVER", "STATE", "GENERATION"},
-		{"r-1", "s1", "healthy", "1"},
-		{"r-3", "s3", "rebuilding", "12"},
+		{"REPLICA", "SERVER", "STATE", "GENERATION", "REBUILD", "SINCE"},
+		{"r-1", "s1", "healthy", "1", "-", "-"},
+		{"r-3", "s3", "rebuilding", "12", "delta 75%", "1m ago"},
 	} {
 		assertCells(t, out, want...)
 	}
@@ -726,5 +743,34 @@ func TestNewRootCommand(t *testing.T) {
 	}
 	if !strings.Contains(stdout.String(), "cache") {
 		t.Fatalf("volume list output lacks the second page:\n%s", stdout.String())
+	}
+}
+
+func TestReplicaCommands(t *testing.T) {
+	f := newFake(t)
+	out := mustRun(t, "--server", f.addr, "replica", "list", "db")
+	assertCells(t, out, "REPLICA", "SERVER", "STATE", "GENERATION", "REBUILD", "SINCE")
+	assertCells(t, out, "r-2", "s2", "healthy", "1", "-", "-")
+	assertCells(t, out, "r-3", "s3", "rebuilding", "12", "delta 75%", "1m ago")
+
+	mustRun(t, "--server", f.addr, "replica", "add", "db", "--on", "s9")
+	mustRun(t, "--server", f.addr, "replica", "remove", "db", "r-2")
+	mustRun(t, "--server", f.addr, "replica", "remove", "db", "r-3", "--replace")
+	want := []*storpb.ReplaceReplicaRequest{
+		{Volume: &storpb.VolumeRef{Name: "db"}, ServerId: "s9"},
+		{Volume: &storpb.VolumeRef{Name: "db"}, ReplicaId: "r-2", RemoveOnly: true},
+		{Volume: &storpb.VolumeRef{Name: "db"}, ReplicaId: "r-3"},
+	}
+	for i, w := range want {
+		if !proto.Equal(f.volumes.replaces[i], w) {
+			t.Fatalf("request %d = %v, want %v", i, f.volumes.replaces[i], w)
+		}
+	}
+	r := run(t, "--server", f.addr, "replica", "remove", "db", "r-1")
+	if r.code != 1 || !strings.Contains(r.stderr, "last healthy replica") || strings.Count(r.stderr, "\n") != 1 {
+		t.Fatalf("removing the last healthy replica: exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := run(t, "--server", f.addr, "replica", "remove", "db"); r.code != 2 {
+		t.Fatalf("remove without a replica id: exit %d", r.code)
 	}
 }

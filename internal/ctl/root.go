@@ -141,6 +141,7 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		newClusterCommand(a),
 		newServerCommand(a),
 		newVolumeCommand(a),
+		newReplicaCommand(a),
 		newSnapshotCommand(a),
 	)
 	return root

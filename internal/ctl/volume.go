@@ -185,11 +185,7 @@ func (a *app) printVolume(v *storpb.Volume) error {
 		return err
 	}
 	fmt.Fprintln(a.stdout)
-	t := newTable(a.stdout, "REPLICA", "SERVER", "STATE", "GENERATION")
-	for _, r := range v.GetReplicas() {
-		t.row(r.GetId(), orDash(r.GetServerId()), enumName(r.GetState()), strconv.FormatUint(r.GetGeneration(), 10))
-	}
-	return t.flush()
+	return a.replicaTable(v)
 }
 
 func newVolumeListCommand(a *app) *cobra.Command {

@@ -1,0 +1,144 @@
+package ctl
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+
+	"github.com/spf13/cobra"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
+)
+
+func newReplicaCommand(a *app) *cobra.Command {
+	return group("replica", "Inspect and move a volume's replicas",
+		newReplicaListCommand(a),
+		newReplicaAddCommand(a),
+		newReplicaRemoveCommand(a),
+	)
+}
+
+func newReplicaListCommand(a *app) *cobra.Command {
+	var byID bool
+	cmd := &cobra.Command{
+		Use:   "list VOLUME",
+		Short: "List a volume's replicas: server, state, generation, rebuild progress",
+		Args:  exactArgs("VOLUME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: volumeRef(args[0], byID)})
+				if err != nil {
+					return err
+				}
+				v := resp.GetVolume()
+				if a.jsonOutput() {
+					return a.printJSON(&storpb.Volume{Id: v.GetId(), Name: v.GetName(), Generation: v.GetGeneration(), Replicas: v.GetReplicas()})
+				}
+				return a.replicaTable(v)
+			})
+		},
+	}
+	addIDFlag(cmd, &byID, "VOLUME")
+	return cmd
+}
+
+// replicaTable prints one row per replica, with the rebuild progress of
+// rebuilding ones as a percentage.
+func (a *app) replicaTable(v *storpb.Volume) error {
+	t := newTable(a.stdout, "REPLICA", "SERVER", "STATE", "GENERATION", "REBUILD", "SINCE")
+	for _, r := range v.GetReplicas() {
+		t.row(r.GetId(), orDash(r.GetServerId()), replicaState(r), strconv.FormatUint(r.GetGeneration(), 10),
+			rebuildProgress(r), formatAge(a.now(), r.GetStateSinceUnixNano()))
+	}
+	return t.flush()
+}
+
+func replicaState(r *storpb.Replica) string {
+	s := enumName(r.GetState())
+	if r.GetServerRemoved() {
+		s += " (server removed)"
+	}
+	return s
+}
+
+// rebuildProgress renders a rebuild as "delta 42%" / "full 7%", or "-".
+func rebuildProgress(r *storpb.Replica) string {
+	if r.GetState() != storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+		return "-"
+	}
+	kind := "full"
+	if r.GetRebuildFromGeneration() > 0 {
+		kind = "delta"
+	}
+	if r.GetRebuildTotalBytes() == 0 {
+		return kind + " starting"
+	}
+	pct := float64(r.GetRebuildDoneBytes()) * 100 / float64(r.GetRebuildTotalBytes())
+	return fmt.Sprintf("%s %.0f%%", kind, min(pct, 100))
+}
+
+func newReplicaAddCommand(a *app) *cobra.Command {
+	var (
+		byID   bool
+		server string
+	)
+	cmd := &cobra.Command{
+		Use:   "add VOLUME [--on SERVER]",
+		Short: "Add a replica to a volume that has fewer than its replica count",
+		Long: `Add a replica (it joins as rebuilding and is filled by a full rebuild).
+Placement chooses the server unless --on names one. (--server is
+the global flag naming the cluster to talk to.)`,
+		Args: exactArgs("VOLUME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: volumeRef(args[0], byID), ServerId: server})
+				if err != nil {
+					return err
+				}
+				return a.printReplicas(resp.GetVolume())
+			})
+		},
+	}
+	cmd.Flags().StringVar(&server, "on", "", "place the new replica on this server (id)")
+	addIDFlag(cmd, &byID, "VOLUME")
+	return cmd
+}
+
+func newReplicaRemoveCommand(a *app) *cobra.Command {
+	var (
+		byID    bool
+		replace bool
+		server  string
+	)
+	cmd := &cobra.Command{
+		Use:   "remove VOLUME REPLICA",
+		Short: "Remove a replica from a volume (refused for its last healthy replica)",
+		Long: `Remove REPLICA from VOLUME. With --replace a new replica is placed at the
+same time (on server --on if given) and rebuilt; without it the volume runs
+with one replica fewer until the leader, or "replica add", adds one.`,
+		Args: exactArgs("VOLUME", "REPLICA"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{
+					Volume: volumeRef(args[0], byID), ReplicaId: args[1], ServerId: server, RemoveOnly: !replace,
+				})
+				if err != nil {
+					return err
+				}
+				return a.printReplicas(resp.GetVolume())
+			})
+		},
+	}
+	cmd.Flags().BoolVar(&replace, "replace", false, "place a new replica in its stead")
+	cmd.Flags().StringVar(&server, "on", "", "with --replace: the server (id) to place the new replica on")
+	addIDFlag(cmd, &byID, "VOLUME")
+	return cmd
+}
+
+func (a *app) printReplicas(v *storpb.Volume) error {
+	if a.jsonOutput() {
+		return a.printJSON(v)
+	}
+	return a.replicaTable(v)
+}
