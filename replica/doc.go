@@ -6,55 +6,179 @@
 //
 // # Units
 //
-// Volume sizes are multiples of BlockSize (4096). Offsets and lengths of
-// I/O must be multiples of SectorSize (512) and inside the volume; anything
-// else is ErrInvalid. One request carries at most MaxIO bytes.
+// Volume sizes are multiples of BlockSize (4096), at most MaxSize. Offsets
+// and lengths of I/O must be multiples of SectorSize (512) and inside the
+// volume; anything else is ErrInvalid. One request carries at most MaxIO
+// bytes (WriteZeroes and Trim carry no payload and are not limited).
 //
 // # Layout on disk
 //
 // Each replica is a directory <store dir>/<replica id>/ holding:
 //
-//   - meta.json: volume id, replica id, size, and the layer chain (oldest
-//     snapshot layer first, the writable head last). Replaced atomically
-//     (write temp, fsync, rename, fsync dir).
+//   - meta.json: volume id, replica id, size, region size, and the layer
+//     chain (oldest snapshot layer first, the writable head last; a
+//     snapshot layer records its id and the volume size at its cut).
+//     Replaced atomically (write temp, fsync, rename, fsync dir).
 //   - epoch: the highest epoch seen, with a checksum; written durably before
-//     the request that raised it is answered.
-//   - one sparse data file per layer (a block lives at its volume offset)
-//     and an index of the blocks the layer holds. A block present in a
-//     layer's index but a hole in its file reads as zeroes (that is how
-//     WRITE_ZEROES and TRIM mask older layers). Reads fall through the
-//     chain from the head to the oldest layer; a block in no layer reads as
-//     zeroes.
-//   - the dirty-region log: one bit per region (RegionSize, default 1 MiB),
-//     set durably before the first write to a region after it was cleared,
-//     cleared lazily after flushes.
-//   - the write history: per region, the highest replica-set generation of
-//     a write there, for delta rebuilds.
+//     the request that raised it is answered. It also holds the highest
+//     replica-set generation seen (see "Write history").
+//   - one sparse data file per layer (layer-<n>.data: a block lives at its
+//     volume offset) and an index of the blocks the layer holds
+//     (layer-<n>.idx). A block present in a layer's index but a hole in its
+//     file reads as zeroes (that is how WRITE_ZEROES and TRIM mask older
+//     layers). Reads fall through the chain from the head to the oldest
+//     layer; a block in no layer reads as zeroes.
+//   - the dirty-region log (dirty): one bit per region (RegionSize, default
+//     1 MiB), set durably before the first write to a region after it was
+//     cleared, cleared lazily after flushes.
+//   - the write history (history): per region, the highest replica-set
+//     generation of a write there, for delta rebuilds.
+//
+// A Store creates a replica in .creating-<id> and renames it into place,
+// and deletes one by renaming it to .deleting-<id> first; OpenStore removes
+// such leftovers, and layer files that meta.json does not name.
+//
+// # On-disk formats
+//
+// Integers are big-endian; checksums are CRC-32C (Castagnoli).
+//
+// Journals (the layer indexes and the write history) are a 32-byte header
+// (magic "STORJNL1", kind u32, version u32, reserved, CRC of bytes 0..27)
+// followed by batches, one per append: magic u32 "STBJ", seq u64 (one more
+// than the previous batch), payload length u32, CRC u32 of the batch
+// header's first 16 bytes and the payload, payload. Each append is synced
+// before the next is written, so a crash can only tear the last one.
+// Replay stops at the first bad batch: if a good batch with a higher seq
+// follows somewhere, the bad one was synced and then damaged (ErrCorrupt);
+// otherwise it is a torn tail, ignored and truncated. A journal that has
+// grown to twice its live records (and at least 4096) is compacted: its
+// whole state is written to <name>.tmp, synced and renamed over it.
+//
+// An index journal's payload is records of 17 bytes: kind u8 (1: the
+// blocks entered the layer; the only kind), first block u64, block count
+// u64. A layer's index only grows: a zeroed or trimmed block stays in it
+// as a hole, so Extents reports it (allocated as a zero mask) and a
+// rebuild copies its zeroes.
+// A history journal's payload is validFrom u64 and then records of 24
+// bytes: first region u64, region count u64, generation+1 u64 (the maximum
+// is kept per region).
+//
+// The epoch file is two 512-byte slots, each written by one sector write
+// and synced: magic "STOREPC1", seq u64, epoch u64, generation u64, CRC of
+// those 32 bytes. The valid slot with the higher seq wins, so a raise torn
+// by a crash leaves the previous value, which is all that was ever
+// acknowledged.
+//
+// The dirty log is a 4096-byte header (magic "STORDRT1", region size u64,
+// version u32, CRC) followed by the bitmap: bit r%8 of byte r/8 is region
+// r.
 //
 // # Invariants
 //
 //  1. Fencing: every request carries an epoch. A request below the highest
 //     epoch seen is refused with ErrStaleEpoch and changes nothing; a
-//     request above it raises it durably first.
+//     request above it raises it durably first. The check and the request
+//     are one step: every request holds the replica's operation lock shared
+//     from its check to its last effect, and raising the epoch takes it
+//     exclusively, so once a raise returns, no request of a lower epoch is
+//     still applying anything.
 //  2. Flush: when Flush returns, every write that completed before Flush was
 //     called is durable, data and index. A write with FUA is durable when it
 //     returns. A write not yet flushed may be lost by a crash; it never
 //     damages blocks that were flushed (the index only names a block once
 //     its data is durable, so a crash shows either the block's old contents
-//     or its new ones).
+//     or its new ones). Concretely: a write puts its data in the head's file
+//     and then enters its blocks into the in-memory index (so reads see it
+//     at once); a sync takes the index changes made so far, fsyncs the data
+//     file, then appends those changes to the index journal and fsyncs it.
+//     A block new to the head that a crash finds unnamed by the journal
+//     reads as before (from a lower layer, or zeroes); a block overwritten
+//     in place reads as old or new per filesystem page (the unit a crash
+//     keeps or loses), and blocks are page-aligned.
 //  3. Dirty regions: every region with a write that may not be durable on
 //     this replica, or that may differ from the other replicas because the
 //     engine stopped uncleanly, is in DirtyRegions after a restart.
 //  4. Rebuild: between BeginRebuild and EndRebuild, RebuildWrite never
 //     overwrites a block that a normal write (WriteAt, WriteZeroes, Trim)
-//     touched after BeginRebuild.
+//     touched after BeginRebuild. It is tracked per sector: RebuildWrite
+//     fills the sectors of a block that no normal write touched.
 //  5. Snapshots: a snapshot's contents never change; deleting a snapshot
 //     merges its blocks into the next layer up without changing what any
 //     remaining view reads.
+//
+// A partial-block write (512-aligned, not 4096-aligned) to a block the head
+// lacks first copies the block up from the layers below, so a block in the
+// head's index is always complete.
+//
+// After a failed fsync the replica refuses every request with ErrIO until
+// it is reopened: the kernel may have dropped the unsynced pages, so a
+// later fsync that succeeds would not mean what it says.
+//
+// # Dirty regions
+//
+// Before a write is applied, every region it touches is marked: if the
+// region's bit is clear, it is set and the log is fdatasynced first. A
+// region is cleared at the end of a Flush only if no write to it is in
+// flight and the last write to it finished before the previous completed
+// Flush began (two-flush hysteresis). That is safe with concurrent writes:
+// a write marks its regions before it is applied and notes them again when
+// it finishes, and a region with a write in flight is never cleared; a
+// write that finished before the previous Flush began is durable since
+// that Flush (its data, index and history were synced by it). The extra
+// flush of slack is for the other replicas: a write the engine sent to
+// all of them may have finished here while another replica has not yet
+// applied (and so not yet marked) it. The engine's side of the bargain:
+// it does not send a replica flush k+1 until every write it sent before
+// flush k has been answered by every replica in the set, or that replica
+// has been failed out of it (an engine whose flush first waits for the
+// writes sent before it keeps this). The hysteresis also keeps
+// regions under steady writing dirty instead of paying an fdatasync for
+// the mark after every flush. Clearing writes the bit without a sync (a
+// lost clear leaves a region dirty, which is safe).
+//
+// The engine reads DirtyRegions when it attaches, before serving I/O, and
+// reconciles those regions; the bits are then cleared by the rule above.
+//
+// # Write history
+//
+// Each write notes, for every region it touches, its Op.Generation (the
+// maximum is kept) in memory; every sync journals the changes. A request
+// whose generation is higher than any seen first records it durably in the
+// epoch file. After a crash, writes since the last sync are missing from
+// the journal, but each is in a region still marked dirty and was made at
+// a generation no higher than the durable maximum, so on open every dirty
+// region is taken as written at that maximum: WrittenSince over-reports,
+// never under-reports. A history that cannot be read is started afresh,
+// valid from the generation after the highest seen; WrittenSince refuses
+// older generations with ErrHistoryLost (the caller then does a full
+// rebuild).
+//
+// # Snapshots
+//
+// CreateSnapshot holds the operation lock exclusively (no write is in
+// flight), syncs, creates the new head's files, and renames a new
+// meta.json in which the old head is the snapshot: the cut is exactly the
+// writes completed before it. DeleteSnapshot copies, in chunks and under
+// the same per-block lock that writes take, each block of the snapshot's
+// layer that the next layer up lacks into that layer (a head write to the
+// block always wins), syncs that layer, then drops the snapshot from
+// meta.json and removes its files. A crash at any point leaves every view
+// as it was: before meta.json changes, the copies read the same as the
+// blocks they copy.
+//
+// Rebuild tracking lives in memory only: after a reopen the rebuilder
+// calls BeginRebuild again and reads its source after that. RebuildWrite
+// writes the head; snapshots are not rebuilt.
 //
 // # Concurrency
 //
 // Replica methods are safe for concurrent use. Writes to disjoint ranges
 // proceed in parallel; overlapping writes are applied in some order, as a
-// disk would. Snapshot cuts and merges are serialised with writes.
+// disk would. Snapshot cuts and merges are serialised with writes (a cut
+// with all of them, a merge with those to the blocks it copies). Reads
+// do not wait for writes; a read racing a write to the same block returns
+// the old or new data of each block, as a disk would.
+//
+// Lock order: Store.mu → Replica.snapMu → Replica.mu (the operation lock)
+// → flushMu → the range lock → layer, log and history locks.
 package replica

@@ -16,7 +16,11 @@
 //     (SetReplicaState, fenced by the epoch) and only then returns. If the
 //     leader cannot be reached the write waits (bounded by the caller's
 //     context); it is never acknowledged on a guess. If the failing replica
-//     is the last healthy one, the write fails with an I/O error.
+//     is the last healthy one, the write fails with an I/O error. Before
+//     acknowledging, the engine applies the request once more to the
+//     replicas that took it, at the new generation, so their write history
+//     names every region the faulty replica may lack (a delta rebuild
+//     copies the regions written at or after the fault's generation).
 //  3. Flush: Flush sends a flush to every replica in the write set; each
 //     replica makes every write it completed durable, and every write the
 //     engine acknowledged was completed on all of them.

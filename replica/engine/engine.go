@@ -96,7 +96,8 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// member is one replica the engine writes to.
+// member is one replica the engine writes to. It is never modified once
+// in the write set; a state change replaces it.
 type member struct {
 	info *storpb.Replica
 	conn ReplicaConn
@@ -121,6 +122,7 @@ type Engine struct {
 	rebuilding map[string]bool    // replica ids with a rebuild goroutine running
 	generation uint64
 	servers    map[string]*storpb.Server // server id -> server, for data addresses
+	last       *storpb.Volume            // the latest committed state seen on the watch
 
 	// faultMu serialises reports to the control plane so one failing
 	// replica is reported once.
@@ -178,13 +180,14 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.abort()
 		return nil, err
 	}
+	// From here on the watch goroutine shares the write set: use e.mu.
+	e.logger.Info("volume open", "replicas", len(e.members), "size", v.SizeBytes, "generation", e.generation)
 	e.wg.Add(1)
 	go func() {
 		defer e.wg.Done()
 		e.follow()
 	}()
 	e.startRebuilds()
-	e.logger.Info("volume open", "replicas", len(e.members), "size", v.SizeBytes, "generation", e.generation)
 	return e, nil
 }
 
@@ -486,8 +489,11 @@ func (e *Engine) fanOut(ctx context.Context, set []*member, req func(context.Con
 	errs[0] = e.call(ctx, func(ctx context.Context) error { return req(ctx, set[0]) })
 	wg.Wait()
 
+	var ok []*member
+	failed := false
 	for i, err := range errs {
 		if err == nil {
+			ok = append(ok, set[i])
 			continue
 		}
 		if err := e.classify(ctx, errs[i]); err != nil {
@@ -497,6 +503,16 @@ func (e *Engine) fanOut(ctx context.Context, set []*member, req func(context.Con
 		if ferr := e.markFaulty(ctx, set[i].info.Id, err.Error()); ferr != nil {
 			return ferr
 		}
+		failed = true
+	}
+	if failed && len(ok) > 0 {
+		// The replicas that applied the request recorded it in their
+		// write history at the generation before the fault; a delta
+		// rebuild of the failed replica copies only regions written at or
+		// after the fault's generation. Apply it again, at the new
+		// generation, so the history names it. (Idempotent: the same
+		// request, not yet acknowledged.)
+		return e.fanOut(ctx, ok, req)
 	}
 	return nil
 }
@@ -593,7 +609,8 @@ func (e *Engine) applyVolume(v *storpb.Volume) {
 			delete(e.members, id)
 			continue
 		}
-		m.info = r
+		// Members are immutable (requests in flight hold them): replace.
+		e.members[id] = &member{info: r, conn: m.conn}
 	}
 	e.mu.Unlock()
 	for _, m := range drop {

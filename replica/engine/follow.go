@@ -11,6 +11,11 @@ import (
 // follow watches the volume in the control plane until the engine closes,
 // re-watching after a broken stream.
 func (e *Engine) follow() {
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		e.retryJoins()
+	}()
 	backoff := 50 * time.Millisecond
 	for e.ctx.Err() == nil {
 		stream, err := e.cfg.Control.Volumes.WatchVolume(e.ctx, &storpb.WatchVolumeRequest{Volume: &storpb.VolumeRef{Id: e.id}})
@@ -25,6 +30,9 @@ func (e *Engine) follow() {
 					e.fence("the volume was deleted")
 					return
 				}
+				e.mu.Lock()
+				e.last = ev.Volume
+				e.mu.Unlock()
 				e.onVolume(ev.Volume)
 			}
 		}
@@ -34,6 +42,30 @@ func (e *Engine) follow() {
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+// retryJoins retries, every second, opening rebuilding replicas that
+// could not be opened when they joined (their server was still starting,
+// or moved to a new address).
+func (e *Engine) retryJoins() {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.ctx.Done():
+			return
+		case <-t.C:
+		}
+		e.mu.Lock()
+		v := e.last
+		e.mu.Unlock()
+		if v == nil || e.fenced.Load() {
+			continue
+		}
+		if e.addNewReplicas(v) {
+			e.startRebuilds()
+		}
 	}
 }
 
@@ -70,8 +102,9 @@ func (e *Engine) grow(size uint64) error {
 }
 
 // addNewReplicas opens replicas that joined the set (as rebuilding), so
-// every later write reaches them too.
-func (e *Engine) addNewReplicas(v *storpb.Volume) {
+// every later write reaches them too. It reports whether it added any.
+func (e *Engine) addNewReplicas(v *storpb.Volume) (added bool) {
+	refreshed := false
 	for _, r := range v.Replicas {
 		if r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING {
 			continue
@@ -83,15 +116,23 @@ func (e *Engine) addNewReplicas(v *storpb.Volume) {
 		if have {
 			continue
 		}
-		if !known {
+		if !known && !refreshed {
 			if err := e.refreshServers(e.ctx); err != nil {
 				e.logger.Warn("refresh servers", "err", err)
 				continue
 			}
+			refreshed = true
 		}
 		conn, err := e.connect(e.ctx, r)
+		if err != nil && !refreshed {
+			// The server may have moved: look its address up again.
+			if rerr := e.refreshServers(e.ctx); rerr == nil {
+				refreshed = true
+				conn, err = e.connect(e.ctx, r)
+			}
+		}
 		if err != nil {
-			e.logger.Warn("open new replica", "replica", r.Id, "server", r.ServerId, "err", err)
+			e.logger.Warn("open new replica; will retry", "replica", r.Id, "server", r.ServerId, "err", err)
 			continue
 		}
 		e.mu.Lock()
@@ -102,6 +143,8 @@ func (e *Engine) addNewReplicas(v *storpb.Volume) {
 		}
 		e.members[r.Id] = &member{info: r, conn: conn}
 		e.mu.Unlock()
+		added = true
 		e.logger.Info("replica joined the write set", "replica", r.Id, "server", r.ServerId)
 	}
+	return added
 }

@@ -126,21 +126,35 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 			return mergeExtents(append(regions, own...), plan.Size), true, nil
 		}
 	}
+	// Full: every extent the source holds, and every extent the target
+	// holds (a returning replica may hold writes the source never had;
+	// copying the source's contents there, zeroes included, removes them).
+	all, err := allExtents(ctx, o, src.Read)
+	if err != nil {
+		return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err})
+	}
+	own, err := allExtents(ctx, o, dst)
+	if err != nil {
+		return nil, false, fmt.Errorf("rebuild: target extents: %w", err)
+	}
+	return mergeExtents(append(all, own...), plan.Size), false, nil
+}
+
+func allExtents(ctx context.Context, o replica.Op, r ReplicaConn) ([]replica.Extent, error) {
 	var all []replica.Extent
 	from := int64(0)
 	for {
-		page, err := src.Read.Extents(ctx, o, "", from, 4096)
+		page, err := r.Extents(ctx, o, "", from, 4096)
 		if err != nil {
-			return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err})
+			return nil, err
 		}
 		if len(page) == 0 {
-			break
+			return all, nil
 		}
 		all = append(all, page...)
 		last := page[len(page)-1]
 		from = last.Off + last.Len
 	}
-	return mergeExtents(all, plan.Size), false, nil
 }
 
 // chunksOf splits a range into pieces of at most n bytes.

@@ -1,0 +1,251 @@
+package replica
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"os"
+	"sync"
+)
+
+// The dirty-region log: one bit per region in a file, set durably before
+// the first write to a clean region is applied, cleared lazily after
+// flushes (see doc.go, "Dirty regions", for the clearing rule and why it
+// is safe).
+//
+// File format: a 4096-byte header page, then the bitmap (bit r%8 of byte
+// r/8 is region r). The header is magic "STORDRT1", region size u64,
+// version u32, CRC-32C of the preceding 20 bytes. Bits are only ever
+// changed by writing whole bytes of the bitmap.
+const (
+	dirtyMagic      = "STORDRT1"
+	dirtyHeaderSize = 4096
+)
+
+// dirtyLog is the dirty-region log. Its state is O(dirty regions) and
+// O(writes in flight), whatever the volume size.
+type dirtyLog struct {
+	f          File
+	regionSize int64
+
+	mu    sync.Mutex
+	bits  blockSet                         // dirty regions: their bit is set on disk
+	touch map[uint64]*[histChunkLen]uint64 // per region: Replica.syncStarted when a write last started or finished there
+	spans map[*[2]uint64]struct{}          // regions [r0, r1] of the writes in flight
+	// prevFlush is the sync number of the previous completed Flush: a
+	// region whose last write finished before it may be cleared.
+	prevFlush uint64
+}
+
+func dirtyHeader(regionSize int64) []byte {
+	h := make([]byte, dirtyHeaderSize)
+	copy(h, dirtyMagic)
+	binary.BigEndian.PutUint64(h[8:], uint64(regionSize))
+	binary.BigEndian.PutUint32(h[16:], 1)
+	binary.BigEndian.PutUint32(h[20:], crc32.Checksum(h[:20], castagnoli))
+	return h
+}
+
+func createDirtyLog(fsys FS, path string, regionSize int64) error {
+	f, err := fsys.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return ioErr("create dirty log", err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(dirtyHeader(regionSize), 0); err != nil {
+		return ioErr("write dirty log", err)
+	}
+	return ioErr("sync dirty log", f.Sync())
+}
+
+func openDirtyLog(fsys FS, path string, regionSize int64, nregions uint64) (*dirtyLog, error) {
+	f, err := fsys.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		if os.IsNotExist(err) {
+			return nil, fmt.Errorf("%w: %s is missing", ErrCorrupt, path)
+		}
+		return nil, ioErr("open dirty log", err)
+	}
+	buf, err := readWhole(f)
+	if err != nil {
+		f.Close()
+		return nil, ioErr("read dirty log", err)
+	}
+	if len(buf) < dirtyHeaderSize || !bytes.Equal(buf[:dirtyHeaderSize], dirtyHeader(regionSize)) {
+		f.Close()
+		return nil, fmt.Errorf("%w: %s: bad header", ErrCorrupt, path)
+	}
+	d := &dirtyLog{f: f, regionSize: regionSize, touch: map[uint64]*[histChunkLen]uint64{}, spans: map[*[2]uint64]struct{}{}}
+	for i, b := range buf[dirtyHeaderSize:] {
+		for bit := range 8 {
+			if r := uint64(i)*8 + uint64(bit); b&(1<<bit) != 0 && r < nregions {
+				d.bits.add(r, 1)
+			}
+		}
+	}
+	return d, nil
+}
+
+// writeBytesLocked rewrites the bitmap bytes holding regions runs, one
+// WriteAt per cluster of nearby bytes.
+func (d *dirtyLog) writeBytesLocked(runs [][2]uint64) error {
+	for i := 0; i < len(runs); {
+		lo, hi := runs[i][0]/8, (runs[i][1]-1)/8
+		for i++; i < len(runs) && runs[i][0]/8 <= hi+64; i++ {
+			hi = max(hi, (runs[i][1]-1)/8)
+		}
+		buf := make([]byte, hi-lo+1)
+		for j := range buf {
+			for bit := range 8 {
+				if d.bits.has((lo+uint64(j))*8 + uint64(bit)) {
+					buf[j] |= 1 << bit
+				}
+			}
+		}
+		if _, err := d.f.WriteAt(buf, dirtyHeaderSize+int64(lo)); err != nil {
+			return ioErr("write dirty log", err)
+		}
+	}
+	return nil
+}
+
+func (d *dirtyLog) setTouchLocked(r0, r1, now uint64) {
+	for r := r0; r <= r1; r++ {
+		c := d.touch[r>>histChunkShift]
+		if c == nil {
+			c = new([histChunkLen]uint64)
+			d.touch[r>>histChunkShift] = c
+		}
+		c[r&(histChunkLen-1)] = now
+	}
+}
+
+func (d *dirtyLog) lastTouch(r uint64) uint64 {
+	if c := d.touch[r>>histChunkShift]; c != nil {
+		return c[r&(histChunkLen-1)]
+	}
+	return 0
+}
+
+// start marks a write to regions [r0, r1] as begun and returns the token
+// to pass to done. A clean region's bit is set and synced before start
+// returns, so the write that follows is covered by the log even if the
+// machine crashes during it.
+func (d *dirtyLog) start(r0, r1, now uint64) (*[2]uint64, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var set [][2]uint64
+	for r := r0; r <= r1; {
+		s, ok := d.bits.nextMember(r)
+		if !ok || s > r1 {
+			set = append(set, [2]uint64{r, r1 + 1})
+			break
+		}
+		if s > r {
+			set = append(set, [2]uint64{r, s})
+		}
+		r = d.bits.nextGap(s)
+	}
+	if len(set) > 0 {
+		for _, run := range set {
+			d.bits.add(run[0], run[1]-run[0])
+		}
+		err := d.writeBytesLocked(set)
+		if err == nil {
+			err = ioErr("sync dirty log", d.f.Sync())
+		}
+		if err != nil {
+			for _, run := range set {
+				d.bits.remove(run[0], run[1]-run[0])
+			}
+			return nil, err
+		}
+	}
+	d.setTouchLocked(r0, r1, now)
+	span := &[2]uint64{r0, r1}
+	d.spans[span] = struct{}{}
+	return span, nil
+}
+
+// done marks the write of span as finished.
+func (d *dirtyLog) done(span *[2]uint64, now uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	delete(d.spans, span)
+	d.setTouchLocked(span[0], span[1], now)
+}
+
+// flushed is called after the Flush whose sync had number syncNum
+// completed. It clears the regions with no write in flight whose last
+// write finished before the previous completed Flush began, and returns
+// an error only if writing the cleared bits failed (which leaves them set
+// on disk: harmless).
+func (d *dirtyLog) flushed(syncNum uint64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var cleared [][2]uint64
+	d.bits.runs(func(s, e uint64) bool {
+		for r := s; r < e; r++ {
+			if d.lastTouch(r) >= d.prevFlush || d.inFlightLocked(r) {
+				continue
+			}
+			if n := len(cleared); n > 0 && cleared[n-1][1] == r {
+				cleared[n-1][1]++
+			} else {
+				cleared = append(cleared, [2]uint64{r, r + 1})
+			}
+		}
+		return true
+	})
+	d.prevFlush = syncNum
+	if len(cleared) == 0 {
+		return nil
+	}
+	for _, run := range cleared {
+		d.bits.remove(run[0], run[1]-run[0])
+		for r := run[0]; r < run[1]; r++ {
+			if c := d.touch[r>>histChunkShift]; c != nil {
+				c[r&(histChunkLen-1)] = 0
+			}
+		}
+	}
+	// Drop touch chunks with no dirty region left.
+	for k := range d.touch {
+		if m, ok := d.bits.nextMember(k << histChunkShift); !ok || m>>histChunkShift != k {
+			delete(d.touch, k)
+		}
+	}
+	// No sync: a clear that is lost leaves the region dirty, which is safe;
+	// the next set of a byte writes and syncs its current value.
+	if err := d.writeBytesLocked(cleared); err != nil {
+		for _, run := range cleared {
+			d.bits.add(run[0], run[1]-run[0])
+		}
+		return err
+	}
+	return nil
+}
+
+func (d *dirtyLog) inFlightLocked(r uint64) bool {
+	for span := range d.spans {
+		if span[0] <= r && r <= span[1] {
+			return true
+		}
+	}
+	return false
+}
+
+// list returns the dirty regions as runs [start, end).
+func (d *dirtyLog) list() [][2]uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var runs [][2]uint64
+	d.bits.runs(func(s, e uint64) bool {
+		runs = append(runs, [2]uint64{s, e})
+		return true
+	})
+	return runs
+}
+
+func (d *dirtyLog) close() error { return d.f.Close() }

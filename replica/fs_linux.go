@@ -1,0 +1,33 @@
+//go:build linux
+
+package replica
+
+import (
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+func punchHole(f *os.File, off, n int64) error {
+	for {
+		err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+		if err != unix.EINTR {
+			if err != nil {
+				return &os.PathError{Op: "fallocate", Path: f.Name(), Err: err}
+			}
+			return nil
+		}
+	}
+}
+
+func datasync(f *os.File) error {
+	for {
+		err := unix.Fdatasync(int(f.Fd()))
+		if err != unix.EINTR {
+			if err != nil {
+				return &os.PathError{Op: "fdatasync", Path: f.Name(), Err: err}
+			}
+			return nil
+		}
+	}
+}

@@ -1,0 +1,12 @@
+//go:build !linux
+
+package replica
+
+import (
+	"os"
+	"syscall"
+)
+
+func punchHole(*os.File, int64, int64) error { return syscall.EOPNOTSUPP }
+
+func datasync(f *os.File) error { return f.Sync() }

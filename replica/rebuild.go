@@ -1,0 +1,161 @@
+package replica
+
+import (
+	"fmt"
+	"sync"
+)
+
+// rebuildState records, per sector, what normal writes touched since
+// BeginRebuild. It lives in memory only: after a reopen the rebuilder must
+// call BeginRebuild again and read its source after that.
+type rebuildState struct {
+	mu      sync.Mutex
+	touched blockSet // sector numbers
+}
+
+func (s *rebuildState) touch(sector, n uint64) {
+	s.mu.Lock()
+	s.touched.add(sector, n)
+	s.mu.Unlock()
+}
+
+// untouched returns a mask of the sectors of block b not touched by a
+// normal write (bit i: sector i of the block).
+func (s *rebuildState) untouched(b uint64) uint8 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var m uint8
+	for i := range uint64(BlockSize / SectorSize) {
+		if !s.touched.has(b*(BlockSize/SectorSize) + i) {
+			m |= 1 << i
+		}
+	}
+	return m
+}
+
+// BeginRebuild starts tracking normal writes for RebuildWrite. Calling it
+// while a rebuild is in progress keeps the tracking so far.
+func (r *Replica) BeginRebuild(o Op) error {
+	if err := r.enterExclusive(o); err != nil {
+		return err
+	}
+	defer r.mu.Unlock()
+	if r.rebuild == nil {
+		r.rebuild = &rebuildState{}
+		r.log.Info("rebuild begun")
+	}
+	return nil
+}
+
+// EndRebuild stops the tracking. Without a rebuild in progress it is a
+// no-op.
+func (r *Replica) EndRebuild(o Op) error {
+	if err := r.enterExclusive(o); err != nil {
+		return err
+	}
+	defer r.mu.Unlock()
+	if r.rebuild != nil {
+		r.rebuild = nil
+		r.log.Info("rebuild ended")
+	}
+	return nil
+}
+
+// RebuildWrite writes p at off like WriteAt, except that it leaves every
+// sector that a normal write (WriteAt, WriteZeroes, Trim) touched since
+// BeginRebuild as it is. Each block is checked and written under the same
+// lock normal writes take, so a block is never overwritten by a rebuild
+// write that lost a race with a normal one. Without a rebuild in progress
+// it is ErrInvalid.
+func (r *Replica) RebuildWrite(o Op, p []byte, off int64) error {
+	if err := r.enter(o); err != nil {
+		return err
+	}
+	defer r.mu.RUnlock()
+	if err := checkRange(off, int64(len(p)), r.size.Load(), true); err != nil {
+		return err
+	}
+	st := r.rebuild
+	if st == nil {
+		return fmt.Errorf("%w: no rebuild in progress on replica %s", ErrInvalid, r.id)
+	}
+	return r.writeLocked(o, off, int64(len(p)), false, func(h *layer) error {
+		return r.rebuildLocked(h, st, p, off)
+	})
+}
+
+// rebuildLocked applies a rebuild write block by block (runs of whole
+// untouched data blocks in one write). The caller holds the range lock.
+func (r *Replica) rebuildLocked(h *layer, st *rebuildState, p []byte, off int64) error {
+	const all = uint8(1<<(BlockSize/SectorSize) - 1)
+	end := off + int64(len(p))
+	runStart, runEnd := off, off // pending run of whole data blocks
+	flushRun := func() error {
+		if runStart == runEnd {
+			return nil
+		}
+		err := r.writeDataLocked(h, p[runStart-off:runEnd-off], runStart)
+		runStart = runEnd
+		return err
+	}
+	for pos := off; pos < end; {
+		b := uint64(pos) / BlockSize
+		bStart := int64(b) * BlockSize
+		segEnd := min(end, bStart+BlockSize)
+		data := p[pos-off : segEnd-off]
+		free := st.untouched(b)
+		// Sectors of this block that the request covers.
+		var want uint8
+		for s := (pos - bStart) / SectorSize; s < (segEnd-bStart)/SectorSize; s++ {
+			want |= 1 << s
+		}
+		if want == all && free == all && !isZero(data) {
+			if runEnd != bStart {
+				if err := flushRun(); err != nil {
+					return err
+				}
+				runStart = bStart
+			}
+			runEnd = segEnd
+			pos = segEnd
+			continue
+		}
+		if err := flushRun(); err != nil {
+			return err
+		}
+		var err error
+		switch {
+		case free&want == 0:
+			// Every sector was written since BeginRebuild: keep them.
+		case want == all && free == all:
+			err = r.zeroLocked(h, bStart, BlockSize)
+		default:
+			err = r.mergeSectorsLocked(h, b, data, pos, free&want)
+		}
+		if err != nil {
+			return err
+		}
+		pos = segEnd
+		runStart, runEnd = pos, pos
+	}
+	return flushRun()
+}
+
+// mergeSectorsLocked writes the sectors of data (at pos, inside block b)
+// selected by mask over the block as the volume shows it now.
+func (r *Replica) mergeSectorsLocked(h *layer, b uint64, data []byte, pos int64, mask uint8) error {
+	buf := blockPool.Get().(*[BlockSize]byte)
+	defer blockPool.Put(buf)
+	bStart := int64(b) * BlockSize
+	if err := r.readViewLocked(len(r.layers)-1, buf[:], bStart); err != nil {
+		return err
+	}
+	for s := range int64(BlockSize / SectorSize) {
+		if mask&(1<<s) == 0 {
+			continue
+		}
+		so := bStart + s*SectorSize
+		copy(buf[s*SectorSize:(s+1)*SectorSize], data[so-pos:so-pos+SectorSize])
+	}
+	return r.writeDataLocked(h, buf[:], bStart)
+}

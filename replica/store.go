@@ -1,0 +1,255 @@
+package replica
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+)
+
+const (
+	creatingPrefix = ".creating-"
+	deletingPrefix = ".deleting-"
+)
+
+// Spec describes a replica to create.
+type Spec struct {
+	ID       string // the replica id: a safe file name (see validName)
+	VolumeID string // the volume it belongs to
+	Size     uint64 // bytes: > 0, a multiple of BlockSize, at most MaxSize
+}
+
+// Store is the set of replicas in one directory of one server.
+type Store struct {
+	cfg Config
+	log *slog.Logger
+
+	mu       sync.Mutex
+	closed   bool
+	replicas map[string]*Replica // guarded by mu
+	damaged  map[string]error    // guarded by mu: replicas that failed to open
+}
+
+// OpenStore opens every replica directory in cfg.Dir (creating the
+// directory if needed). A replica that cannot be opened is logged and
+// listed by Damaged with its error; it is never deleted or overwritten
+// (only Delete removes it). Leftovers of an interrupted Create or Delete
+// are removed.
+func OpenStore(cfg Config) (*Store, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Store{cfg: cfg, log: cfg.Logger, replicas: map[string]*Replica{}, damaged: map[string]error{}}
+	fsys := cfg.FS
+	if err := fsys.MkdirAll(cfg.Dir, 0o755); err != nil {
+		return nil, ioErr("mkdir "+cfg.Dir, err)
+	}
+	// The directory may have just been created: make its entry durable,
+	// or a crash could take every replica created in it along.
+	if err := fsys.SyncDir(filepath.Dir(filepath.Clean(cfg.Dir))); err != nil {
+		return nil, ioErr("sync the parent of "+cfg.Dir, err)
+	}
+	entries, err := fsys.ReadDir(cfg.Dir)
+	if err != nil {
+		return nil, ioErr("read "+cfg.Dir, err)
+	}
+	for _, e := range entries {
+		name := e.Name()
+		path := filepath.Join(cfg.Dir, name)
+		if strings.HasPrefix(name, creatingPrefix) || strings.HasPrefix(name, deletingPrefix) {
+			s.log.Info("removing the leftover of an interrupted create or delete", "dir", path)
+			if err := fsys.RemoveAll(path); err != nil {
+				s.log.Warn("removing leftover failed", "dir", path, "err", err)
+			}
+			continue
+		}
+		if !e.IsDir() {
+			continue
+		}
+		if validName(name) != nil {
+			s.log.Warn("ignoring a directory that is not a replica", "dir", path)
+			continue
+		}
+		r, err := openReplica(fsys, path, s.log)
+		if err != nil {
+			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", name, "dir", path, "err", err)
+			s.damaged[name] = err
+			continue
+		}
+		s.replicas[name] = r
+	}
+	if err := fsys.SyncDir(cfg.Dir); err != nil {
+		return nil, errors.Join(ioErr("sync dir "+cfg.Dir, err), s.Close())
+	}
+	return s, nil
+}
+
+// Create creates a replica, or returns the existing one with the same ID
+// and VolumeID (growing it if spec.Size is larger). An existing replica of
+// another volume is ErrExists.
+func (s *Store) Create(spec Spec) (*Replica, error) {
+	if err := validName(spec.ID); err != nil {
+		return nil, err
+	}
+	if spec.VolumeID == "" || len(spec.VolumeID) > 1024 {
+		return nil, fmt.Errorf("%w: volume id of %d bytes", ErrInvalid, len(spec.VolumeID))
+	}
+	if spec.Size == 0 || spec.Size%BlockSize != 0 || spec.Size > MaxSize {
+		return nil, fmt.Errorf("%w: size %d is not a positive multiple of %d up to %d", ErrInvalid, spec.Size, BlockSize, uint64(MaxSize))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	if r := s.replicas[spec.ID]; r != nil {
+		if r.VolumeID() != spec.VolumeID {
+			return nil, fmt.Errorf("%w: replica %s belongs to volume %s, not %s", ErrExists, spec.ID, r.VolumeID(), spec.VolumeID)
+		}
+		if spec.Size > r.Size() {
+			r.mu.Lock()
+			err := error(ErrClosed)
+			if !r.closed {
+				err = r.growLocked(spec.Size)
+			}
+			r.mu.Unlock()
+			if err != nil {
+				return nil, err
+			}
+		}
+		return r, nil
+	}
+	if err := s.damaged[spec.ID]; err != nil {
+		return nil, fmt.Errorf("replica %s exists but is damaged (delete it first): %w", spec.ID, err)
+	}
+	fsys, dir := s.cfg.FS, s.cfg.Dir
+	tmp := filepath.Join(dir, creatingPrefix+spec.ID)
+	final := filepath.Join(dir, spec.ID)
+	if _, err := fsys.Stat(final); err == nil {
+		return nil, fmt.Errorf("%w: %s exists and is not a replica this store opened", ErrExists, final)
+	}
+	if err := fsys.RemoveAll(tmp); err != nil {
+		return nil, ioErr("remove "+tmp, err)
+	}
+	if err := createReplicaFiles(fsys, tmp, spec, s.cfg.RegionSize); err != nil {
+		fsys.RemoveAll(tmp)
+		return nil, err
+	}
+	if err := fsys.Rename(tmp, final); err != nil {
+		fsys.RemoveAll(tmp)
+		return nil, ioErr("rename "+tmp, err)
+	}
+	if err := fsys.SyncDir(dir); err != nil {
+		return nil, ioErr("sync dir "+dir, err)
+	}
+	r, err := openReplica(fsys, final, s.log)
+	if err != nil {
+		return nil, err
+	}
+	s.replicas[spec.ID] = r
+	s.log.Info("replica created", "replica", spec.ID, "volume", spec.VolumeID, "size", spec.Size)
+	return r, nil
+}
+
+// Get returns replica id: ErrNotFound if there is none; the open error if
+// it is damaged.
+func (s *Store) Get(id string) (*Replica, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	if r := s.replicas[id]; r != nil {
+		return r, nil
+	}
+	if err := s.damaged[id]; err != nil {
+		return nil, fmt.Errorf("replica %s is damaged: %w", id, err)
+	}
+	return nil, fmt.Errorf("%w: replica %s", ErrNotFound, id)
+}
+
+// Delete closes replica id and removes its directory, damaged or not.
+// ErrNotFound if there is none.
+func (s *Store) Delete(id string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return ErrClosed
+	}
+	r := s.replicas[id]
+	_, damaged := s.damaged[id]
+	if r == nil && !damaged {
+		return fmt.Errorf("%w: replica %s", ErrNotFound, id)
+	}
+	if r != nil {
+		if err := r.Close(); err != nil {
+			s.log.Warn("closing a replica being deleted", "replica", id, "err", err)
+		}
+	}
+	fsys, dir := s.cfg.FS, s.cfg.Dir
+	trash := filepath.Join(dir, deletingPrefix+id)
+	if err := fsys.RemoveAll(trash); err != nil {
+		return ioErr("remove "+trash, err)
+	}
+	if err := fsys.Rename(filepath.Join(dir, id), trash); err != nil {
+		err = ioErr("rename "+id, err)
+		if r != nil {
+			delete(s.replicas, id)
+			s.damaged[id] = fmt.Errorf("delete failed half-way: %w", err)
+		}
+		return err
+	}
+	delete(s.replicas, id)
+	delete(s.damaged, id)
+	if err := fsys.SyncDir(dir); err != nil {
+		return ioErr("sync dir "+dir, err)
+	}
+	if err := fsys.RemoveAll(trash); err != nil {
+		s.log.Warn("removing a deleted replica's files; retried at the next open", "dir", trash, "err", err)
+	}
+	s.log.Info("replica deleted", "replica", id)
+	return nil
+}
+
+// List returns the open replicas ordered by id.
+func (s *Store) List() []*Replica {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ids := slices.Sorted(maps.Keys(s.replicas))
+	out := make([]*Replica, 0, len(ids))
+	for _, id := range ids {
+		out = append(out, s.replicas[id])
+	}
+	return out
+}
+
+// Damaged returns the replicas that could not be opened, with their
+// errors (errors.Is ErrCorrupt or ErrIO in general).
+func (s *Store) Damaged() map[string]error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return maps.Clone(s.damaged)
+}
+
+// Close closes every replica (each is flushed first). Calls after Close
+// fail with ErrClosed.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil
+	}
+	s.closed = true
+	var errs []error
+	for _, id := range slices.Sorted(maps.Keys(s.replicas)) {
+		if err := s.replicas[id].Close(); err != nil {
+			errs = append(errs, fmt.Errorf("replica %s: %w", id, err))
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,539 @@
+package wire
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/stor-io/stor/replica"
+)
+
+// ServerConfig tunes a Server. Zero fields take DefaultServerConfig's
+// values.
+type ServerConfig struct {
+	// Logger receives connection and protocol-error logs. Default
+	// slog.Default().
+	Logger *slog.Logger
+	// MaxInFlight bounds the requests one connection has being served at
+	// once. When it is reached the server stops reading that connection
+	// until a reply has been written. Default 128.
+	MaxInFlight int
+	// MaxInFlightBytes bounds the payload bytes (write data in, read data
+	// out) one connection's in-flight requests hold. A single request
+	// larger than this is still served, alone. Default 64 MiB.
+	MaxInFlightBytes int64
+	// MaxHandles bounds the handles open on one connection. Default 1024.
+	MaxHandles int
+	// WriteTimeout drops a connection whose peer stops reading replies
+	// for this long. Default 30s.
+	WriteTimeout time.Duration
+}
+
+// DefaultServerConfig returns the defaults documented on ServerConfig.
+func DefaultServerConfig() ServerConfig {
+	return ServerConfig{
+		Logger:           slog.Default(),
+		MaxInFlight:      128,
+		MaxInFlightBytes: 64 << 20,
+		MaxHandles:       1024,
+		WriteTimeout:     30 * time.Second,
+	}
+}
+
+func (c *ServerConfig) withDefaults() {
+	d := DefaultServerConfig()
+	if c.Logger == nil {
+		c.Logger = d.Logger
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = d.MaxInFlight
+	}
+	if c.MaxInFlightBytes == 0 {
+		c.MaxInFlightBytes = d.MaxInFlightBytes
+	}
+	if c.MaxHandles == 0 {
+		c.MaxHandles = d.MaxHandles
+	}
+	if c.WriteTimeout == 0 {
+		c.WriteTimeout = d.WriteTimeout
+	}
+}
+
+// Validate reports the first problem with the configuration.
+func (c *ServerConfig) Validate() error {
+	switch {
+	case c.MaxInFlight < 0:
+		return fmt.Errorf("wire: MaxInFlight %d is negative", c.MaxInFlight)
+	case c.MaxInFlightBytes < 0:
+		return fmt.Errorf("wire: MaxInFlightBytes %d is negative", c.MaxInFlightBytes)
+	case c.MaxHandles < 0:
+		return fmt.Errorf("wire: MaxHandles %d is negative", c.MaxHandles)
+	case c.WriteTimeout < 0:
+		return fmt.Errorf("wire: WriteTimeout %v is negative", c.WriteTimeout)
+	}
+	return nil
+}
+
+// Server serves the replica data protocol for the replicas of a Backend.
+// Serve may be called on several listeners; Close stops them all.
+type Server struct {
+	backend Backend
+	cfg     ServerConfig
+	log     *slog.Logger
+	done    chan struct{} // closed by Close
+
+	mu        sync.Mutex
+	closed    bool
+	listeners map[net.Listener]struct{}
+	conns     map[*serverConn]struct{}
+	wg        sync.WaitGroup // Serve loops and connections; Add under mu
+}
+
+// NewServer returns a server of b's replicas. It does nothing until Serve.
+func NewServer(b Backend, cfg ServerConfig) (*Server, error) {
+	if b == nil {
+		return nil, errors.New("wire: nil backend")
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.withDefaults()
+	return &Server{
+		backend:   b,
+		cfg:       cfg,
+		log:       cfg.Logger,
+		done:      make(chan struct{}),
+		listeners: make(map[net.Listener]struct{}),
+		conns:     make(map[*serverConn]struct{}),
+	}, nil
+}
+
+// Serve accepts connections on ln and serves each until it breaks or the
+// server is closed. It closes ln, and returns ErrServerClosed after Close
+// or the error that stopped accepting.
+func (s *Server) Serve(ln net.Listener) error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		ln.Close()
+		return ErrServerClosed
+	}
+	s.listeners[ln] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	defer s.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		delete(s.listeners, ln)
+		s.mu.Unlock()
+		ln.Close()
+	}()
+
+	var backoff time.Duration
+	for {
+		nc, err := ln.Accept()
+		if err != nil {
+			if s.isClosed() {
+				return ErrServerClosed
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return err
+			}
+			// Out of file descriptors and the like: back off, as net/http does.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			s.log.Warn("wire: accept failed; retrying", "err", err, "backoff", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-s.done:
+				return ErrServerClosed
+			}
+			continue
+		}
+		backoff = 0
+		s.startConn(nc)
+	}
+}
+
+func (s *Server) isClosed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
+func (s *Server) startConn(nc net.Conn) {
+	c := newServerConn(s, nc)
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		nc.Close()
+		return
+	}
+	s.conns[c] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		c.run()
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+	}()
+}
+
+// Close stops accepting, closes every connection and waits for every
+// goroutine the server started, including the requests being served
+// (whose replies are dropped) and the Serve loops. It is idempotent.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if !s.closed {
+		s.closed = true
+		close(s.done)
+		for ln := range s.listeners {
+			ln.Close()
+		}
+		for c := range s.conns {
+			c.shutdown(ErrServerClosed)
+		}
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return nil
+}
+
+// serverConn is one client connection. Its reader (run) parses requests
+// and starts a worker goroutine for each, within budget; workers queue
+// their replies on the frameWriter, so replies go out in completion
+// order, batched.
+type serverConn struct {
+	s      *Server
+	nc     net.Conn
+	br     *bufio.Reader
+	log    *slog.Logger
+	budget budget
+
+	closeOnce sync.Once
+	closing   chan struct{} // closed by shutdown
+
+	workers sync.WaitGroup // Add only in run
+
+	w *frameWriter // replies
+
+	hmu        sync.Mutex
+	handles    map[uint32]Replica // guarded by hmu
+	nextHandle uint32             // guarded by hmu
+}
+
+func newServerConn(s *Server, nc net.Conn) *serverConn {
+	c := &serverConn{
+		s:       s,
+		nc:      nc,
+		br:      bufio.NewReaderSize(nc, 64<<10),
+		log:     s.log.With("remote", nc.RemoteAddr().String()),
+		budget:  newBudget(s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
+		closing: make(chan struct{}),
+		handles: make(map[uint32]Replica),
+	}
+	c.w = newFrameWriter(nc, s.cfg.WriteTimeout, c.shutdown)
+	return c
+}
+
+// shutdown closes the connection, unblocking the reader; idempotent.
+func (c *serverConn) shutdown(cause error) {
+	c.closeOnce.Do(func() {
+		c.log.Debug("wire: closing connection", "cause", cause)
+		close(c.closing)
+		c.nc.Close()
+	})
+}
+
+// run serves the connection until it breaks, then waits for its workers.
+func (c *serverConn) run() {
+	c.log.Debug("wire: connection opened")
+	graceful, err := c.readLoop()
+	if graceful {
+		// The client closed its side between frames, or was told why it is
+		// being dropped: let the requests already read finish and every
+		// reply go out before closing.
+		c.workers.Wait() // and so every reply has been written
+	}
+	c.shutdown(err)
+	c.workers.Wait()
+	c.w.close()
+}
+
+// readLoop reads requests until the stream fails or cannot be trusted.
+// graceful is true when the connection should close only after the
+// replies already due have been written: the client closed its side
+// between frames, or it has been sent an error reply saying why it is
+// being dropped.
+func (c *serverConn) readLoop() (bool, error) {
+	var hb [RequestHeaderSize]byte
+	for {
+		if _, err := io.ReadFull(c.br, hb[:]); err != nil {
+			return err == io.EOF, err
+		}
+		h, err := DecodeRequestHeader(hb[:])
+		if err != nil {
+			c.log.Warn("wire: bad request header; closing connection", "err", err)
+			var he *headerError
+			if errors.As(err, &he) && he.inSync {
+				c.writeReply(h.ID, h.Op, err, nil)
+				return true, err
+			}
+			return false, err
+		}
+		if h.PayloadLen > MaxPayload {
+			err := fmt.Errorf("wire: %v: payload of %d bytes exceeds %d: %w", h.Op, h.PayloadLen, MaxPayload, ErrProtocol)
+			c.log.Warn("wire: oversized request; closing connection", "err", err)
+			c.writeReply(h.ID, h.Op, err, nil)
+			return true, err
+		}
+		weight := int64(h.PayloadLen)
+		if h.Op.replyData() && h.Len <= replica.MaxIO {
+			weight += int64(h.Len)
+		}
+		if !c.budget.acquire(weight, c.closing) {
+			return false, net.ErrClosed
+		}
+		var buf *[]byte
+		var payload []byte
+		if h.PayloadLen > 0 {
+			buf = getBuf(int(h.PayloadLen))
+			payload = (*buf)[:h.PayloadLen]
+			if _, err := io.ReadFull(c.br, payload); err != nil {
+				putBuf(buf)
+				c.budget.release(weight)
+				return false, err
+			}
+		}
+		if Checksum(payload) != h.PayloadCRC {
+			err = fmt.Errorf("wire: %v request payload: %w", h.Op, ErrChecksum)
+		} else {
+			err = h.Validate()
+		}
+		if err != nil {
+			c.log.Debug("wire: refusing request", "op", h.Op, "id", h.ID, "err", err)
+			putBuf(buf)
+			c.writeReply(h.ID, h.Op, err, nil)
+			c.budget.release(weight)
+			continue
+		}
+		c.workers.Add(1)
+		go c.serve(h, payload, buf, weight)
+	}
+}
+
+// serve runs one request and writes its reply.
+func (c *serverConn) serve(h RequestHeader, payload []byte, buf *[]byte, weight int64) {
+	defer c.workers.Done()
+	reply, rbuf, err := c.exec(&h, payload)
+	putBuf(buf)
+	c.writeReply(h.ID, h.Op, err, reply)
+	putBuf(rbuf)
+	c.budget.release(weight)
+}
+
+// exec runs a validated request against the backend. A reply payload
+// from the pool comes back with its buffer, to be put back once written.
+func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf *[]byte, err error) {
+	o := replica.Op{Epoch: h.Epoch, Generation: h.Generation, FUA: h.Flags&FlagFUA != 0}
+	switch h.Op {
+	case OpPing:
+		return nil, nil, nil
+	case OpOpen:
+		return c.open(string(payload), h.Epoch)
+	case OpClose:
+		c.hmu.Lock()
+		_, ok := c.handles[h.Handle]
+		delete(c.handles, h.Handle)
+		c.hmu.Unlock()
+		if !ok {
+			return nil, nil, fmt.Errorf("wire: CLOSE handle %d: %w", h.Handle, ErrBadHandle)
+		}
+		return nil, nil, nil
+	}
+
+	c.hmu.Lock()
+	r := c.handles[h.Handle]
+	c.hmu.Unlock()
+	if r == nil {
+		return nil, nil, fmt.Errorf("wire: %v handle %d: %w", h.Op, h.Handle, ErrBadHandle)
+	}
+	off, n := int64(h.Off), int64(h.Len) // in range: Validate
+	switch h.Op {
+	case OpRead, OpSnapshotRead:
+		rbuf = getBuf(int(n))
+		p := (*rbuf)[:n]
+		if h.Op == OpRead {
+			err = r.ReadAt(o, p, off)
+		} else {
+			err = r.ReadSnapshotAt(o, string(payload), p, off)
+		}
+		if err != nil {
+			putBuf(rbuf)
+			return nil, nil, err
+		}
+		return p, rbuf, nil
+	case OpWrite:
+		return nil, nil, r.WriteAt(o, payload, off)
+	case OpRebuildWrite:
+		return nil, nil, r.RebuildWrite(o, payload, off)
+	case OpWriteZeroes:
+		return nil, nil, r.WriteZeroes(o, off, n)
+	case OpTrim:
+		return nil, nil, r.Trim(o, off, n)
+	case OpFlush:
+		return nil, nil, r.Flush(o)
+	case OpGrow:
+		return nil, nil, r.Grow(o, h.Len)
+	case OpSnapshotCreate:
+		return nil, nil, r.CreateSnapshot(o, string(payload))
+	case OpSnapshotDelete:
+		return nil, nil, r.DeleteSnapshot(o, string(payload))
+	case OpRebuildBegin:
+		return nil, nil, r.BeginRebuild(o)
+	case OpRebuildEnd:
+		return nil, nil, r.EndRebuild(o)
+	case OpExtents:
+		es, err := r.Extents(o, string(payload), off, int(n))
+		if len(es) > int(n) {
+			es = es[:n] // the store promised at most limit
+		}
+		return extentsReply(es, err)
+	case OpDirtyRegions:
+		return extentsReply(r.DirtyRegions(o))
+	case OpWrittenSince:
+		return extentsReply(r.WrittenSince(o, h.Off))
+	}
+	return nil, nil, fmt.Errorf("wire: %v: %w", h.Op, ErrUnknownOp) // unreachable: Validate
+}
+
+func (c *serverConn) open(id string, epoch uint64) ([]byte, *[]byte, error) {
+	if err := c.checkHandles(id); err != nil { // before fencing anything
+		return nil, nil, err
+	}
+	r, err := c.s.backend.Replica(id)
+	if err != nil {
+		return nil, nil, err
+	}
+	if r == nil {
+		return nil, nil, fmt.Errorf("wire: OPEN %q: backend returned no replica: %w", id, replica.ErrNotFound)
+	}
+	if epoch != 0 {
+		if err := r.Fence(epoch); err != nil {
+			return nil, nil, err
+		}
+	}
+	c.hmu.Lock()
+	if err := c.checkHandlesLocked(id); err != nil {
+		c.hmu.Unlock()
+		return nil, nil, err
+	}
+	c.nextHandle++
+	if c.nextHandle == 0 {
+		c.nextHandle = 1
+	}
+	handle := c.nextHandle
+	c.handles[handle] = r
+	c.hmu.Unlock()
+	rep := OpenReply{Handle: handle, Size: r.Size(), Epoch: r.Epoch()}
+	return rep.AppendTo(make([]byte, 0, OpenReplySize)), nil, nil
+}
+
+func (c *serverConn) checkHandles(id string) error {
+	c.hmu.Lock()
+	defer c.hmu.Unlock()
+	return c.checkHandlesLocked(id)
+}
+
+func (c *serverConn) checkHandlesLocked(id string) error {
+	if len(c.handles) >= c.s.cfg.MaxHandles {
+		return fmt.Errorf("wire: OPEN %q: %d handles already open on this connection: %w", id, len(c.handles), replica.ErrInvalid)
+	}
+	return nil
+}
+
+func extentsReply(es []replica.Extent, err error) ([]byte, *[]byte, error) {
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(es) > MaxExtents {
+		return nil, nil, fmt.Errorf("wire: %d extents do not fit one reply (at most %d): %w", len(es), MaxExtents, ErrInternal)
+	}
+	if len(es) == 0 {
+		return nil, nil, nil
+	}
+	buf := getBuf(len(es) * ExtentSize)
+	return AppendExtents((*buf)[:0], es), buf, nil
+}
+
+// writeReply queues one reply: the payload for a success, the error's
+// text for a failure. A write error shuts the connection down.
+func (c *serverConn) writeReply(id uint64, op Opcode, err error, payload []byte) {
+	status := statusOf(err)
+	if err != nil {
+		msg := err.Error()
+		if len(msg) > MaxMessage {
+			msg = msg[:MaxMessage]
+		}
+		payload = []byte(msg)
+		if status == StatusInternal {
+			c.log.Warn("wire: request failed with an unmapped error", "op", op, "id", id, "err", err)
+		}
+	}
+	rh := ReplyHeader{Status: status, ID: id, PayloadLen: uint32(len(payload)), PayloadCRC: Checksum(payload)}
+	c.w.write(frameHeader{rep: &rh}, payload) // an error has shut the connection down
+}
+
+// budget bounds a connection's in-flight requests and bytes. Only the
+// connection's reader acquires, so one wake-up channel suffices.
+type budget struct {
+	maxN     int
+	maxBytes int64
+	wake     chan struct{}
+
+	mu    sync.Mutex
+	n     int   // guarded by mu
+	bytes int64 // guarded by mu
+}
+
+func newBudget(maxN int, maxBytes int64) budget {
+	return budget{maxN: maxN, maxBytes: maxBytes, wake: make(chan struct{}, 1)}
+}
+
+// acquire takes one request slot and w bytes, waiting while the budget is
+// spent; a request bigger than the whole byte budget runs alone. It
+// returns false if done is closed first.
+func (b *budget) acquire(w int64, done <-chan struct{}) bool {
+	for {
+		b.mu.Lock()
+		if b.n < b.maxN && (b.bytes+w <= b.maxBytes || b.n == 0) {
+			b.n++
+			b.bytes += w
+			b.mu.Unlock()
+			return true
+		}
+		b.mu.Unlock()
+		select {
+		case <-b.wake:
+		case <-done:
+			return false
+		}
+	}
+}
+
+func (b *budget) release(w int64) {
+	b.mu.Lock()
+	b.n--
+	b.bytes -= w
+	b.mu.Unlock()
+	select {
+	case b.wake <- struct{}{}:
+	default:
+	}
+}
