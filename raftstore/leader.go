@@ -176,9 +176,9 @@ func (s *Store) promoteVoters(ctx context.Context) {
 //
 //   - a healthy or rebuilding replica on a server down longer than
 //     ReplicaGrace becomes faulty;
-//   - a faulty replica whose server is up again starts a delta rebuild
-//     (only regions written while it was away), while it has been
-//     unhealthy for less than ReplaceAfter;
+//   - a faulty replica whose server has reported since the replica failed
+//     starts a delta rebuild (only regions written while it was away),
+//     while it has been unhealthy for less than ReplaceAfter;
 //   - a faulty replica unhealthy for longer than ReplaceAfter, or any
 //     replica whose server was removed, is replaced by a new replica
 //     elsewhere (full rebuild); a rebuild in progress is never replaced
@@ -225,7 +225,9 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 				s.repair(ctx, "mark faulty (server down)", v, r, func() error {
 					return s.setReplica(ctx, v, r, storpb.ReplicaState_REPLICA_STATE_FAULTY, "server "+r.ServerId+" is down")
 				})
-			case r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && !down:
+			case r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && !down && s.LastSeen(r.ServerId).UnixNano() > r.StateSinceUnixNano:
+				// Its server has reported since the replica failed: it is
+				// alive, and the replica can catch up.
 				s.repair(ctx, "delta rebuild", v, r, func() error {
 					return s.setReplica(ctx, v, r, storpb.ReplicaState_REPLICA_STATE_REBUILDING, "server "+r.ServerId+" is up")
 				})

@@ -39,7 +39,7 @@ func run(args []string) error {
 	fs.StringVar(&cfg.DataDir, "data-dir", cfg.DataDir, "directory for Raft state and metadata")
 	fs.StringVar(&cfg.Listen, "listen", cfg.Listen, "control gRPC listen address")
 	fs.StringVar(&cfg.RaftListen, "raft-listen", cfg.RaftListen, "Raft transport listen address")
-	fs.StringVar(&cfg.DataListen, "data-listen", cfg.DataListen, "replica data service address (registered; served once the data service exists)")
+	fs.StringVar(&cfg.DataListen, "data-listen", cfg.DataListen, "replica data service listen address")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "control address others dial (default: the bound --listen address)")
 	fs.StringVar(&cfg.RaftAdvertise, "raft-advertise", "", "Raft address others dial (default: the bound --raft-listen address)")
 	fs.StringVar(&cfg.DataAdvertise, "data-advertise", "", "data address others dial (default: --data-listen)")

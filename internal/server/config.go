@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/stor-io/stor/raftstore"
+	"github.com/stor-io/stor/replica"
 )
 
 // Config is everything a stor-server needs. DefaultConfig gives a
@@ -27,8 +28,7 @@ type Config struct {
 	// RaftListen is the Raft transport address. Default 127.0.0.1:7401.
 	RaftListen string
 	// DataListen is the replica data service address. Default
-	// 127.0.0.1:7402. It is registered with the cluster; nothing listens on
-	// it until the replica data service exists.
+	// 127.0.0.1:7402.
 	DataListen string
 	// Advertise is the control address other servers and clients dial.
 	// Default: the address Listen bound.
@@ -36,7 +36,8 @@ type Config struct {
 	// RaftAdvertise is the Raft address other servers dial. Default: the
 	// address RaftListen bound.
 	RaftAdvertise string
-	// DataAdvertise is the data address others dial. Default DataListen.
+	// DataAdvertise is the data address engines and other servers dial.
+	// Default: the address DataListen bound.
 	DataAdvertise string
 	// Join lists control addresses of existing members. Empty: bootstrap a
 	// new cluster when the data dir is new. Not empty: join through them,
@@ -63,12 +64,16 @@ type Config struct {
 	// raftstore.DefaultConfig()'s values.
 	Raft raftstore.Config
 
-	// Listener and RaftListener, if set, are used instead of binding
-	// Listen and RaftListen (tests pass pre-bound listeners).
-	Listener, RaftListener net.Listener
+	// Listener, RaftListener and DataListener, if set, are used instead of
+	// binding Listen, RaftListen and DataListen (tests pass pre-bound
+	// listeners).
+	Listener, RaftListener, DataListener net.Listener
 	// Dial opens every server-to-server connection (Raft, forwarding,
 	// joins, heartbeats). Default net.Dialer. Tests inject partitions here.
 	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// ReplicaFS is the filesystem under the replica store. Default the
+	// operating system's. Tests inject disk errors here (replica/errorfs).
+	ReplicaFS replica.FS
 	// Logger receives structured logs. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -124,6 +129,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("server: --listen is required")
 	case c.RaftListener == nil && c.RaftListen == "":
 		return fmt.Errorf("server: --raft-listen is required")
+	case c.DataListener == nil && c.DataListen == "":
+		return fmt.Errorf("server: --data-listen is required")
 	case c.DefaultReplicas < 1 || c.DefaultReplicas > raftstore.MaxReplicas:
 		return fmt.Errorf("server: default replicas %d is outside 1..%d", c.DefaultReplicas, raftstore.MaxReplicas)
 	case c.HeartbeatInterval <= 0:

@@ -31,6 +31,7 @@ type Server struct {
 	grpc   *grpc.Server
 	lis    net.Listener
 	fwd    *forwarder
+	data   *dataPlane
 
 	ctx    context.Context // cancelled by Close and Kill
 	cancel context.CancelFunc
@@ -56,6 +57,9 @@ func Start(cfg Config) (*Server, error) {
 		if s.lis != nil {
 			s.lis.Close()
 		}
+		if s.data != nil {
+			s.data.close()
+		}
 		if s.store != nil {
 			s.store.Close()
 		}
@@ -76,9 +80,6 @@ func (s *Server) start() error {
 	if cfg.Advertise == "" {
 		cfg.Advertise = s.lis.Addr().String()
 	}
-	if cfg.DataAdvertise == "" {
-		cfg.DataAdvertise = cfg.DataListen
-	}
 	if cfg.Capacity == 0 {
 		if cfg.Capacity, err = filesystemSize(cfg.DataDir); err != nil {
 			return err
@@ -90,6 +91,9 @@ func (s *Server) start() error {
 	rc.RaftBind, rc.RaftListener, rc.RaftAdvertise = cfg.RaftListen, cfg.RaftListener, cfg.RaftAdvertise
 	rc.Dial, rc.Logger = cfg.Dial, cfg.Logger
 	if s.store, err = raftstore.Open(rc); err != nil {
+		return err
+	}
+	if err := s.startDataPlane(); err != nil {
 		return err
 	}
 
@@ -298,10 +302,24 @@ func (s *Server) Kill() {
 }
 
 func (s *Server) shutdown() error {
-	err := s.store.Close()
+	var errs []error
+	if s.data != nil {
+		errs = append(errs, s.data.close())
+	}
+	errs = append(errs, s.store.Close())
 	s.wg.Wait()
 	s.fwd.close()
-	return err
+	return errors.Join(errs...)
+}
+
+// selfConn is a client connection to this server's own control API (calls
+// are forwarded to the leader like any other).
+func (s *Server) selfConn() *grpc.ClientConn {
+	c, err := s.fwd.conn(s.cfg.Advertise)
+	if err != nil {
+		panic(fmt.Sprintf("server: dial own address %s: %v", s.cfg.Advertise, err)) // NewClient fails only on a malformed target
+	}
+	return c
 }
 
 // Run starts a server and runs it until ctx is cancelled, then closes it

@@ -41,6 +41,7 @@ type Node struct {
 	Dir      string
 	Addr     string // control address
 	RaftAddr string
+	DataAddr string // replica data service
 
 	mu     sync.Mutex
 	srv    *server.Server
@@ -109,12 +110,13 @@ func (c *Cluster) AddNode() *Node {
 	i := len(c.Nodes)
 	n := &Node{Index: i, ID: fmt.Sprintf("s%d", i+1), Dir: filepath.Join(c.base, fmt.Sprintf("s%d", i+1))}
 	// Reserve ports: bind, note the address, release; Start rebinds them.
-	n.Addr, n.RaftAddr = freePort(c.t), freePort(c.t)
+	n.Addr, n.RaftAddr, n.DataAddr = freePort(c.t), freePort(c.t), freePort(c.t)
 	c.Net.Register(n.Addr, i)
 	c.Net.Register(n.RaftAddr, i)
+	c.Net.Register(n.DataAddr, i)
 	cfg := TestConfig()
 	cfg.ID, cfg.DataDir, cfg.Listen, cfg.RaftListen = n.ID, n.Dir, n.Addr, n.RaftAddr
-	cfg.DataListen = "127.0.0.1:0"
+	cfg.DataListen = n.DataAddr
 	if i > 0 {
 		cfg.Join = []string{c.Nodes[0].Addr}
 	}

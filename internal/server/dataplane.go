@@ -1,0 +1,267 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"sync"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/raftstore"
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// dataPlane is this server's share of the data path: the replica store on
+// its disk (DataDir/replicas), the replica data service on DataListen, and
+// a loop that keeps the store in line with the metadata:
+//
+//   - creates the replicas placed here and grows them with their volume;
+//   - fences each replica to its volume's committed epoch, so an engine
+//     fenced by a newer attach is refused here even if the new engine never
+//     reached this replica;
+//   - deletes replicas no longer placed here, but only when this server has
+//     caught up with the leader (a lagging view must not delete data);
+//   - rebuilds this server's rebuilding replicas of detached volumes (an
+//     attached volume's engine rebuilds its own, since it also sends the
+//     target every new write).
+type dataPlane struct {
+	s     *Server
+	store *replica.Store
+	wire  *wire.Server
+	lis   net.Listener
+
+	mu         sync.Mutex
+	rebuilding map[string]bool // replica ids with a detached rebuild running
+
+	wg sync.WaitGroup
+}
+
+func (s *Server) startDataPlane() error {
+	cfg := &s.cfg
+	store, err := replica.OpenStore(replica.Config{Dir: filepath.Join(cfg.DataDir, "replicas"), FS: cfg.ReplicaFS, Logger: s.logger})
+	if err != nil {
+		return fmt.Errorf("server: replica store: %w", err)
+	}
+	for id, derr := range store.Damaged() {
+		s.logger.Error("damaged replica left in place for inspection", "replica", id, "err", derr)
+	}
+	d := &dataPlane{s: s, store: store, rebuilding: map[string]bool{}}
+	d.lis = cfg.DataListener
+	if d.lis == nil {
+		if d.lis, err = net.Listen("tcp", cfg.DataListen); err != nil {
+			store.Close()
+			return fmt.Errorf("server: data listen: %w", err)
+		}
+	}
+	if cfg.DataAdvertise == "" {
+		cfg.DataAdvertise = d.lis.Addr().String()
+	}
+	d.wire, err = wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
+		r, err := store.Get(id)
+		if err != nil {
+			return nil, err
+		}
+		return r, nil
+	}), wire.ServerConfig{Logger: s.logger})
+	if err != nil {
+		d.lis.Close()
+		store.Close()
+		return err
+	}
+	s.data = d
+	d.wg.Add(2)
+	go func() {
+		defer d.wg.Done()
+		if err := d.wire.Serve(d.lis); err != nil && s.ctx.Err() == nil {
+			s.logger.Error("replica data service stopped", "err", err)
+		}
+	}()
+	go func() {
+		defer d.wg.Done()
+		d.loop()
+	}()
+	return nil
+}
+
+// close stops the data service and the loop, waits for rebuilds, and
+// closes the store. The server's context is already cancelled.
+func (d *dataPlane) close() error {
+	err := d.wire.Close()
+	d.wg.Wait()
+	return errors.Join(err, d.store.Close())
+}
+
+func (d *dataPlane) loop() {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		d.reconcile()
+		select {
+		case <-d.s.ctx.Done():
+			return
+		case <-d.s.store.Changed():
+		case <-t.C:
+		}
+	}
+}
+
+type placed struct {
+	vol *storpb.Volume
+	rep *storpb.Replica
+}
+
+func (d *dataPlane) reconcile() {
+	me := d.s.cfg.ID
+	desired := map[string]placed{}
+	_ = d.s.store.View(func(r *raftstore.Reader) error {
+		vols, _, err := r.Volumes("", 0)
+		for _, v := range vols {
+			for _, rep := range v.Replicas {
+				if rep.ServerId == me && !rep.ServerRemoved {
+					desired[rep.Id] = placed{v, rep}
+				}
+			}
+		}
+		return err
+	})
+	for id, p := range desired {
+		r, err := d.store.Create(replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes})
+		if err != nil {
+			d.s.logger.Warn("create replica", "replica", id, "volume", p.vol.Name, "err", err)
+			continue
+		}
+		if r.Epoch() < p.vol.Epoch {
+			if err := r.Fence(p.vol.Epoch); err != nil {
+				d.s.logger.Warn("fence replica", "replica", id, "epoch", p.vol.Epoch, "err", err)
+			}
+		}
+		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && p.vol.Attachment == nil {
+			d.startRebuild(p.vol, p.rep)
+		}
+	}
+	var stale []*replica.Replica
+	for _, r := range d.store.List() {
+		if _, ok := desired[r.ID()]; !ok {
+			stale = append(stale, r)
+		}
+	}
+	if len(stale) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(d.s.ctx, 5*time.Second)
+	defer cancel()
+	if err := d.s.catchUp(ctx); err != nil {
+		return // not sure our view is current: keep the data for now
+	}
+	for _, r := range stale {
+		id := r.ID()
+		if err := d.store.Delete(id); err != nil && !errors.Is(err, replica.ErrNotFound) {
+			d.s.logger.Warn("delete replica", "replica", id, "err", err)
+			continue
+		}
+		d.s.logger.Info("deleted replica no longer placed here", "replica", id, "volume", r.VolumeID())
+	}
+}
+
+func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.rebuilding[r.Id] || d.s.ctx.Err() != nil {
+		return
+	}
+	d.rebuilding[r.Id] = true
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		if err := d.rebuild(v, r); err != nil && d.s.ctx.Err() == nil {
+			d.s.logger.Warn("rebuild of detached volume failed; will retry", "volume", v.Name, "replica", r.Id, "err", err)
+			select { // back off before the next attempt
+			case <-d.s.ctx.Done():
+			case <-time.After(2 * time.Second):
+			}
+		}
+		d.mu.Lock()
+		delete(d.rebuilding, r.Id)
+		d.mu.Unlock()
+	}()
+}
+
+// rebuild copies a detached volume's data into the local rebuilding
+// replica at the volume's current epoch. An attach during the copy raises
+// the epoch on the replicas, which refuse the rest of this copy; the
+// attached engine then rebuilds the replica itself.
+func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
+	ctx := d.s.ctx
+	servers := map[string]*storpb.Server{}
+	_ = d.s.store.View(func(rd *raftstore.Reader) error {
+		list, err := rd.Servers()
+		for _, s := range list {
+			servers[s.Id] = s
+		}
+		return err
+	})
+	connect := engine.WireConnector(wire.ClientConfig{Dial: d.s.cfg.Dial})
+	open := func(rep *storpb.Replica) (engine.ReplicaConn, error) {
+		srv := servers[rep.ServerId]
+		if srv == nil {
+			return nil, fmt.Errorf("server %q unknown", rep.ServerId)
+		}
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		return connect(cctx, srv.DataAddress, rep.Id, v.Epoch)
+	}
+	var history []engine.ReplicaConn
+	defer func() {
+		for _, c := range history {
+			c.Close(context.Background())
+		}
+	}()
+	for _, rep := range v.Replicas {
+		if rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			continue
+		}
+		c, err := open(rep)
+		if err != nil {
+			d.s.logger.Warn("rebuild source unavailable", "replica", rep.Id, "err", err)
+			continue
+		}
+		history = append(history, c)
+	}
+	if len(history) == 0 {
+		return fmt.Errorf("no healthy replica of %s reachable", v.Name)
+	}
+	dst, err := open(r)
+	if err != nil {
+		return fmt.Errorf("open target: %w", err)
+	}
+	defer dst.Close(context.Background())
+
+	vols := storpb.NewVolumeServiceClient(d.s.selfConn())
+	start := time.Now()
+	stats, err := engine.Rebuild(ctx, replica.Op{Epoch: v.Epoch, Generation: v.Generation},
+		engine.RebuildSource{Read: history[0], History: history}, dst,
+		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes)},
+		func(done, total int64) {
+			_, _ = vols.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+				VolumeId: v.Id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING,
+				Epoch: v.Epoch, RebuildDoneBytes: uint64(done), RebuildTotalBytes: uint64(max(total, 1)),
+			})
+		})
+	if err != nil {
+		return err
+	}
+	if _, err := vols.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+		VolumeId: v.Id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_HEALTHY,
+		Epoch: v.Epoch, Generation: r.Generation, Reason: "rebuild complete (detached)",
+	}); err != nil {
+		return fmt.Errorf("record rebuild: %w", err)
+	}
+	d.s.logger.Info("rebuild complete", "volume", v.Name, "replica", r.Id, "delta", stats.Delta,
+		"bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
+	return nil
+}

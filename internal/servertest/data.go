@@ -1,0 +1,121 @@
+package servertest
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// Dial returns a client of the whole cluster (every node's address), as
+// stor-ctl and the engine use it; closed in t.Cleanup.
+func (c *Cluster) Dial() *client.Client {
+	c.t.Helper()
+	var addrs []string
+	for _, n := range c.Nodes {
+		addrs = append(addrs, n.Addr)
+	}
+	cl, err := client.Dial(addrs)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.t.Cleanup(func() { cl.Close() })
+	return cl
+}
+
+// EngineConfig returns an engine config for a volume attached from node
+// (a name, not a server), connecting to replicas over the data protocol.
+func (c *Cluster) EngineConfig(volume, node string) engine.Config {
+	cl := c.Dial()
+	return engine.Config{
+		Volume: volume, NodeID: node,
+		Control:   engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+		Connect:   engine.WireConnector(wire.ClientConfig{}),
+		IOTimeout: 3 * time.Second,
+		Logger:    c.log.logger.With("engine", node),
+	}
+}
+
+// OpenEngine opens an engine with cfg; it is closed (without detaching)
+// in t.Cleanup unless the test closed it.
+func (c *Cluster) OpenEngine(cfg engine.Config) *engine.Engine {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	e, err := engine.Open(ctx, cfg)
+	if err != nil {
+		c.t.Fatalf("servertest: open engine for %s: %v", cfg.Volume, err)
+	}
+	c.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		e.Close(ctx, false)
+	})
+	return e
+}
+
+// ReplicaDigest is one replica's content checksum.
+type ReplicaDigest struct {
+	Replica *storpb.Replica
+	SHA256  string
+	Err     error
+}
+
+// Checksums reads every replica of a volume in full over the data
+// protocol, at the volume's current epoch (which fences nobody), and
+// returns their SHA-256 digests.
+func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
+	c.t.Helper()
+	cl := c.Dial()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	servers, err := cl.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	addr := map[string]string{}
+	for _, s := range servers.Servers {
+		addr[s.Id] = s.DataAddress
+	}
+	var out []ReplicaDigest
+	for _, r := range v.Volume.Replicas {
+		d := ReplicaDigest{Replica: r}
+		d.SHA256, d.Err = checksum(ctx, addr[r.ServerId], r.Id, v.Volume.Epoch, v.Volume.SizeBytes)
+		out = append(out, d)
+	}
+	return out
+}
+
+func checksum(ctx context.Context, addr, replicaID string, epoch, size uint64) (string, error) {
+	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	h, err := conn.Open(ctx, replicaID, epoch)
+	if err != nil {
+		return "", err
+	}
+	defer h.Close(ctx)
+	sum := sha256.New()
+	buf := make([]byte, 1<<20)
+	for off := uint64(0); off < size; off += uint64(len(buf)) {
+		p := buf[:min(uint64(len(buf)), size-off)]
+		if err := h.ReadAt(ctx, replica.Op{Epoch: epoch}, p, int64(off)); err != nil {
+			return "", fmt.Errorf("read %s at %d: %w", replicaID, off, err)
+		}
+		sum.Write(p)
+	}
+	return hex.EncodeToString(sum.Sum(nil)), nil
+}
