@@ -113,15 +113,19 @@ func (s *Store) checkLiveness(ctx context.Context, leaderSince time.Time) {
 		if srv.State != storpb.ServerState_SERVER_STATE_UP {
 			continue
 		}
+		// A server this leader never heard from gets a full timeout from
+		// when this leader took over; what is committed as its last-seen
+		// time stays what an earlier leader recorded.
 		seen := s.LastSeen(srv.Id)
+		lastSeen := seen.UnixNano()
 		if seen.IsZero() {
-			seen = leaderSince
+			seen, lastSeen = leaderSince, srv.LastSeenUnixNano
 		}
 		if now.Sub(seen) <= s.cfg.ServerDownTimeout {
 			continue
 		}
 		s.logger.Warn("server stopped reporting; marking it down", "down", srv.Id, "silent_for", now.Sub(seen).Round(time.Millisecond))
-		down := &storpb.Server{Id: srv.Id, State: storpb.ServerState_SERVER_STATE_DOWN, LastSeenUnixNano: seen.UnixNano()}
+		down := &storpb.Server{Id: srv.Id, State: storpb.ServerState_SERVER_STATE_DOWN, LastSeenUnixNano: lastSeen}
 		if _, err := s.propose(ctx, command{Op: opSetServerState, Body: down}); err != nil {
 			s.logger.Warn("mark server down", "server", srv.Id, "err", err)
 			return

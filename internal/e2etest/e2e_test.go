@@ -223,6 +223,7 @@ func runToExit(t *testing.T, s *server) (int, string) {
 	defer cancel()
 	start := time.Now()
 	cmd := exec.CommandContext(ctx, serverBin, s.args...)
+	cmd.Env = processEnv()
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	err := cmd.Run()

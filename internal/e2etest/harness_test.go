@@ -121,6 +121,21 @@ func raceEnabled() bool {
 	return false
 }
 
+// processEnv is the environment of the processes the tests start: this
+// one's, with stor-ctl's $STOR_SERVER removed (every call names its servers)
+// and, for binaries built with -race, no pause at exit (the race runtime
+// sleeps 1s by default before a process exits, which every stor-ctl call
+// would pay).
+func processEnv() []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "STOR_SERVER=") && !strings.HasPrefix(kv, "GORACE=") {
+			env = append(env, kv)
+		}
+	}
+	return append(env, "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+}
+
 // requireBinaries skips or fails t when TestMain could not build the
 // binaries.
 func requireBinaries(t *testing.T) {
@@ -209,6 +224,7 @@ func (s *server) start(t *testing.T) {
 	}
 	fmt.Fprintf(f, "=== start %d: stor-server %s\n", s.starts, strings.Join(s.args, " "))
 	cmd := exec.Command(serverBin, s.args...)
+	cmd.Env = processEnv()
 	cmd.Stdout, cmd.Stderr = f, f
 	if err := cmd.Start(); err != nil {
 		f.Close()
@@ -416,6 +432,7 @@ func runCtl(t *testing.T, args ...string) ctlResult {
 	ctx, cancel := context.WithTimeout(context.Background(), ctlTimeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, ctlBin, args...)
+	cmd.Env = processEnv()
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	start := time.Now()

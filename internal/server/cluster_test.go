@@ -599,3 +599,21 @@ func TestSetReplicaStateIsFencedAndKeepsTheLastCopy(t *testing.T) {
 		t.Fatalf("rebuild done: %v %v", got, err)
 	}
 }
+
+func TestKilledLeaderIsNotSeenAfterItDied(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	old := c.Leader(10 * time.Second)
+	id := c.Nodes[old].ID
+	killed := time.Now()
+	c.Kill(old)
+	survivor := (old + 1) % 3
+	waitServerState(t, c, survivor, id, storpb.ServerState_SERVER_STATE_DOWN, 10*time.Second)
+	resp := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
+		return c.Client(survivor).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	})
+	for _, s := range resp.Servers {
+		if s.Id == id && s.LastSeenUnixNano > killed.UnixNano() {
+			t.Fatalf("server %s killed at %v is reported last seen %v after that", id, killed, time.Unix(0, s.LastSeenUnixNano).Sub(killed))
+		}
+	}
+}

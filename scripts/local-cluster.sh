@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Runs a three-server stor cluster on 127.0.0.1 in the foreground, until
+# Ctrl-C or SIGTERM stops all three.
+#
+#   s1  control 7400, raft 7401, data 7402 (stor-server's defaults; bootstraps)
+#   s2  control 7410, raft 7411, data 7412 (joins s1)
+#   s3  control 7420, raft 7421, data 7422 (joins s1)
+#
+# Data and logs go to ./stor-data/s1 ... (or $STOR_DATA/s1 ...). Run it again
+# and the servers resume with their state; remove the directory to start
+# afresh. The binaries are built into ./bin first (make build).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+data=${STOR_DATA:-./stor-data}
+servers=127.0.0.1:7400,127.0.0.1:7410,127.0.0.1:7420
+ready_timeout=30 # seconds
+
+make build
+
+ids=()
+pids=()
+
+stop() {
+	trap - INT TERM EXIT
+	if ((${#pids[@]} > 0)); then
+		echo "stopping ${ids[*]} ..." >&2
+		kill -TERM "${pids[@]}" 2>/dev/null || true
+		wait "${pids[@]}" 2>/dev/null || true
+		echo "stopped; data and logs are in $data" >&2
+	fi
+}
+trap 'stop; exit 130' INT
+trap 'stop; exit 143' TERM
+trap stop EXIT
+
+# start ID PORT [JOIN]: starts one server on PORT (control), PORT+1 (raft),
+# PORT+2 (data), logging to $data/ID.log.
+start() {
+	local id=$1 port=$2 join=${3:-}
+	mkdir -p "$data"
+	local args=(--id "$id" --data-dir "$data/$id"
+		--listen "127.0.0.1:$port" --raft-listen "127.0.0.1:$((port + 1))" --data-listen "127.0.0.1:$((port + 2))")
+	if [[ -n $join ]]; then
+		args+=(--join "$join")
+	fi
+	echo "starting $id: bin/stor-server ${args[*]}" >&2
+	echo "=== $(date -u +%FT%TZ) bin/stor-server ${args[*]}" >>"$data/$id.log"
+	bin/stor-server "${args[@]}" >>"$data/$id.log" 2>&1 &
+	ids+=("$id")
+	pids+=($!)
+}
+
+# check_alive: fails, naming the server and showing its log, if one exited.
+check_alive() {
+	local i
+	for i in "${!pids[@]}"; do
+		if ! kill -0 "${pids[i]}" 2>/dev/null; then
+			echo "${ids[i]} exited; the end of $data/${ids[i]}.log:" >&2
+			tail -n 20 "$data/${ids[i]}.log" >&2
+			exit 1
+		fi
+	done
+}
+
+start s1 7400
+start s2 7410 127.0.0.1:7400
+start s3 7420 127.0.0.1:7400
+
+# Wait until one server sees three members, all up.
+for ((i = 0; ; i++)); do
+	check_alive
+	if status=$(bin/stor-ctl --server "$servers" --timeout 1s cluster status -o json 2>/dev/null) &&
+		[[ $(grep -c '"SERVER_STATE_UP"' <<<"$status") -eq 3 ]]; then
+		break
+	fi
+	if ((i >= ready_timeout * 2)); then
+		echo "the cluster did not form within ${ready_timeout}s; see $data/s*.log" >&2
+		exit 1
+	fi
+	sleep 0.5
+done
+
+cat <<EOF
+
+stor is running: s1 127.0.0.1:7400, s2 127.0.0.1:7410, s3 127.0.0.1:7420.
+Data and logs: $data/{s1,s2,s3} and $data/{s1,s2,s3}.log
+
+In another shell:
+  bin/stor-ctl --server $servers cluster status
+  export STOR_SERVER=$servers   # then --server can be left out
+  bin/stor-ctl server list
+  bin/stor-ctl volume create db --size 10GiB --replicas 3
+  bin/stor-ctl volume list
+
+Without --server or \$STOR_SERVER, stor-ctl asks 127.0.0.1:7400 (s1) only.
+Ctrl-C stops all three servers.
+EOF
+
+# Run until a signal (the traps stop the servers) or until a server exits.
+set +e
+wait -n "${pids[@]}"
+rc=$?
+set -e
+for i in "${!pids[@]}"; do
+	if ! kill -0 "${pids[i]}" 2>/dev/null; then
+		echo "${ids[i]} exited with status $rc; the end of $data/${ids[i]}.log:" >&2
+		tail -n 20 "$data/${ids[i]}.log" >&2
+	fi
+done
+exit 1
