@@ -1,0 +1,227 @@
+package engine_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/replica/engine"
+)
+
+// The engine benchmarks run a real in-process cluster (replica stores on
+// the machine's disk, the data protocol over loopback TCP) and measure a
+// 1-replica and a 3-replica volume in the same run, so their ratio is
+// meaningful on a noisy machine. See docs/BENCHMARKS.md for the commands.
+
+const benchVolSize = 256 << 20
+
+func benchEngines(b *testing.B) (*servertest.Cluster, map[int]*engine.Engine) {
+	c := servertest.NewCluster(b, servertest.Options{})
+	engines := map[int]*engine.Engine{}
+	for _, n := range []int{1, 3} {
+		name := fmt.Sprintf("bench-%d", n)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		if _, err := c.Dial().Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: name, SizeBytes: benchVolSize, ReplicaCount: uint32(n)}); err != nil {
+			b.Fatal(err)
+		}
+		cancel()
+		engines[n] = c.OpenEngine(c.EngineConfig(name, "bench"))
+		// Fill it so reads hit data and the dirty-region log is warm.
+		buf := randomBytes(uint64(n), 1<<20)
+		for off := int64(0); off < benchVolSize; off += 1 << 20 {
+			if err := engines[n].WriteAt(context.Background(), buf, off, false); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := engines[n].Flush(context.Background()); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return c, engines
+}
+
+// runQD issues b.N requests from qd goroutines and reports IOPS and the
+// latency percentiles.
+func runQD(b *testing.B, qd int, op func(rng *rand.Rand, buf []byte) error, size int) {
+	var next atomic.Int64
+	lats := make([][]time.Duration, qd)
+	b.SetBytes(int64(size))
+	b.ResetTimer()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for g := range qd {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 7))
+			buf := randomBytes(uint64(g), size)
+			for next.Add(1) <= int64(b.N) {
+				t0 := time.Now()
+				if err := op(rng, buf); err != nil {
+					b.Error(err)
+					return
+				}
+				lats[g] = append(lats[g], time.Since(t0))
+			}
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	b.StopTimer()
+	all := slices.Concat(lats...)
+	slices.Sort(all)
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "IOPS")
+	if len(all) > 0 {
+		b.ReportMetric(float64(all[len(all)/2].Microseconds()), "p50-us")
+		b.ReportMetric(float64(all[len(all)*99/100].Microseconds()), "p99-us")
+	}
+}
+
+func BenchmarkEngine(b *testing.B) {
+	_, engines := benchEngines(b)
+	ctx := context.Background()
+	blocks := int64(benchVolSize / 4096)
+	for _, n := range []int{1, 3} {
+		e := engines[n]
+		b.Run(fmt.Sprintf("replicas=%d/randwrite-4k-qd32", n), func(b *testing.B) {
+			runQD(b, 32, func(rng *rand.Rand, buf []byte) error {
+				return e.WriteAt(ctx, buf, rng.Int64N(blocks)*4096, false)
+			}, 4096)
+		})
+		b.Run(fmt.Sprintf("replicas=%d/randread-4k-qd32", n), func(b *testing.B) {
+			runQD(b, 32, func(rng *rand.Rand, buf []byte) error {
+				return e.ReadAt(ctx, buf, rng.Int64N(blocks)*4096)
+			}, 4096)
+		})
+		b.Run(fmt.Sprintf("replicas=%d/write-4k-qd1", n), func(b *testing.B) {
+			runQD(b, 1, func(rng *rand.Rand, buf []byte) error {
+				return e.WriteAt(ctx, buf, rng.Int64N(blocks)*4096, false)
+			}, 4096)
+		})
+		var seq atomic.Int64
+		b.Run(fmt.Sprintf("replicas=%d/seqwrite-1m-qd1", n), func(b *testing.B) {
+			runQD(b, 1, func(_ *rand.Rand, buf []byte) error {
+				off := seq.Add(1<<20) % benchVolSize
+				return e.WriteAt(ctx, buf, off, false)
+			}, 1<<20)
+		})
+		b.Run(fmt.Sprintf("replicas=%d/seqread-1m-qd1", n), func(b *testing.B) {
+			runQD(b, 1, func(_ *rand.Rand, buf []byte) error {
+				off := seq.Add(1<<20) % benchVolSize
+				return e.ReadAt(ctx, buf, off)
+			}, 1<<20)
+		})
+	}
+}
+
+// waitState polls a replica until it reaches state, returning when.
+func waitState(b *testing.B, c *servertest.Cluster, volumeID, replicaID string, state storpb.ReplicaState, within time.Duration) time.Time {
+	deadline := time.Now().Add(within)
+	cl := c.Dial()
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		resp, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
+		cancel()
+		if err == nil {
+			for _, r := range resp.Volume.Replicas {
+				if r.Id == replicaID && r.State == state {
+					return time.Now()
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("replica %s not %v within %v", replicaID, state, within)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// BenchmarkRebuild measures, for full volumes of two sizes: a full
+// rebuild (a replica moved to a new server) in seconds per GiB, and a
+// delta rebuild after 8 MiB were written while one replica was out. The
+// delta must cost about the same at both sizes: it copies the regions
+// written while the replica was out plus the regions the returning
+// replica itself still marks dirty (writes not yet two flushes old).
+// Run with -benchtime=1x.
+func BenchmarkRebuild(b *testing.B) {
+	for _, size := range []int64{256 << 20, 1 << 30} {
+		b.Run(fmt.Sprintf("size=%dMiB", size>>20), func(b *testing.B) {
+			for range b.N {
+				b.StopTimer()
+				c := servertest.NewCluster(b, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
+					cfg.Raft.ReplaceAfter = time.Hour // only the benchmark moves replicas
+				}})
+				cl := c.Dial()
+				ctx := context.Background()
+				resp, err := cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: "r", SizeBytes: uint64(size), ReplicaCount: 3})
+				if err != nil {
+					b.Fatal(err)
+				}
+				v := resp.Volume
+				e := c.OpenEngine(c.EngineConfig("r", "bench"))
+				buf := randomBytes(9, 1<<20)
+				for off := int64(0); off < size; off += 1 << 20 {
+					if err := e.WriteAt(ctx, buf, off, false); err != nil {
+						b.Fatal(err)
+					}
+				}
+				// Two flushes, as a filesystem's periodic commits would do:
+				// a replica clears a dirty region once a write there is two
+				// flushes old, and a delta also copies the returning
+				// replica's own dirty regions.
+				for range 2 {
+					if err := e.Flush(ctx); err != nil {
+						b.Fatal(err)
+					}
+				}
+
+				// Full: move replica 0 to the server that holds none.
+				start := time.Now()
+				moved, err := cl.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id})
+				if err != nil {
+					b.Fatal(err)
+				}
+				var fresh string
+				for _, r := range moved.Volume.Replicas {
+					if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+						fresh = r.Id
+					}
+				}
+				full := waitState(b, c, v.Id, fresh, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute).Sub(start)
+
+				// Delta: replica 1 is out while 8 MiB are written, then returns.
+				out := v.Replicas[1].Id
+				if _, err := cl.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{VolumeId: v.Id, ReplicaId: out,
+					State: storpb.ReplicaState_REPLICA_STATE_FAULTY, Epoch: e.Epoch(), Reason: "benchmark"}); err != nil {
+					b.Fatal(err)
+				}
+				time.Sleep(100 * time.Millisecond) // let the engine drop it
+				rng := rand.New(rand.NewPCG(1, 2))
+				for range 8 {
+					if err := e.WriteAt(ctx, buf, rng.Int64N(size>>20)<<20, false); err != nil {
+						b.Fatal(err)
+					}
+				}
+				start = time.Now()
+				if _, err := cl.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{VolumeId: v.Id, ReplicaId: out,
+					State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Epoch: e.Epoch(), Reason: "benchmark"}); err != nil {
+					b.Logf("rebuilding: %v (the leader may have started it already)", err)
+				}
+				delta := waitState(b, c, v.Id, out, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute).Sub(start)
+
+				b.ReportMetric(full.Seconds()/(float64(size)/(1<<30)), "full-s/GiB")
+				b.ReportMetric(float64(full.Milliseconds()), "full-ms")
+				b.ReportMetric(float64(delta.Milliseconds()), "delta-8MiB-ms")
+				b.StartTimer()
+			}
+		})
+	}
+}
