@@ -345,3 +345,57 @@ func TestFencedEnginePartitionedFromTheLeader(t *testing.T) {
 	}
 	_ = fmt.Sprint()
 }
+
+func TestDetachedVolumeReplicaIsRebuiltByTheServer(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
+		cfg.Raft.ReplaceAfter = time.Hour // only the test moves replicas
+	}})
+	v := createVol(t, c, "v", 8<<20, 3)
+	cfg := c.EngineConfig("v", "client")
+	e, err := engine.Open(ctx10(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := randomBytes(21, 4<<20)
+	if err := e.WriteAt(ctx10(t), data, 2<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx10(t), true); err != nil { // flush and detach
+		t.Fatal(err)
+	}
+	cl := c.Dial()
+	moved, err := cl.Volumes.ReplaceReplica(ctx10(t), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if moved.Volume.Attachment != nil {
+		t.Fatal("volume still attached")
+	}
+	// No engine runs: the new replica's server copies it.
+	requireIdentical(t, c, v.Id, 30*time.Second)
+
+	// A delta: one replica misses a write made while it was marked
+	// faulty; it is rebuilt by whoever holds the volume when the leader
+	// starts the rebuild (the engine, or after the detach its server).
+	e2, err := engine.Open(ctx10(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur, err := cl.Volumes.GetVolume(ctx10(t), &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := cur.Volume.Replicas[1].Id
+	if _, err := cl.Volumes.SetReplicaState(ctx10(t), &storpb.SetReplicaStateRequest{VolumeId: v.Id, ReplicaId: out,
+		State: storpb.ReplicaState_REPLICA_STATE_FAULTY, Epoch: e2.Epoch(), Reason: "test"}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // the engine learns of the fault from its watch
+	if err := e2.WriteAt(ctx10(t), randomBytes(22, 64<<10), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e2.Close(ctx10(t), true); err != nil {
+		t.Fatal(err)
+	}
+	requireIdentical(t, c, v.Id, 30*time.Second)
+}
