@@ -73,16 +73,25 @@ type ReplicaDigest struct {
 // returns their SHA-256 digests.
 func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
 	c.t.Helper()
-	cl := c.Dial()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
+	out, err := Checksums(ctx, c.Dial(), volumeID)
 	if err != nil {
 		c.t.Fatal(err)
 	}
+	return out
+}
+
+// Checksums is Cluster.Checksums for any cluster a client reaches (the
+// multi-process tests use it).
+func Checksums(ctx context.Context, cl *client.Client, volumeID string) ([]ReplicaDigest, error) {
+	v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
+	if err != nil {
+		return nil, err
+	}
 	servers, err := cl.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
 	if err != nil {
-		c.t.Fatal(err)
+		return nil, err
 	}
 	addr := map[string]string{}
 	for _, s := range servers.Servers {
@@ -94,7 +103,7 @@ func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
 		d.SHA256, d.Err = checksum(ctx, addr[r.ServerId], r.Id, v.Volume.Epoch, v.Volume.SizeBytes)
 		out = append(out, d)
 	}
-	return out
+	return out, nil
 }
 
 func checksum(ctx context.Context, addr, replicaID string, epoch, size uint64) (string, error) {
