@@ -390,6 +390,7 @@ func (w *writer) setReplicaState(at int64, req *storpb.SetReplicaStateRequest) (
 	if r.State == req.State {
 		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && req.RebuildTotalBytes > 0 {
 			r.RebuildDoneBytes, r.RebuildTotalBytes = req.RebuildDoneBytes, req.RebuildTotalBytes
+			r.RebuildResumeOffset = max(r.RebuildResumeOffset, req.RebuildResumeOffset)
 			w.put(bucketVolumes, v.Id, v)
 		}
 		return v, nil
@@ -415,7 +416,7 @@ func (w *writer) setReplicaState(at int64, req *storpb.SetReplicaStateRequest) (
 	v.Generation++
 	prev := r.State
 	r.State, r.Generation, r.StateSinceUnixNano = req.State, v.Generation, at
-	r.RebuildDoneBytes, r.RebuildTotalBytes, r.RebuildFromGeneration = 0, 0, 0
+	r.RebuildDoneBytes, r.RebuildTotalBytes, r.RebuildFromGeneration, r.RebuildResumeOffset = 0, 0, 0, 0
 	switch {
 	case req.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY:
 		r.UnhealthySinceUnixNano = 0

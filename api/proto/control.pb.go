@@ -438,8 +438,11 @@ type Replica struct {
 	// The replica's server left the cluster: its data is gone with it, it
 	// counts against no server's allocation, and the leader replaces it.
 	ServerRemoved bool `protobuf:"varint,10,opt,name=server_removed,json=serverRemoved,proto3" json:"server_removed,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// A full rebuild has copied, and flushed on the target, everything below
+	// this offset: a rebuild that was interrupted resumes here.
+	RebuildResumeOffset uint64 `protobuf:"varint,11,opt,name=rebuild_resume_offset,json=rebuildResumeOffset,proto3" json:"rebuild_resume_offset,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *Replica) Reset() {
@@ -540,6 +543,13 @@ func (x *Replica) GetServerRemoved() bool {
 		return x.ServerRemoved
 	}
 	return false
+}
+
+func (x *Replica) GetRebuildResumeOffset() uint64 {
+	if x != nil {
+		return x.RebuildResumeOffset
+	}
+	return 0
 }
 
 type Attachment struct {
@@ -2384,8 +2394,11 @@ type SetReplicaStateRequest struct {
 	// a replica already REBUILDING only has its progress updated.
 	RebuildDoneBytes  uint64 `protobuf:"varint,7,opt,name=rebuild_done_bytes,json=rebuildDoneBytes,proto3" json:"rebuild_done_bytes,omitempty"`
 	RebuildTotalBytes uint64 `protobuf:"varint,8,opt,name=rebuild_total_bytes,json=rebuildTotalBytes,proto3" json:"rebuild_total_bytes,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// For REBUILDING progress: the target holds, durably, everything below
+	// this offset (a full rebuild resumes here).
+	RebuildResumeOffset uint64 `protobuf:"varint,9,opt,name=rebuild_resume_offset,json=rebuildResumeOffset,proto3" json:"rebuild_resume_offset,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *SetReplicaStateRequest) Reset() {
@@ -2470,6 +2483,13 @@ func (x *SetReplicaStateRequest) GetRebuildDoneBytes() uint64 {
 func (x *SetReplicaStateRequest) GetRebuildTotalBytes() uint64 {
 	if x != nil {
 		return x.RebuildTotalBytes
+	}
+	return 0
+}
+
+func (x *SetReplicaStateRequest) GetRebuildResumeOffset() uint64 {
+	if x != nil {
+		return x.RebuildResumeOffset
 	}
 	return 0
 }
@@ -3197,7 +3217,7 @@ const file_control_proto_rawDesc = "" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xae\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe2\x03\n" +
 	"\aReplica\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x1b\n" +
 	"\tserver_id\x18\x02 \x01(\tR\bserverId\x12+\n" +
@@ -3211,7 +3231,8 @@ const file_control_proto_rawDesc = "" +
 	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\x129\n" +
 	"\x19unhealthy_since_unix_nano\x18\t \x01(\x03R\x16unhealthySinceUnixNano\x12%\n" +
 	"\x0eserver_removed\x18\n" +
-	" \x01(\bR\rserverRemoved\"|\n" +
+	" \x01(\bR\rserverRemoved\x122\n" +
+	"\x15rebuild_resume_offset\x18\v \x01(\x04R\x13rebuildResumeOffset\"|\n" +
 	"\n" +
 	"Attachment\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12'\n" +
@@ -3351,7 +3372,7 @@ const file_control_proto_rawDesc = "" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\"?\n" +
 	"\x14DetachVolumeResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xad\x02\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xe1\x02\n" +
 	"\x16SetReplicaStateRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1d\n" +
 	"\n" +
@@ -3363,7 +3384,8 @@ const file_control_proto_rawDesc = "" +
 	"generation\x12\x16\n" +
 	"\x06reason\x18\x06 \x01(\tR\x06reason\x12,\n" +
 	"\x12rebuild_done_bytes\x18\a \x01(\x04R\x10rebuildDoneBytes\x12.\n" +
-	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\"B\n" +
+	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\x122\n" +
+	"\x15rebuild_resume_offset\x18\t \x01(\x04R\x13rebuildResumeOffset\"B\n" +
 	"\x17SetReplicaStateResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xa0\x01\n" +
 	"\x15ReplaceReplicaRequest\x12*\n" +

@@ -245,12 +245,9 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	start := time.Now()
 	stats, err := engine.Rebuild(ctx, replica.Op{Epoch: v.Epoch, Generation: v.Generation},
 		engine.RebuildSource{Read: history[0], History: history}, dst,
-		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes)},
-		func(done, total int64) {
-			_, _ = vols.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
-				VolumeId: v.Id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING,
-				Epoch: v.Epoch, RebuildDoneBytes: uint64(done), RebuildTotalBytes: uint64(max(total, 1)),
-			})
+		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes), ResumeFrom: int64(r.RebuildResumeOffset)},
+		func(p engine.Progress) {
+			_, _ = vols.SetReplicaState(ctx, engine.ProgressRequest(v.Id, r.Id, v.Epoch, p))
 		})
 	if err != nil {
 		return err

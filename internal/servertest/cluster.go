@@ -46,6 +46,7 @@ type Node struct {
 	mu     sync.Mutex
 	srv    *server.Server
 	cfg    server.Config
+	first  [3]net.Listener // control, raft, data: used by the first start
 	conn   *grpc.ClientConn
 	client Clients
 }
@@ -109,8 +110,10 @@ func (c *Cluster) AddNode() *Node {
 	c.t.Helper()
 	i := len(c.Nodes)
 	n := &Node{Index: i, ID: fmt.Sprintf("s%d", i+1), Dir: filepath.Join(c.base, fmt.Sprintf("s%d", i+1))}
-	// Reserve ports: bind, note the address, release; Start rebinds them.
-	n.Addr, n.RaftAddr, n.DataAddr = freePort(c.t), freePort(c.t), freePort(c.t)
+	// The first start uses listeners bound here (so no other process can
+	// take the ports in between); restarts bind the same addresses again.
+	ctl, raftLn, data := listen(c.t), listen(c.t), listen(c.t)
+	n.Addr, n.RaftAddr, n.DataAddr = ctl.Addr().String(), raftLn.Addr().String(), data.Addr().String()
 	c.Net.Register(n.Addr, i)
 	c.Net.Register(n.RaftAddr, i)
 	c.Net.Register(n.DataAddr, i)
@@ -126,18 +129,18 @@ func (c *Cluster) AddNode() *Node {
 		c.opts.Configure(i, &cfg)
 	}
 	n.cfg = cfg
+	n.first = [3]net.Listener{ctl, raftLn, data}
 	c.Nodes = append(c.Nodes, n)
 	c.Start(i)
 	return n
 }
 
-func freePort(t testing.TB) string {
+func listen(t testing.TB) net.Listener {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatalf("servertest: reserve port: %v", err)
+		t.Fatalf("servertest: listen: %v", err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return l
 }
 
 // Start starts node i (again) with its data dir and addresses.
@@ -158,10 +161,15 @@ func (c *Cluster) TryStart(i int) error {
 	}
 	var srv *server.Server
 	var err error
-	// The port was just released by a stopped server or by freePort; a
+	cfg := n.cfg
+	if n.first[0] != nil {
+		cfg.Listener, cfg.RaftListener, cfg.DataListener = n.first[0], n.first[1], n.first[2]
+		n.first = [3]net.Listener{}
+	}
+	// A restart binds the addresses a stopped server just released; a
 	// socket in TIME_WAIT cannot block a listener, but retry briefly.
 	for range 50 {
-		srv, err = server.Start(n.cfg)
+		srv, err = server.Start(cfg)
 		if err == nil || !strings.Contains(err.Error(), "address already in use") {
 			break
 		}

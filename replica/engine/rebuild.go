@@ -32,6 +32,23 @@ type RebuildPlan struct {
 	FromGeneration uint64
 	// Size is the volume size.
 	Size int64
+	// ResumeFrom: a full rebuild that was interrupted copies only from
+	// here on (everything below was copied and flushed on the target, and
+	// every write since reached the target: it stayed in the write set).
+	ResumeFrom int64
+	// CheckpointBytes is how much a full rebuild copies between
+	// checkpoints: it flushes the target and reports the offset below
+	// which the target is complete, so an interrupted rebuild resumes
+	// there. Default 256 MiB.
+	CheckpointBytes int64
+}
+
+// Progress is a rebuild's report: bytes done of total, and (for a full
+// rebuild) the checkpoint offset below which the target is complete and
+// durable.
+type Progress struct {
+	Done, Total  int64
+	ResumeOffset int64
 }
 
 // RebuildStats is what a rebuild did.
@@ -46,7 +63,7 @@ type RebuildStats struct {
 // set). The target protects every block a normal write touches after
 // BeginRebuild from the copy (replica invariant 4), so the copy never
 // overwrites newer data. progress, if set, is called about once a second.
-func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(done, total int64)) (RebuildStats, error) {
+func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(Progress)) (RebuildStats, error) {
 	var st RebuildStats
 	if err := dst.BeginRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: begin: %w", err)
@@ -60,10 +77,23 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	for _, r := range ranges {
 		total += r.Len
 	}
-	buf := make([]byte, min(total, replica.MaxIO, 1<<20))
+	buf := make([]byte, max(min(total, replica.MaxIO, 1<<20), replica.SectorSize))
 	last := time.Now()
+	var sinceCheckpoint int64
+	checkpoint := plan.CheckpointBytes
+	if checkpoint <= 0 {
+		checkpoint = 256 << 20
+	}
+	report := func(resume int64) {
+		if progress != nil {
+			progress(Progress{Done: st.Bytes, Total: total, ResumeOffset: resume})
+		}
+	}
 	for _, r := range ranges {
 		for _, c := range chunksOf(r.Off, r.Len, int64(len(buf))) {
+			if err := ctx.Err(); err != nil {
+				return st, fmt.Errorf("rebuild: %w", err)
+			}
 			p := buf[:c.Len]
 			if err := src.Read.ReadAt(ctx, o, p, c.Off); err != nil {
 				return st, fmt.Errorf("rebuild: read source: %w", errSource{err})
@@ -72,8 +102,18 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 				return st, fmt.Errorf("rebuild: write target: %w", err)
 			}
 			st.Bytes += c.Len
-			if progress != nil && time.Since(last) > time.Second {
-				progress(st.Bytes, total)
+			sinceCheckpoint += c.Len
+			switch {
+			case !delta && sinceCheckpoint >= checkpoint:
+				// Everything below the end of this chunk is on the target;
+				// make it durable, then say so.
+				if err := dst.Flush(ctx, o); err != nil {
+					return st, fmt.Errorf("rebuild: flush target: %w", err)
+				}
+				report(c.Off + c.Len)
+				sinceCheckpoint, last = 0, time.Now()
+			case time.Since(last) > time.Second:
+				report(0)
 				last = time.Now()
 			}
 		}
@@ -85,9 +125,7 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if err := dst.Flush(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: flush target: %w", err)
 	}
-	if progress != nil {
-		progress(st.Bytes, total)
-	}
+	report(0)
 	return st, nil
 }
 
@@ -137,7 +175,26 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 	if err != nil {
 		return nil, false, fmt.Errorf("rebuild: target extents: %w", err)
 	}
-	return mergeExtents(append(all, own...), plan.Size), false, nil
+	merged := mergeExtents(append(all, own...), plan.Size)
+	if plan.ResumeFrom > 0 {
+		merged = clipFrom(merged, plan.ResumeFrom)
+	}
+	return merged, false, nil
+}
+
+// clipFrom drops what lies below off.
+func clipFrom(xs []replica.Extent, off int64) []replica.Extent {
+	var out []replica.Extent
+	for _, x := range xs {
+		switch {
+		case x.Off+x.Len <= off:
+		case x.Off < off:
+			out = append(out, replica.Extent{Off: off, Len: x.Off + x.Len - off})
+		default:
+			out = append(out, x)
+		}
+	}
+	return out
 }
 
 func allExtents(ctx context.Context, o replica.Op, r ReplicaConn) ([]replica.Extent, error) {
@@ -214,16 +271,13 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	log.Info("rebuild started", "source", sources[0].info.Id)
 	lastReport := time.Time{}
 	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, History: history}, target.conn,
-		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load())},
-		func(done, total int64) {
-			if time.Since(lastReport) < 2*time.Second {
-				return
+		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset)},
+		func(p Progress) {
+			if p.ResumeOffset == 0 && time.Since(lastReport) < 2*time.Second {
+				return // checkpoints are always recorded; plain progress now and then
 			}
 			lastReport = time.Now()
-			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
-				VolumeId: e.id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Epoch: e.epoch,
-				RebuildDoneBytes: uint64(done), RebuildTotalBytes: uint64(max(total, 1)),
-			})
+			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, ProgressRequest(e.id, r.Id, e.epoch, p))
 		})
 	if err != nil {
 		if ctx.Err() != nil {
@@ -253,4 +307,12 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	}
 	e.applyVolume(resp.Volume)
 	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
+}
+
+// ProgressRequest is the control-plane report of a rebuild's progress.
+func ProgressRequest(volumeID, replicaID string, epoch uint64, p Progress) *storpb.SetReplicaStateRequest {
+	return &storpb.SetReplicaStateRequest{
+		VolumeId: volumeID, ReplicaId: replicaID, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Epoch: epoch,
+		RebuildDoneBytes: uint64(p.Done), RebuildTotalBytes: uint64(max(p.Total, 1)), RebuildResumeOffset: uint64(p.ResumeOffset),
+	}
 }
