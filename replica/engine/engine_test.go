@@ -450,3 +450,29 @@ func TestFaultyReplicaIsRebuiltWhileWritesGoOn(t *testing.T) {
 		t.Fatalf("delta rebuild issued %d copy writes; want a few regions' worth", copied)
 	}
 }
+
+func TestReadsPreferTheLocalReplica(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	local := f.vol.Replicas[1]
+	cfg.LocalServerID = local.ServerId
+	e := f.open(cfg)
+	for i := range 20 {
+		if err := e.ReadAt(ctx10(t), make([]byte, 4096), int64(i)*4096); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, r := range f.vol.Replicas {
+		got := f.mem.get(r.Id)
+		got.mu.Lock()
+		reads := got.reads
+		got.mu.Unlock()
+		want := 0
+		if r.Id == local.Id {
+			want = 20
+		}
+		if reads != want {
+			t.Fatalf("replica %d (%s) served %d reads, want %d: reads go to the local replica", i, r.ServerId, reads, want)
+		}
+	}
+}

@@ -28,6 +28,7 @@ type memReplica struct {
 	protected  map[int64]bool   // blocks written since BeginRebuild (nil: no rebuild)
 	rebuilds   int              // completed rebuilds
 	rebuildOps int              // RebuildWrite calls
+	reads      int              // ReadAt calls
 }
 
 const region = 1 << 20
@@ -73,6 +74,7 @@ func (c conn) ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) err
 	if err := c.r.check(o, off, int64(len(p))); err != nil {
 		return err
 	}
+	c.r.reads++
 	copy(p, c.r.data[off:])
 	return nil
 }
