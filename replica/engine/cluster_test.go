@@ -399,3 +399,32 @@ func TestDetachedVolumeReplicaIsRebuiltByTheServer(t *testing.T) {
 	}
 	requireIdentical(t, c, v.Id, 30*time.Second)
 }
+
+func TestReplicaMovedWhileAttachedIsFullyRebuilt(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
+		cfg.Raft.ReplaceAfter = time.Hour
+	}})
+	v := createVol(t, c, "v", 16<<20, 3)
+	e := c.OpenEngine(c.EngineConfig("v", "client"))
+	l := &ledger{acked: map[int64]uint64{}}
+	stop := make(chan struct{})
+	done := writer(t, e, 16<<20/block, 40, l, stop, nil)
+	time.Sleep(300 * time.Millisecond)
+	moved, err := c.Dial().Volumes.ReplaceReplica(ctx10(t), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range moved.Volume.Replicas {
+		if r.ServerId == v.Replicas[0].ServerId {
+			t.Fatalf("the new replica is on the server it left")
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // writes go on during the full rebuild
+	close(stop)
+	<-done
+	if err := e.Flush(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	l.verify(t, e)
+	requireIdentical(t, c, v.Id, 30*time.Second)
+}

@@ -1,0 +1,54 @@
+package server_test
+
+import (
+	"testing"
+
+	"github.com/stor-io/stor/internal/server"
+)
+
+func TestShouldBootstrap(t *testing.T) {
+	seeds := []string{"stor-0.stor:7400", "stor-1.stor:7400", "stor-2.stor:7400"}
+	cases := []struct {
+		id   string
+		join []string
+		want bool
+	}{
+		{"s1", nil, true},                        // no seeds: a new cluster
+		{"laptop-3", nil, true},                  // an ordinal-looking name without seeds still bootstraps
+		{"stor-server-0", seeds, true},           // StatefulSet ordinal 0 bootstraps...
+		{"stor-server-1", seeds, false},          // ...every other ordinal joins
+		{"stor-server-12", seeds, false},         //
+		{"stor-server-00", seeds, true},          // ordinal 0 however it is spelled
+		{"s2", []string{"10.0.0.1:7400"}, false}, // not a StatefulSet name: join
+		{"stor-server-x", seeds, false},
+	}
+	for _, tc := range cases {
+		if got := server.ShouldBootstrap(tc.id, tc.join); got != tc.want {
+			t.Errorf("ShouldBootstrap(%q, %d seeds) = %v, want %v", tc.id, len(tc.join), got, tc.want)
+		}
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	cases := []struct {
+		name  string
+		edit  func(c *server.Config)
+		valid bool
+	}{
+		{"defaults", func(c *server.Config) { c.ID = "s1" }, true},
+		{"empty id", func(c *server.Config) { c.ID = "" }, false},
+		{"id with a slash", func(c *server.Config) { c.ID = "a/b" }, false},
+		{"no data dir", func(c *server.Config) { c.ID = "s1"; c.DataDir = "" }, false},
+		{"bad listen address", func(c *server.Config) { c.ID = "s1"; c.Listen = "7400" }, false},
+		{"bad join address", func(c *server.Config) { c.ID = "s1"; c.Join = []string{"nohost"} }, false},
+		{"down timeout below heartbeat", func(c *server.Config) { c.ID = "s1"; c.Raft.ServerDownTimeout = c.HeartbeatInterval }, false},
+		{"replicas over the limit", func(c *server.Config) { c.ID = "s1"; c.DefaultReplicas = 99 }, false},
+	}
+	for _, tc := range cases {
+		cfg := server.DefaultConfig()
+		tc.edit(&cfg)
+		if err := cfg.Validate(); (err == nil) != tc.valid {
+			t.Errorf("%s: Validate() = %v, want valid=%v", tc.name, err, tc.valid)
+		}
+	}
+}
