@@ -25,17 +25,8 @@ import (
 // writes went on, every acknowledged write reads back, and the replica
 // was rebuilt to be byte-identical to the others.
 func TestReplicaServerSIGKILLDuringVerifiedWrites(t *testing.T) {
-	requireBinaries(t)
-	c := newCluster(t, 3)
-	c.startAll(t)
+	c, st := startThree(t)
 	all := c.addrs()
-	var st storpb.StatusResponse
-	c.eventually(t, formTimeout, "3 members up with a leader", func() error {
-		if err := ctlJSON(t, &st, "--server", all, "--timeout", "2s", "cluster", "status", "-o", "json"); err != nil {
-			return err
-		}
-		return membersUp(&st, "s1", "s2", "s3")
-	})
 	var vol storpb.Volume
 	mustCtlJSON(t, &vol, "--server", all, "volume", "create", "data", "--size", "64MiB", "--replicas", "3", "-o", "json")
 

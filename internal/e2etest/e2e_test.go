@@ -32,18 +32,9 @@ const (
 // that the survivors still serve every volume, accept new ones, mark the
 // dead server down, and that the killed server rejoins from its data dir.
 func TestThreeProcessesSurviveLeaderKill(t *testing.T) {
-	requireBinaries(t)
-	c := newCluster(t, 3)
-	c.startAll(t)
+	c, st := startThree(t)
 	all := c.addrs()
 
-	var st storpb.StatusResponse
-	c.eventually(t, formTimeout, "3 members up with a leader", func() error {
-		if err := ctlJSON(t, &st, "--server", all, "--timeout", "2s", "cluster", "status", "-o", "json"); err != nil {
-			return err
-		}
-		return membersUp(&st, "s1", "s2", "s3")
-	})
 	clusterID := st.GetClusterId()
 
 	var want []string
@@ -57,9 +48,9 @@ func TestThreeProcessesSurviveLeaderKill(t *testing.T) {
 		want = append(want, name)
 	}
 
-	mustCtlJSON(t, &st, "--server", all, "cluster", "status", "-o", "json")
+	mustCtlJSON(t, st, "--server", all, "cluster", "status", "-o", "json")
 	if st.GetLeaderId() == "" {
-		t.Fatalf("cluster status names no leader: %v", &st)
+		t.Fatalf("cluster status names no leader: %v", st)
 	}
 	victim := c.server(t, st.GetLeaderId())
 	t.Logf("killing the leader %s (pid %d) with SIGKILL", victim.id, victim.cmd.Process.Pid)
@@ -114,10 +105,10 @@ func TestThreeProcessesSurviveLeaderKill(t *testing.T) {
 	// rejoins the same cluster.
 	victim.start(t)
 	c.eventually(t, rejoinTimeout, victim.id+" is an up member again", func() error {
-		if err := ctlJSON(t, &st, "--server", survivors, "--timeout", "2s", "cluster", "status", "-o", "json"); err != nil {
+		if err := ctlJSON(t, st, "--server", survivors, "--timeout", "2s", "cluster", "status", "-o", "json"); err != nil {
 			return err
 		}
-		if err := membersUp(&st, "s1", "s2", "s3"); err != nil {
+		if err := membersUp(st, "s1", "s2", "s3"); err != nil {
 			return err
 		}
 		var servers storpb.ListServersResponse
@@ -302,4 +293,22 @@ func missingVolumes(list *storpb.ListVolumesResponse, want []string) []string {
 		}
 	}
 	return missing
+}
+
+// startThree starts s1..s3 (s1 bootstraps) and waits until all three are
+// up members with a leader; it returns the cluster and that status.
+func startThree(t *testing.T) (*cluster, *storpb.StatusResponse) {
+	t.Helper()
+	requireBinaries(t)
+	c := newCluster(t, 3)
+	c.startAll(t)
+	all := c.addrs()
+	st := &storpb.StatusResponse{}
+	c.eventually(t, formTimeout, "3 members up with a leader", func() error {
+		if err := ctlJSON(t, st, "--server", all, "--timeout", "2s", "cluster", "status", "-o", "json"); err != nil {
+			return err
+		}
+		return membersUp(st, "s1", "s2", "s3")
+	})
+	return c, st
 }
