@@ -21,9 +21,14 @@
 //     replicas that took it, at the new generation, so their write history
 //     names every region the faulty replica may lack (a delta rebuild
 //     copies the regions written at or after the fault's generation).
-//  3. Flush: Flush sends a flush to every replica in the write set; each
-//     replica makes every write it completed durable, and every write the
-//     engine acknowledged was completed on all of them.
+//  3. Flush: Flush waits for the writes that began before it, then sends a
+//     flush to every replica in the write set; each replica makes every
+//     write it completed durable, and every write the engine acknowledged
+//     was completed on all of them. (Waiting is also what the replicas'
+//     dirty-region logs need: see Engine.Flush.) The caller's cancellation
+//     never interrupts a write half-way across the replicas; a replica
+//     that does not answer within IOTimeout has failed, and an engine that
+//     cannot record a failure within FaultTimeout stops serving.
 //  4. Unclean stop: Open collects the dirty regions of every replica it
 //     opened and copies them from one healthy replica (the local one when
 //     there is one) to the others before it serves any I/O, so no two

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -77,6 +79,11 @@ type Config struct {
 	// IOTimeout bounds one request to one replica; a replica that does not
 	// answer in time is treated as failed. Default 10s.
 	IOTimeout time.Duration
+	// FaultTimeout bounds how long a write waits for the control plane to
+	// commit a failed replica as faulty (through leader elections). If it
+	// cannot, the engine stops serving (every call fails with ErrIO): it
+	// never serves from a replica set it cannot vouch for. Default 2m.
+	FaultTimeout time.Duration
 	// Logger; default slog.Default().
 	Logger *slog.Logger
 }
@@ -114,6 +121,12 @@ type Engine struct {
 	size   atomic.Uint64
 	fenced atomic.Bool
 	closed atomic.Bool
+	broken atomic.Bool // a replica failure could not be committed: stop serving
+
+	// inflight holds the writes under way; Flush waits for those that
+	// began before it (see Flush).
+	inflightMu sync.Mutex
+	inflight   map[*pending]struct{}
 
 	// mu guards the write set and the generation. Requests copy the set
 	// under mu and release it before doing I/O.
@@ -143,6 +156,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.IOTimeout == 0 {
 		cfg.IOTimeout = 10 * time.Second
 	}
+	if cfg.FaultTimeout == 0 {
+		cfg.FaultTimeout = 2 * time.Minute
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -165,6 +181,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
 		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
 		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
+		inflight: map[*pending]struct{}{},
 	}
 	e.size.Store(v.SizeBytes)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -330,15 +347,22 @@ func (e *Engine) readSet() []*member {
 	defer e.mu.Unlock()
 	out := make([]*member, 0, len(e.members))
 	for _, m := range e.members {
-		if m.info.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-			continue
-		}
-		if m.info.ServerId == e.cfg.LocalServerID {
-			out = append([]*member{m}, out...)
-		} else {
+		if m.info.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
 			out = append(out, m)
 		}
 	}
+	// The local replica first, then a stable order, so that reads go to
+	// the same replica while the set is unchanged.
+	slices.SortFunc(out, func(a, b *member) int {
+		al, bl := a.info.ServerId == e.cfg.LocalServerID, b.info.ServerId == e.cfg.LocalServerID
+		switch {
+		case al != bl && al:
+			return -1
+		case al != bl:
+			return 1
+		}
+		return strings.Compare(a.info.Id, b.info.Id)
+	})
 	return out
 }
 
@@ -348,6 +372,44 @@ func (e *Engine) usable() error {
 		return ErrClosed
 	case e.fenced.Load():
 		return ErrFenced
+	case e.broken.Load():
+		return fmt.Errorf("%w: volume %s: a replica failure could not be recorded; reopen the volume", ErrIO, e.name)
+	}
+	return nil
+}
+
+// pending is one write under way.
+type pending struct{ done chan struct{} }
+
+func (e *Engine) beginWrite() *pending {
+	p := &pending{done: make(chan struct{})}
+	e.inflightMu.Lock()
+	e.inflight[p] = struct{}{}
+	e.inflightMu.Unlock()
+	return p
+}
+
+func (e *Engine) endWrite(p *pending) {
+	e.inflightMu.Lock()
+	delete(e.inflight, p)
+	e.inflightMu.Unlock()
+	close(p.done)
+}
+
+// waitWrites waits for every write that began before it was called.
+func (e *Engine) waitWrites(ctx context.Context) error {
+	e.inflightMu.Lock()
+	waits := make([]*pending, 0, len(e.inflight))
+	for p := range e.inflight {
+		waits = append(waits, p)
+	}
+	e.inflightMu.Unlock()
+	for _, p := range waits {
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 	return nil
 }
@@ -415,6 +477,8 @@ func (e *Engine) WriteAt(ctx context.Context, p []byte, off int64, fua bool) err
 	if err := e.writable(int64(len(p)), off); err != nil {
 		return err
 	}
+	w := e.beginWrite()
+	defer e.endWrite(w)
 	for _, c := range chunks(off, int64(len(p))) {
 		buf := p[c.Off-off : c.Off-off+c.Len]
 		err := e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
@@ -432,6 +496,8 @@ func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error 
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
+	w := e.beginWrite()
+	defer e.endWrite(w)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
 		return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
 	})
@@ -442,14 +508,25 @@ func (e *Engine) Trim(ctx context.Context, off, n int64) error {
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
+	w := e.beginWrite()
+	defer e.endWrite(w)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
 		return m.conn.Trim(ctx, e.op(false), off, n)
 	})
 }
 
-// Flush makes every acknowledged write durable on every replica.
+// Flush makes every acknowledged write durable on every replica. It first
+// waits for the writes that began before it, so that every write sent
+// before a flush has been answered by every replica (or that replica was
+// recorded faulty) when the flush is sent: the replicas' dirty-region
+// logs clear a region two flushes after its last write, and that is safe
+// only if no replica can still be waiting for a write the others finished
+// two flushes ago.
 func (e *Engine) Flush(ctx context.Context) error {
 	if err := e.usable(); err != nil {
+		return err
+	}
+	if err := e.waitWrites(ctx); err != nil {
 		return err
 	}
 	return e.flush(ctx)
@@ -472,8 +549,13 @@ func (e *Engine) writable(n, off int64) error {
 }
 
 // fanOut runs one request on every replica of set in parallel and applies
-// the ack rule to the failures.
+// the ack rule to the failures. The caller's cancellation does not reach
+// the replicas: a request abandoned half-way would leave them different
+// with nobody recorded faulty. Each replica request is bounded by
+// IOTimeout instead (a replica that does not answer has failed), and a
+// fault commit by FaultTimeout.
 func (e *Engine) fanOut(ctx context.Context, set []*member, req func(context.Context, *member) error) error {
+	ctx = context.WithoutCancel(ctx)
 	if len(set) == 0 {
 		return fmt.Errorf("%w: volume %s has no replica to write to", ErrIO, e.name)
 	}
@@ -535,7 +617,7 @@ func (e *Engine) classify(ctx context.Context, err error) error {
 	case errors.Is(err, replica.ErrInvalid):
 		return err // the request itself is bad; no replica is at fault
 	case ctx.Err() != nil:
-		return ctx.Err() // the caller gave up; nothing is known about the replica
+		return ctx.Err() // a read the caller gave up on; nothing is known about the replica
 	}
 	return nil
 }
@@ -551,6 +633,8 @@ func (e *Engine) fence(why string) {
 // write set.
 func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error {
 	e.logger.Warn("replica failed; recording it faulty", "replica", replicaID, "reason", reason)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.FaultTimeout)
+	defer cancel()
 	e.faultMu.Lock()
 	defer e.faultMu.Unlock()
 	backoff := 50 * time.Millisecond
@@ -576,6 +660,11 @@ func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error
 		}
 		select {
 		case <-ctx.Done():
+			// The replica may now differ from the others and is still in
+			// the set: stop serving rather than read from it.
+			if e.broken.CompareAndSwap(false, true) {
+				e.logger.Error("a replica failure could not be recorded; the engine stops serving", "replica", replicaID)
+			}
 			return fmt.Errorf("%w: volume %s: replica %s failed and the control plane could not be reached to record it: %v", ErrIO, e.name, replicaID, ctx.Err())
 		case <-time.After(backoff):
 		}

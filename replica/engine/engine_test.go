@@ -476,3 +476,71 @@ func TestReadsPreferTheLocalReplica(t *testing.T) {
 		}
 	}
 }
+
+func TestFlushWaitsForWritesThatBeganBeforeIt(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	slow := f.replica(2)
+	slow.mu.Lock()
+	slow.hold = make(chan struct{})
+	slow.mu.Unlock()
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(ctx10(t), randomBytes(50, 4096), 0, false) }()
+	time.Sleep(50 * time.Millisecond) // the write reaches replicas 0 and 1, waits on 2
+	flushed := make(chan error, 1)
+	go func() { flushed <- e.Flush(ctx10(t)) }()
+	select {
+	case err := <-flushed:
+		t.Fatalf("flush returned (%v) while a write that began before it was still unanswered by a replica", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	for i := range 3 {
+		f.replica(i).mu.Lock()
+		n := f.replica(i).flushes
+		f.replica(i).mu.Unlock()
+		if n != 0 {
+			t.Fatalf("replica %d was sent a flush before the earlier write was answered everywhere", i)
+		}
+	}
+	slow.mu.Lock()
+	close(slow.hold)
+	slow.hold = nil
+	slow.mu.Unlock()
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-flushed; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestCallerCancellationDoesNotLeaveReplicasDifferent(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1")) // IOTimeout 2s
+	stuck := f.replica(2)
+	stuck.mu.Lock()
+	stuck.hold = make(chan struct{}) // never released: replica 2 stops answering
+	stuck.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	data := randomBytes(51, 4096)
+	done := make(chan error, 1)
+	go func() { done <- e.WriteAt(ctx, data, 8192, false) }()
+	time.Sleep(50 * time.Millisecond)
+	cancel() // the caller gives up while replica 2 has not answered
+	if err := <-done; err != nil {
+		t.Fatalf("write: %v (it reached two replicas; the third timed out and must be recorded faulty)", err)
+	}
+	// Replicas 0 and 1 hold the write; replica 2, which does not, is out.
+	if v := f.volume(); v.Replicas[2].State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		t.Fatal("a replica that missed a write is still healthy")
+	}
+	for i := range 2 {
+		if !bytes.Equal(f.replica(i).snapshot()[8192:8192+4096], data) {
+			t.Fatalf("replica %d lacks the write", i)
+		}
+	}
+	stuck.mu.Lock()
+	close(stuck.hold)
+	stuck.hold = nil
+	stuck.mu.Unlock()
+}
