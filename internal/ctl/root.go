@@ -81,9 +81,15 @@ func Execute(args []string, stdout, stderr io.Writer) int {
 }
 
 func execute(a *app, args []string) int {
+	return executeContext(context.Background(), a, args)
+}
+
+// executeContext is execute with a context for the commands (nbd serve
+// stops when it ends, as on SIGINT).
+func executeContext(ctx context.Context, a *app, args []string) int {
 	root := newRootCommand(a)
 	root.SetArgs(args)
-	err := root.Execute()
+	err := root.ExecuteContext(ctx)
 	if err == nil {
 		return 0
 	}
@@ -105,7 +111,7 @@ func newRootCommand(a *app) *cobra.Command {
 		Use:   "stor-ctl",
 		Short: "Operate a stor block storage cluster",
 		Long: `stor-ctl operates a stor cluster through its control API: cluster status,
-servers, volumes and snapshots.
+servers, volumes and snapshots; "nbd serve" serves a volume over NBD.
 
 Any server of the cluster answers any command. Give several with
 --server a:7400,b:7400 (or $` + serverEnv + `) and stor-ctl uses the first that
@@ -143,6 +149,7 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		newVolumeCommand(a),
 		newReplicaCommand(a),
 		newSnapshotCommand(a),
+		newNBDCommand(a),
 	)
 	return root
 }

@@ -1,0 +1,282 @@
+package nbd
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"sync"
+)
+
+// request is one parsed transmission request.
+type request struct {
+	flags  uint16
+	typ    uint16
+	handle uint64
+	off    uint64
+	length uint32
+}
+
+// reply is one answer queued for the writer. The writer releases what the
+// request held (its slot, its payload bytes, its buffer) once the reply is
+// on the wire.
+type reply struct {
+	handle uint64
+	errno  Errno
+	data   []byte  // READ payload (only when errno is 0)
+	buf    *[]byte // pooled buffer to give back
+	cost   int64   // payload bytes held in the budget
+}
+
+// zeroes is written for NBD_CMD_WRITE_ZEROES with NBD_CMD_FLAG_NO_HOLE.
+// Never modified.
+var zeroes = make([]byte, 1<<20)
+
+// transmit serves requests until the client disconnects or the stream
+// breaks. One goroutine (this one) reads requests; each request runs in
+// its own goroutine, at most MaxInFlight at once and MaxInFlightBytes of
+// payload; one writer goroutine writes the replies in completion order.
+func (c *conn) transmit(exp *Export, log *slog.Logger) error {
+	t := &transmission{
+		c: c, exp: exp, log: log,
+		slots:   newBudget(int64(c.s.cfg.MaxInFlight)),
+		bytes:   newBudget(c.s.cfg.MaxInFlightBytes),
+		replies: make(chan reply, c.s.cfg.MaxInFlight),
+	}
+	writerDone := make(chan error, 1)
+	go func() { writerDone <- t.writeReplies() }()
+
+	err := t.readRequests()
+	if err != nil && c.isDraining() && errors.Is(err, os.ErrDeadlineExceeded) {
+		err = nil // drained in the middle of a request: dropped unanswered
+	}
+	// Requests in flight are answered before the connection closes, after
+	// NBD_CMD_DISC as after a broken stream (their replies may still
+	// reach a client that only half-closed).
+	t.workers.Wait()
+	close(t.replies)
+	werr := <-writerDone
+	if err == nil && werr != nil {
+		err = werr
+	}
+	return err
+}
+
+type transmission struct {
+	c   *conn
+	exp *Export
+	log *slog.Logger
+
+	slots   *budget // requests in flight
+	bytes   *budget // payload bytes in flight
+	replies chan reply
+	workers sync.WaitGroup
+}
+
+// readRequests reads requests until NBD_CMD_DISC (nil), a drain (nil), the
+// client closing between requests (nil), or a broken stream (error).
+func (t *transmission) readRequests() error {
+	var hdr [requestHeaderLen]byte
+	maxPayload := t.c.s.cfg.MaxPayload
+	for {
+		if _, err := io.ReadFull(t.c.br, hdr[:]); err != nil {
+			switch {
+			case t.c.isDraining() && errors.Is(err, os.ErrDeadlineExceeded):
+				return nil
+			case errors.Is(err, io.EOF):
+				return nil // closed between requests (a hard disconnect, but a clean one)
+			}
+			return err
+		}
+		if m := binary.BigEndian.Uint32(hdr[0:]); m != magicRequest {
+			return fmt.Errorf("%w: bad request magic %#x", ErrProtocol, m)
+		}
+		r := request{
+			flags:  binary.BigEndian.Uint16(hdr[4:]),
+			typ:    binary.BigEndian.Uint16(hdr[6:]),
+			handle: binary.BigEndian.Uint64(hdr[8:]),
+			off:    binary.BigEndian.Uint64(hdr[16:]),
+			length: binary.BigEndian.Uint32(hdr[24:]),
+		}
+
+		var cost int64
+		var buf *[]byte
+		switch {
+		case r.typ == cmdDisc:
+			return nil
+		case r.typ == cmdWrite && r.length > maxPayload:
+			// The payload follows whatever we answer: skip it (without
+			// holding it) to keep the stream in step, then refuse.
+			if _, err := io.CopyN(io.Discard, t.c.br, int64(r.length)); err != nil {
+				return err
+			}
+			t.slots.acquire(1)
+			t.replies <- reply{handle: r.handle, errno: EINVAL}
+			continue
+		case r.typ == cmdWrite:
+			cost = int64(r.length)
+			t.slots.acquire(1)
+			t.bytes.acquire(cost)
+			if r.length > 0 {
+				buf = getBuf(int(r.length))
+				if _, err := io.ReadFull(t.c.br, *buf); err != nil {
+					putBuf(buf)
+					t.bytes.release(cost)
+					t.slots.release(1)
+					return err
+				}
+			}
+		case r.typ == cmdRead && r.length <= maxPayload:
+			cost = int64(r.length)
+			t.slots.acquire(1)
+			t.bytes.acquire(cost)
+		default:
+			t.slots.acquire(1)
+		}
+
+		if errno := t.check(r); errno != 0 {
+			t.log.Debug("nbd: request refused", "cmd", cmdName(r.typ), "offset", r.off, "length", r.length, "flags", r.flags, "err", errno)
+			t.replies <- reply{handle: r.handle, errno: errno, buf: buf, cost: cost}
+			continue
+		}
+		t.workers.Add(1)
+		go func() {
+			defer t.workers.Done()
+			t.replies <- t.do(r, buf, cost)
+		}()
+	}
+}
+
+// check validates a request against the export before any device call.
+func (t *transmission) check(r request) Errno {
+	allowed := cmdFlagFUA // valid on every command (clients set it on all)
+	if r.typ == cmdWriteZeroes {
+		allowed |= cmdFlagNoHole
+	}
+	if r.flags&^allowed != 0 {
+		return EINVAL
+	}
+	write := false
+	switch r.typ {
+	case cmdFlush:
+		return 0
+	case cmdRead:
+		if r.length > t.c.s.cfg.MaxPayload {
+			return EINVAL
+		}
+	case cmdWrite, cmdWriteZeroes, cmdTrim:
+		write = r.typ != cmdTrim
+		if t.exp.ReadOnly {
+			return EPERM
+		}
+	default:
+		// NBD_CMD_CACHE and NBD_CMD_BLOCK_STATUS are not advertised (and
+		// BLOCK_STATUS needs structured replies); the protocol asks for
+		// EINVAL for commands the server does not know or offer.
+		return EINVAL
+	}
+	bs := uint64(t.exp.MinBlockSize)
+	if r.off%bs != 0 || uint64(r.length)%bs != 0 {
+		return EINVAL
+	}
+	size := t.exp.Device.Size()
+	if r.off > size || uint64(r.length) > size-r.off {
+		if write {
+			return ENOSPC // the protocol's choice for writes past the end
+		}
+		return EINVAL
+	}
+	return 0
+}
+
+// do runs a checked request on the device and returns its reply.
+func (t *transmission) do(r request, buf *[]byte, cost int64) reply {
+	rep := reply{handle: r.handle, buf: buf, cost: cost}
+	ctx := t.c.s.ctx
+	dev := t.exp.Device
+	off, n := int64(r.off), int64(r.length)
+	fua := r.flags&cmdFlagFUA != 0
+	var err error
+	switch r.typ {
+	case cmdRead:
+		if n > 0 {
+			rep.buf = getBuf(int(n))
+			if err = dev.ReadAt(ctx, *rep.buf, off); err == nil {
+				rep.data = *rep.buf
+			}
+		}
+	case cmdWrite:
+		if n > 0 {
+			err = dev.WriteAt(ctx, *buf, off, fua)
+		}
+	case cmdWriteZeroes:
+		switch {
+		case n == 0:
+		case r.flags&cmdFlagNoHole != 0:
+			// Allocate: write real zeroes rather than punch a hole.
+			for done := int64(0); done < n && err == nil; {
+				k := min(n-done, int64(len(zeroes)))
+				err = dev.WriteAt(ctx, zeroes[:k], off+done, fua)
+				done += k
+			}
+		default:
+			err = dev.WriteZeroes(ctx, off, n, fua)
+		}
+	case cmdTrim:
+		if n > 0 {
+			err = dev.Trim(ctx, off, n)
+			if err == nil && fua {
+				err = dev.Flush(ctx)
+			}
+		}
+	case cmdFlush:
+		err = dev.Flush(ctx)
+	}
+	if err != nil {
+		rep.errno = errnoOf(err)
+		args := []any{"cmd", cmdName(r.typ), "offset", r.off, "length", r.length, "errno", uint32(rep.errno), "err", err}
+		if rep.errno == EINVAL {
+			t.log.Debug("nbd: device refused request", args...)
+		} else {
+			t.c.s.errlog.log(t.log, "nbd: device error", args...)
+		}
+	}
+	return rep
+}
+
+// writeReplies writes replies as they come until the channel closes. After
+// a write error it keeps draining (releasing what each reply holds) so no
+// request goroutine blocks, and closes the connection so the reader stops.
+func (t *transmission) writeReplies() error {
+	var werr error
+	var hdr [replyHeaderLen]byte
+	bw := t.c.bw
+	for rep := range t.replies {
+		if werr == nil {
+			binary.BigEndian.PutUint32(hdr[0:], magicSimpleReply)
+			binary.BigEndian.PutUint32(hdr[4:], uint32(rep.errno))
+			binary.BigEndian.PutUint64(hdr[8:], rep.handle)
+			bw.Write(hdr[:])
+			if rep.errno == 0 && len(rep.data) > 0 {
+				bw.Write(rep.data)
+			}
+			// Flush when nothing else is ready: replies batch under load
+			// and go out at once otherwise.
+			if len(t.replies) == 0 {
+				werr = bw.Flush()
+			}
+			if werr != nil {
+				t.c.nc.Close()
+			}
+		}
+		putBuf(rep.buf)
+		t.bytes.release(rep.cost)
+		t.slots.release(1)
+	}
+	if werr == nil {
+		werr = bw.Flush()
+	}
+	return werr
+}
