@@ -203,11 +203,18 @@ func BenchmarkRebuild(b *testing.B) {
 
 				// Delta: replica 1 is out while 8 MiB are written, then returns.
 				out := v.Replicas[1].Id
-				if _, err := cl.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{VolumeId: v.Id, ReplicaId: out,
-					State: storpb.ReplicaState_REPLICA_STATE_FAULTY, Epoch: e.Epoch(), Reason: "benchmark"}); err != nil {
+				faulted, err := cl.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{VolumeId: v.Id, ReplicaId: out,
+					State: storpb.ReplicaState_REPLICA_STATE_FAULTY, Epoch: e.Epoch(), Reason: "benchmark"})
+				if err != nil {
 					b.Fatal(err)
 				}
-				time.Sleep(100 * time.Millisecond) // let the engine drop it
+				// The writes below must miss the replica: wait until the
+				// engine has applied the fault (its watch delivers it).
+				for deadline := time.Now().Add(5 * time.Second); e.Generation() < faulted.Volume.Generation; time.Sleep(5 * time.Millisecond) {
+					if time.Now().After(deadline) {
+						b.Fatal("the engine did not learn of the fault")
+					}
+				}
 				rng := rand.New(rand.NewPCG(1, 2))
 				for range 8 {
 					if err := e.WriteAt(ctx, buf, rng.Int64N(size>>20)<<20, false); err != nil {
@@ -218,6 +225,9 @@ func BenchmarkRebuild(b *testing.B) {
 				// engine's own record of the rebuild gives its duration.
 				waitState(b, c, v.Id, out, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute)
 				delta, copied := rebuilds.last(b, out)
+				if copied < 8<<20 {
+					b.Fatalf("the delta copied %d bytes; the replica missed 8 MiB", copied)
+				}
 				b.ReportMetric(float64(copied)/(1<<20), "delta-copied-MiB")
 
 				b.ReportMetric(full.Seconds()/(float64(size)/(1<<30)), "full-s/GiB")

@@ -323,6 +323,13 @@ func (e *Engine) Size() uint64   { return e.size.Load() }
 func (e *Engine) Fenced() bool   { return e.fenced.Load() }
 func (e *Engine) ReadOnly() bool { return e.cfg.ReadOnly }
 
+// Generation is the replica-set generation the engine writes under.
+func (e *Engine) Generation() uint64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.generation
+}
+
 // op is the request header for the current generation.
 func (e *Engine) op(fua bool) replica.Op {
 	e.mu.Lock()
