@@ -658,7 +658,12 @@ func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error
 			e.fence("the control plane refused our epoch")
 			return fmt.Errorf("%w: %v", ErrFenced, err)
 		case codes.FailedPrecondition:
-			// The last healthy replica failed: nothing can serve the request.
+			// The last healthy replica failed: nothing can serve the
+			// request, and other replicas (rebuilding ones) may have taken
+			// it. Stop serving; the next open reconciles them.
+			if e.broken.CompareAndSwap(false, true) {
+				e.logger.Error("the last healthy replica failed; the engine stops serving", "replica", replicaID, "reason", reason)
+			}
 			return fmt.Errorf("%w: volume %s: replica %s failed (%s) and is the last healthy one: %v", ErrIO, e.name, replicaID, reason, err)
 		case codes.Unavailable, codes.DeadlineExceeded:
 			// No leader: wait. Never acknowledge on a guess.

@@ -254,6 +254,15 @@ func TestLastHealthyReplicaFailingFailsTheWrite(t *testing.T) {
 	if healthy != 1 {
 		t.Fatalf("%d healthy replicas left, want exactly 1 (the last copy is never marked faulty)", healthy)
 	}
+	// The replicas may now differ: the engine serves nothing more.
+	for i := range 3 {
+		f.replica(i).mu.Lock()
+		f.replica(i).failIO = false
+		f.replica(i).mu.Unlock()
+	}
+	if err := e.ReadAt(ctx10(t), make([]byte, 4096), 0); !errors.Is(err, engine.ErrIO) {
+		t.Fatalf("read after the last healthy replica failed: %v, want ErrIO", err)
+	}
 }
 
 // blindVolumes never delivers watch events, as if the engine's node were
