@@ -16,7 +16,9 @@
 //     (SetReplicaState, fenced by the epoch) and only then returns. If the
 //     leader cannot be reached the write waits (bounded by the caller's
 //     context); it is never acknowledged on a guess. If the failing replica
-//     is the last healthy one, the write fails with an I/O error. Before
+//     is the last healthy one, the write fails with an I/O error and the
+//     engine stops serving (other replicas may have taken the write; the
+//     next open reconciles them). Before
 //     acknowledging, the engine applies the request once more to the
 //     replicas that took it, at the new generation, so their write history
 //     names every region the faulty replica may lack (a delta rebuild
