@@ -5,7 +5,7 @@ PROTOC_GEN_GO_VERSION ?= v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 
 .PHONY: build test test-short e2e lint proto verify-proto cluster bench clean
-.PHONY: install-nbd-tools test-nbd fuzz-nbd
+.PHONY: install-nbd-tools test-nbd fuzz-nbd bench-nbd
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -84,6 +84,13 @@ FUZZTIME ?= 20s
 fuzz-nbd:
 	$(GO) test ./nbd/ -run '^$$' -fuzz '^FuzzHandshake$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 5s
 	$(GO) test ./nbd/ -run '^$$' -fuzz '^FuzzRequests$$' -fuzztime $(FUZZTIME) -fuzzminimizetime 5s
+
+# stor-ctl nbd serve (1 and 3 replicas, a 3-server cluster of its own) against
+# nbdkit's file plugin, with fio's nbd engine over unix sockets; prints the
+# table and writes bench-results/nbd-<time>.{md,json}. About 10 minutes;
+# BENCH_RUNS, BENCH_RUNTIME, BENCH_WORKLOADS... shorten it (see the script).
+bench-nbd:
+	./scripts/bench-nbd.sh
 
 clean:
 	rm -rf $(BIN)
