@@ -137,6 +137,8 @@ func (s *Store) checkLiveness(ctx context.Context, leaderSince time.Time) {
 // voter that left is replaced. Down voters are never demoted here: that
 // would shrink the quorum on a guess.
 func (s *Store) promoteVoters(ctx context.Context) {
+	s.memberMu.Lock()
+	defer s.memberMu.Unlock()
 	conf, err := s.configuration()
 	if err != nil {
 		return

@@ -44,6 +44,10 @@ type Store struct {
 	// entry of earlier terms; ConsistentRead requires it.
 	leaderReady atomic.Bool
 
+	// memberMu serialises membership decisions (count the voters, then
+	// add one): two concurrent joins must not both see room for a voter.
+	memberMu sync.Mutex
+
 	// lastSeen is the leader's memory of when each server last reported.
 	seenMu   sync.Mutex
 	lastSeen map[string]time.Time
@@ -476,6 +480,8 @@ func (s *Store) Join(ctx context.Context, srv *storpb.Server) (clusterID string,
 // ensureRaftMember adds the server to the Raft configuration, or updates
 // its address, keeping its suffrage.
 func (s *Store) ensureRaftMember(ctx context.Context, id, raftAddr string) (voter bool, err error) {
+	s.memberMu.Lock()
+	defer s.memberMu.Unlock()
 	conf, err := s.configuration()
 	if err != nil {
 		return false, err
