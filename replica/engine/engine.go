@@ -665,6 +665,23 @@ func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error
 				e.logger.Error("the last healthy replica failed; the engine stops serving", "replica", replicaID, "reason", reason)
 			}
 			return fmt.Errorf("%w: volume %s: replica %s failed (%s) and is the last healthy one: %v", ErrIO, e.name, replicaID, reason, err)
+		case codes.NotFound:
+			// The replica left the set (moved or removed) after the request
+			// was sent: the ack rule does not need it. Confirm against the
+			// committed volume and go on without it.
+			v, gerr := e.cfg.Control.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: e.id}})
+			if gerr == nil && findReplica(v.Volume, replicaID) == nil {
+				e.applyVolume(v.Volume)
+				return nil
+			}
+			if status.Code(gerr) == codes.NotFound {
+				e.fence("the volume was deleted")
+				return fmt.Errorf("%w: volume %s was deleted", ErrFenced, e.name)
+			}
+			if gerr != nil && status.Code(gerr) != codes.Unavailable && status.Code(gerr) != codes.DeadlineExceeded {
+				return fmt.Errorf("%w: volume %s: %v", ErrIO, e.name, gerr)
+			}
+			// The view is unclear (no leader): wait and ask again.
 		case codes.Unavailable, codes.DeadlineExceeded:
 			// No leader: wait. Never acknowledge on a guess.
 		default:
@@ -744,4 +761,13 @@ func (e *Engine) Close(ctx context.Context, detach bool) error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+func findReplica(v *storpb.Volume, id string) *storpb.Replica {
+	for _, r := range v.GetReplicas() {
+		if r.Id == id {
+			return r
+		}
+	}
+	return nil
 }
