@@ -1,0 +1,414 @@
+package kernel_test
+
+// Tests against the real kernel: they need root and the nbd module, so
+// they skip on the development machines (which have no nbd module) and
+// run in the VM (internal/vmtest's TestVMNBDKernel runs this package's
+// test binary there).
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/stor-io/stor/nbd"
+	"github.com/stor-io/stor/nbd/kernel"
+)
+
+// memDevice is an in-memory nbd.Device that can grow, and counts flushes.
+type memDevice struct {
+	mu      sync.Mutex
+	data    []byte
+	flushes int
+}
+
+func (d *memDevice) ReadAt(_ context.Context, p []byte, off int64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	copy(p, d.data[off:])
+	return nil
+}
+
+func (d *memDevice) WriteAt(_ context.Context, p []byte, off int64, _ bool) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	copy(d.data[off:], p)
+	return nil
+}
+
+func (d *memDevice) WriteZeroes(_ context.Context, off, n int64, _ bool) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	clear(d.data[off : off+n])
+	return nil
+}
+
+func (d *memDevice) Trim(ctx context.Context, off, n int64) error {
+	return d.WriteZeroes(ctx, off, n, false)
+}
+
+func (d *memDevice) Flush(context.Context) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.flushes++
+	return nil
+}
+
+func (d *memDevice) Size() uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return uint64(len(d.data))
+}
+
+func (d *memDevice) grow(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.data = append(d.data, make([]byte, n-len(d.data))...)
+}
+
+func (d *memDevice) at(off, n int) []byte {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]byte(nil), d.data[off:off+n]...)
+}
+
+func (d *memDevice) flushCount() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.flushes
+}
+
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+// needKernel returns a client of the real kernel, or skips.
+func needKernel(t *testing.T) *kernel.Client {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (CAP_SYS_ADMIN) for the nbd netlink commands")
+	}
+	c, err := kernel.Dial()
+	if errors.Is(err, kernel.ErrUnsupported) {
+		t.Skip("this kernel has no nbd module; internal/vmtest runs this test in a VM (make vm)")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// server serves dev over socket pairs handed to the kernel.
+type server struct {
+	t   *testing.T
+	srv *nbd.Server
+	wg  sync.WaitGroup
+	mu  sync.Mutex
+	end []context.CancelFunc
+}
+
+func newServer(t *testing.T, dev nbd.Device) *server {
+	srv, err := nbd.NewServer(nbd.Config{
+		Exports: []nbd.Export{{Name: "mem", Device: dev, MinBlockSize: 4096}},
+		Logger:  slog.New(slog.NewTextHandler(tWriter{t}, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &server{t: t, srv: srv}
+	t.Cleanup(func() { srv.Close(); s.wg.Wait() })
+	return s
+}
+
+// pairs makes n socket pairs, serves the server ends, and returns the
+// kernel ends.
+func (s *server) pairs(n int) []*os.File {
+	var ks []*os.File
+	for range n {
+		k, c, err := kernel.SocketPair()
+		if err != nil {
+			s.t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		s.mu.Lock()
+		s.end = append(s.end, cancel)
+		s.mu.Unlock()
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			if err := s.srv.ServeTransmission(ctx, c, "mem"); err != nil {
+				s.t.Logf("connection ended: %v", err)
+			}
+		}()
+		ks = append(ks, k)
+	}
+	s.t.Cleanup(func() {
+		for _, k := range ks {
+			k.Close()
+		}
+	})
+	return ks
+}
+
+// dropAll ends every connection (as a dying server would).
+func (s *server) dropAll() {
+	s.mu.Lock()
+	for _, c := range s.end {
+		c()
+	}
+	s.end = nil
+	s.mu.Unlock()
+}
+
+func pattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = seed + byte(i*13)
+	}
+	return b
+}
+
+// writeSync writes p at off through the device node and fsyncs it.
+func writeSync(t *testing.T, path string, p []byte, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(p, off); err != nil {
+		t.Fatalf("write %s: %v", path, err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatalf("fsync %s: %v", path, err)
+	}
+}
+
+// readDirect reads n bytes at off bypassing the page cache.
+func readDirect(t *testing.T, path string, n int, off int64) []byte {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE) // page aligned
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	if _, err := f.ReadAt(buf, off); err != nil && err != io.EOF {
+		t.Fatalf("read %s: %v", path, err)
+	}
+	return append([]byte(nil), buf...)
+}
+
+func deviceSize(t *testing.T, path string) uint64 {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	n, err := f.Seek(0, io.SeekEnd) // a block device's end is its size
+	if err != nil {
+		t.Fatal(err)
+	}
+	return uint64(n)
+}
+
+func waitFor(t *testing.T, what string, limit time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", limit, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// The whole life of a device: connect with two sockets, I/O, status and
+// sysfs, grow by RECONFIGURE, lose every connection and get new ones by
+// RECONFIGURE with a write waiting, DISCONNECT.
+func TestKernelDevice(t *testing.T) {
+	c := needKernel(t)
+	ctx := context.Background()
+	const size = 8 << 20
+	dev := &memDevice{data: make([]byte, size)}
+	s := newServer(t, dev)
+	info, err := s.srv.ExportInfo("mem")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const backend = "test:mem"
+	index, err := c.Connect(ctx, kernel.Options{
+		Index: kernel.AnyIndex, Sockets: s.pairs(2), Size: size,
+		ServerFlags: uint64(info.Flags), Backend: backend,
+		Timeout: 5 * time.Second, DeadConnTimeout: 60 * time.Second,
+	})
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	path := kernel.Path(index)
+	t.Logf("connected %s", path)
+	connected := true
+	t.Cleanup(func() {
+		if connected {
+			c.Disconnect(context.Background(), index)
+		}
+	})
+
+	if st, err := c.Status(ctx, index); err != nil || !st.Connected {
+		t.Fatalf("status after connect: %+v %v", st, err)
+	}
+	if b, err := kernel.Backend(index); err != nil || b != backend {
+		t.Fatalf("backend %q %v, want %q", b, err, backend)
+	}
+	if n := deviceSize(t, path); n != size {
+		t.Fatalf("device size %d, want %d", n, size)
+	}
+
+	// Writes land; fsync reaches the server as FLUSH.
+	p := pattern(64<<10, 1)
+	writeSync(t, path, p, 1<<20)
+	if got := dev.at(1<<20, len(p)); !bytes.Equal(got, p) {
+		t.Fatal("the server does not hold what was written through the device")
+	}
+	if dev.flushCount() == 0 {
+		t.Fatal("fsync of the device sent no FLUSH")
+	}
+	// Reads come from the server.
+	q := pattern(8192, 7)
+	dev.WriteAt(ctx, q, 2<<20, false)
+	if got := readDirect(t, path, len(q), 2<<20); !bytes.Equal(got, q) {
+		t.Fatal("O_DIRECT read through the device differs from the server's data")
+	}
+
+	// RECONFIGURE with a size grows the running device.
+	dev.grow(2 * size)
+	if err := c.Reconfigure(ctx, index, kernel.Reconfig{Size: 2 * size, Backend: backend}); err != nil {
+		t.Fatalf("reconfigure size: %v", err)
+	}
+	if n := deviceSize(t, path); n != 2*size {
+		t.Fatalf("device size after growing: %d, want %d", n, 2*size)
+	}
+	if n, err := kernel.SizeBytes(index); err != nil || n != 2*size {
+		t.Fatalf("sysfs size after growing: %d %v", n, err)
+	}
+	t.Logf("RECONFIGURE grew %s from %d to %d bytes", path, size, 2*size)
+	writeSync(t, path, p, size+4096) // past the old end
+	if got := dev.at(size+4096, len(p)); !bytes.Equal(got, p) {
+		t.Fatal("a write past the old end did not land")
+	}
+
+	// A backend that does not match is refused.
+	if err := c.Reconfigure(ctx, index, kernel.Reconfig{Backend: "test:other"}); !errors.Is(err, unix.EINVAL) {
+		t.Fatalf("reconfigure with another backend: %v, want EINVAL", err)
+	}
+
+	// Every connection dies: I/O waits (up to the dead-connection
+	// timeout) and resumes on sockets handed over by RECONFIGURE.
+	s.dropAll()
+	time.Sleep(500 * time.Millisecond) // the kernel notices the closed sockets
+	r := pattern(64<<10, 9)
+	wrote := make(chan error, 1)
+	go func() {
+		f, err := os.OpenFile(path, os.O_WRONLY, 0)
+		if err != nil {
+			wrote <- err
+			return
+		}
+		defer f.Close()
+		if _, err := f.WriteAt(r, 3<<20); err != nil {
+			wrote <- err
+			return
+		}
+		wrote <- f.Sync()
+	}()
+	select {
+	case err := <-wrote:
+		t.Fatalf("a write with every connection dead finished (%v) before any reconnect", err)
+	case <-time.After(time.Second):
+	}
+	start := time.Now()
+	if err := c.Reconfigure(ctx, index, kernel.Reconfig{Sockets: s.pairs(2), Backend: backend}); err != nil {
+		t.Fatalf("reconfigure sockets: %v", err)
+	}
+	select {
+	case err := <-wrote:
+		if err != nil {
+			t.Fatalf("the write waiting for a reconnect failed: %v", err)
+		}
+		t.Logf("a write waiting for a reconnect completed %v after RECONFIGURE handed over new sockets", time.Since(start).Round(time.Millisecond))
+	case <-time.After(30 * time.Second):
+		t.Fatal("the write did not complete within 30s of the reconnect")
+	}
+	if got := dev.at(3<<20, len(r)); !bytes.Equal(got, r) {
+		t.Fatal("the write made across the reconnect did not land")
+	}
+
+	// DISCONNECT: the device is released.
+	if err := c.Disconnect(ctx, index); err != nil {
+		t.Fatalf("disconnect: %v", err)
+	}
+	connected = false
+	waitFor(t, "the device to report disconnected", 10*time.Second, func() bool {
+		st, err := c.Status(ctx, index)
+		return err == nil && !st.Connected
+	})
+	if n, err := kernel.SizeBytes(index); err != nil || n != 0 {
+		t.Fatalf("size after disconnect: %d %v, want 0", n, err)
+	}
+	devs, err := c.Devices(ctx)
+	if err != nil || len(devs) == 0 {
+		t.Fatalf("device list: %v %v", devs, err)
+	}
+	t.Logf("STATUS lists %d devices; %s is disconnected", len(devs), path)
+}
+
+// Reconfigure of a device that is not connected is refused; so is a
+// second Connect of a connected index.
+func TestKernelRefusals(t *testing.T) {
+	c := needKernel(t)
+	ctx := context.Background()
+	dev := &memDevice{data: make([]byte, 1<<20)}
+	s := newServer(t, dev)
+	info, _ := s.srv.ExportInfo("mem")
+	index, err := c.Connect(ctx, kernel.Options{Index: kernel.AnyIndex, Sockets: s.pairs(1), Size: 1 << 20, ServerFlags: uint64(info.Flags), Backend: "test:refusals"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Disconnect(ctx, index)
+	_, err = c.Connect(ctx, kernel.Options{Index: index, Sockets: s.pairs(1), Size: 1 << 20, ServerFlags: uint64(info.Flags)})
+	if !errors.Is(err, unix.EBUSY) {
+		t.Fatalf("connect of a connected index: %v, want EBUSY", err)
+	}
+	free := -1
+	devs, _ := c.Devices(ctx)
+	for _, d := range devs {
+		if !d.Connected {
+			free = d.Index
+			break
+		}
+	}
+	if free < 0 {
+		t.Skip("no disconnected device to try")
+	}
+	if err := c.Reconfigure(ctx, free, kernel.Reconfig{Sockets: s.pairs(1)}); !errors.Is(err, unix.EINVAL) {
+		t.Fatalf("reconfigure of disconnected %s: %v, want EINVAL", kernel.Path(free), err)
+	}
+}
+
