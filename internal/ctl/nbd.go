@@ -32,7 +32,8 @@ const defaultNBDListen = "127.0.0.1:10809"
 const nbdDrainTimeout = 30 * time.Second
 
 func newNBDCommand(a *app) *cobra.Command {
-	return group("nbd", "Serve volumes as network block devices", newNBDServeCommand(a))
+	return group("nbd", "Serve volumes as network or kernel block devices",
+		newNBDServeCommand(a), newNBDAttachCommand(a), newNBDDetachCommand(a))
 }
 
 func newNBDServeCommand(a *app) *cobra.Command {

@@ -1,0 +1,652 @@
+package ctl
+
+// Tests of "stor-ctl nbd attach" and "nbd detach" against an in-process
+// 3-server cluster and a fake kernel: the development machines have no
+// nbd module, so the real kernel path runs in the VM (internal/vmtest,
+// make vm). The fake keeps what the kernel keeps (devices, their backend,
+// size and sockets) and speaks the transmission phase on the sockets it is
+// given, as the kernel does.
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/nbd/kernel"
+	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// ---------------------------------------------------------------- fake kernel
+
+type fakeDevice struct {
+	backend   string
+	size      uint64
+	flags     uint64
+	connected bool
+	socks     []net.Conn // the kernel's ends, live or dead
+	busy      bool       // "mounted": openExclusive fails
+}
+
+type fakeKernel struct {
+	t       *testing.T
+	mu      sync.Mutex
+	devs    map[int]*fakeDevice
+	calls   []string
+	reconfs []kernel.Reconfig
+	syncs   int
+}
+
+func newFakeKernel(t *testing.T) *fakeKernel { return &fakeKernel{t: t, devs: map[int]*fakeDevice{}} }
+
+func (k *fakeKernel) ops() *kernelOps {
+	return &kernelOps{
+		dial: func() (nbdKernel, error) { return k, nil },
+		backend: func(i int) (string, error) {
+			k.mu.Lock()
+			defer k.mu.Unlock()
+			if d := k.devs[i]; d != nil && d.connected {
+				return d.backend, nil
+			}
+			return "", nil
+		},
+		openExclusive: func(i int) (syncCloser, error) {
+			k.mu.Lock()
+			defer k.mu.Unlock()
+			if d := k.devs[i]; d != nil && d.busy {
+				return nil, kernel.ErrBusy
+			}
+			return fakeFile{k}, nil
+		},
+	}
+}
+
+type fakeFile struct{ k *fakeKernel }
+
+func (f fakeFile) Sync() error {
+	f.k.mu.Lock()
+	f.k.syncs++
+	f.k.mu.Unlock()
+	return nil
+}
+func (fakeFile) Close() error { return nil }
+
+// take dups the socket files, as the kernel takes references.
+func take(t *testing.T, fs []*os.File) []net.Conn {
+	var cs []net.Conn
+	for _, f := range fs {
+		c, err := net.FileConn(f)
+		if err != nil {
+			t.Errorf("fake kernel: %v", err)
+			continue
+		}
+		cs = append(cs, c)
+	}
+	return cs
+}
+
+func (k *fakeKernel) Connect(_ context.Context, o kernel.Options) (int, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.calls = append(k.calls, fmt.Sprintf("connect sockets=%d size=%d bs=%d backend=%s", len(o.Sockets), o.Size, o.BlockSize, o.Backend))
+	i := 0
+	for k.devs[i] != nil && k.devs[i].connected {
+		i++
+	}
+	k.devs[i] = &fakeDevice{backend: o.Backend, size: o.Size, flags: o.ServerFlags, connected: true, socks: take(k.t, o.Sockets)}
+	return i, nil
+}
+
+func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.calls = append(k.calls, fmt.Sprintf("reconfigure %d sockets=%d size=%d backend=%s", i, len(r.Sockets), r.Size, r.Backend))
+	k.reconfs = append(k.reconfs, r)
+	d := k.devs[i]
+	if d == nil || !d.connected || d.backend != r.Backend {
+		return fmt.Errorf("fake: %w", unix.EINVAL)
+	}
+	if r.Size != 0 {
+		d.size = r.Size
+	}
+	d.socks = append(d.socks, take(k.t, r.Sockets)...)
+	return nil
+}
+
+func (k *fakeKernel) Disconnect(_ context.Context, i int) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.calls = append(k.calls, fmt.Sprintf("disconnect %d", i))
+	d := k.devs[i]
+	if d == nil || !d.connected {
+		return nil
+	}
+	for _, c := range d.socks {
+		sendRequest(c, 2 /* DISC */, 0, 0, 0, nil)
+		c.Close()
+	}
+	d.connected, d.socks = false, nil
+	return nil
+}
+
+func (k *fakeKernel) Status(_ context.Context, i int) (kernel.Device, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	d := k.devs[i]
+	if d == nil {
+		return kernel.Device{}, kernel.ErrNoDevice
+	}
+	return kernel.Device{Index: i, Connected: d.connected}, nil
+}
+
+func (k *fakeKernel) Close() error { return nil }
+
+func (k *fakeKernel) device(i int) *fakeDevice {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.devs[i]
+}
+
+func (k *fakeKernel) callLog() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return append([]string(nil), k.calls...)
+}
+
+// sock returns the n-th socket the device was given (newest last).
+func (k *fakeKernel) sock(i, n int) net.Conn {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.devs[i].socks[n]
+}
+
+func (k *fakeKernel) nsocks(i int) int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.devs[i].socks)
+}
+
+// ---------------------------------------------------------------- kernel-side I/O
+
+var handles atomic.Uint64
+
+func sendRequest(c net.Conn, typ, flags uint16, off uint64, length uint32, payload []byte) (uint64, error) {
+
+	var hdr [28]byte
+	binary.BigEndian.PutUint32(hdr[0:], 0x25609513)
+	binary.BigEndian.PutUint16(hdr[4:], flags)
+	binary.BigEndian.PutUint16(hdr[6:], typ)
+	h := handles.Add(1)
+	binary.BigEndian.PutUint64(hdr[8:], h)
+	binary.BigEndian.PutUint64(hdr[16:], off)
+	binary.BigEndian.PutUint32(hdr[24:], length)
+	_, err := c.Write(append(hdr[:], payload...))
+	return h, err
+}
+
+// kio sends one request as the kernel would and waits for its reply.
+func kio(t *testing.T, c net.Conn, typ uint16, off uint64, length uint32, payload []byte) []byte {
+	t.Helper()
+	c.SetDeadline(time.Now().Add(20 * time.Second))
+	h, err := sendRequest(c, typ, 0, off, length, payload)
+	if err != nil {
+		t.Fatalf("kernel side: send: %v", err)
+	}
+	var rep [16]byte
+	if _, err := io.ReadFull(c, rep[:]); err != nil {
+		t.Fatalf("kernel side: reply: %v", err)
+	}
+	if e := binary.BigEndian.Uint32(rep[4:]); e != 0 || binary.BigEndian.Uint64(rep[8:]) != h {
+		t.Fatalf("kernel side: reply error %d for handle %d (want %d)", e, binary.BigEndian.Uint64(rep[8:]), h)
+	}
+	if typ != 0 {
+		return nil
+	}
+	data := make([]byte, length)
+	if _, err := io.ReadFull(c, data); err != nil {
+		t.Fatalf("kernel side: read data: %v", err)
+	}
+	return data
+}
+
+func kwrite(t *testing.T, c net.Conn, off uint64, p []byte) {
+	t.Helper()
+	kio(t, c, 1, off, uint32(len(p)), p)
+}
+
+func kread(t *testing.T, c net.Conn, off uint64, n uint32) []byte {
+	t.Helper()
+	return kio(t, c, 0, off, n, nil)
+}
+
+func kflush(t *testing.T, c net.Conn) { t.Helper(); kio(t, c, 3, 0, 0, nil) }
+
+// ---------------------------------------------------------------- harness
+
+type attachRun struct {
+	t      *testing.T
+	stdout *syncBuffer
+	cancel context.CancelFunc
+	done   chan error
+	dev    string
+}
+
+func attachConfig(t *testing.T, c *servertest.Cluster, k *fakeKernel, dir, volume string) nbdAttachConfig {
+	cl := c.Dial()
+	return nbdAttachConfig{
+		Volume: volume, NodeID: "test-node", Connections: 2, StateDir: dir,
+		Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Timeout: 20 * time.Second,
+		Logger:  attachTestLogger(t),
+		kernel:  k.ops(),
+	}
+}
+
+// startAttach runs runNBDAttach until the test stops it and waits for the
+// device line.
+func startAttach(t *testing.T, cfg nbdAttachConfig) *attachRun {
+	t.Helper()
+	r := &attachRun{t: t, stdout: &syncBuffer{}, done: make(chan error, 1)}
+	cfg.Stdout = r.stdout
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go func() { r.done <- runNBDAttach(ctx, cfg) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-r.done:
+		case <-time.After(60 * time.Second):
+			t.Errorf("nbd attach did not stop within 60s")
+		}
+	})
+	deadline := time.After(30 * time.Second)
+	for {
+		if out := r.stdout.String(); strings.HasSuffix(out, "\n") {
+			r.dev = strings.TrimSpace(out)
+			return r
+		}
+		select {
+		case err := <-r.done:
+			t.Fatalf("nbd attach ended before printing its device: %v", err)
+		case <-deadline:
+			t.Fatal("nbd attach printed no device within 30s")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// stop ends it as SIGTERM would and returns its error.
+func (r *attachRun) stop() error {
+	r.t.Helper()
+	r.cancel()
+	select {
+	case err := <-r.done:
+		r.done <- err
+		return err
+	case <-time.After(60 * time.Second):
+		r.t.Fatal("nbd attach did not stop within 60s")
+		return nil
+	}
+}
+
+// attachTestLogger routes the command's log to t.Log until the test ends.
+func attachTestLogger(t *testing.T) *slog.Logger {
+	w := &tLog{t: t}
+	t.Cleanup(func() { w.mu.Lock(); w.done = true; w.mu.Unlock() })
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelInfo}))
+}
+
+type tLog struct {
+	mu   sync.Mutex
+	t    *testing.T
+	done bool
+}
+
+func (w *tLog) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.done {
+		w.t.Log(strings.TrimRight(string(p), "\n"))
+	}
+	return len(p), nil
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func testPattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = seed ^ byte(i*31)
+	}
+	return b
+}
+
+func needCluster(t *testing.T) *servertest.Cluster {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts a 3-server cluster; skipped with -short")
+	}
+	return servertest.NewCluster(t, servertest.Options{})
+}
+
+// ---------------------------------------------------------------- tests
+
+// Attach connects a new device with the volume's size, two sockets and a
+// backend naming the volume, serves I/O on every socket, records itself,
+// and on a stop flushes the device, disconnects it, detaches the volume
+// and removes the record.
+func TestNBDAttachAndStop(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kattach", 16*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	r := startAttach(t, attachConfig(t, c, k, dir, "kattach"))
+	if r.dev != "/dev/nbd0" {
+		t.Fatalf("printed %q, want /dev/nbd0", r.dev)
+	}
+	want := fmt.Sprintf("connect sockets=2 size=%d bs=4096 backend=stor:%s", 16*mib, vol.Id)
+	if got := k.callLog(); len(got) != 1 || got[0] != want {
+		t.Fatalf("kernel calls %q, want [%q]", got, want)
+	}
+	d := k.device(0)
+	const wantFlags = kernel.FlagHasFlags | kernel.FlagSendFlush | kernel.FlagSendFUA | kernel.FlagSendTrim | kernel.FlagSendWriteZeroes | kernel.FlagCanMultiConn
+	if d.flags != wantFlags {
+		t.Fatalf("server flags %#x, want %#x", d.flags, wantFlags)
+	}
+	rec, err := loadRecord(dir, vol.Id)
+	if err != nil || rec == nil || rec.Index != 0 || rec.Backend != "stor:"+vol.Id || rec.Connections != 2 || rec.PID != os.Getpid() {
+		t.Fatalf("record %+v %v", rec, err)
+	}
+	if locked, _ := volumeLocked(dir, vol.Id); !locked {
+		t.Fatal("the volume's lock is not held while serving")
+	}
+
+	// I/O on both sockets: a write on one is read back on the other.
+	p := testPattern(8192, 3)
+	kwrite(t, k.sock(0, 0), 4096, p)
+	kflush(t, k.sock(0, 0))
+	if got := kread(t, k.sock(0, 1), 4096, 8192); !bytes.Equal(got, p) {
+		t.Fatal("read on the second connection differs from the write on the first")
+	}
+
+	// A second attach of the same volume is refused while this one lives.
+	cfg2 := attachConfig(t, c, k, dir, "kattach")
+	if err := runNBDAttach(context.Background(), cfg2); err == nil || !strings.Contains(err.Error(), "already served") {
+		t.Fatalf("a second attach while the first serves: %v", err)
+	}
+
+	if err := r.stop(); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	if got := k.callLog(); got[len(got)-1] != "disconnect 0" {
+		t.Fatalf("kernel calls %q: the stop did not disconnect", got)
+	}
+	if k.syncs == 0 {
+		t.Fatal("the stop did not flush the device before disconnecting it")
+	}
+	if rec, _ := loadRecord(dir, vol.Id); rec != nil {
+		t.Fatalf("record left after a clean stop: %+v", rec)
+	}
+	if v := getVolume(t, c, vol.Id); v.Attachment != nil {
+		t.Fatalf("volume still attached after a clean stop: %v", v.Attachment)
+	}
+}
+
+// A restart finds the recorded device still connected for the volume:
+// it attaches at a new epoch (fencing the instance that died or froze),
+// hands the device new sockets by RECONFIGURE instead of connecting a new
+// one, and I/O goes on, replayed writes included.
+func TestNBDAttachResumesRecordedDevice(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kresume", 16*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+
+	// The previous instance: an engine still open at the old epoch (as a
+	// frozen process would hold it), its device connected, its record.
+	old := c.OpenEngine(c.EngineConfig("kresume", "test-node"))
+	p := testPattern(4096, 1)
+	if err := old.WriteAt(context.Background(), p, 0, true); err != nil {
+		t.Fatal(err)
+	}
+	backend := backendID(vol.Id)
+	k.devs[3] = &fakeDevice{backend: backend, size: 16 * mib, connected: true}
+	if err := saveRecord(dir, &attachRecord{Volume: "kresume", VolumeID: vol.Id, Device: "/dev/nbd3", Index: 3,
+		Backend: backend, Connections: 3, Node: "test-node", PID: 999999}); err != nil {
+		t.Fatal(err)
+	}
+
+	r := startAttach(t, attachConfig(t, c, k, dir, "kresume"))
+	if r.dev != "/dev/nbd3" {
+		t.Fatalf("the restart printed %q, want the recorded /dev/nbd3", r.dev)
+	}
+	want := fmt.Sprintf("reconfigure 3 sockets=3 size=%d backend=%s", 16*mib, backend)
+	if got := k.callLog(); len(got) != 1 || got[0] != want {
+		t.Fatalf("kernel calls %q, want [%q] (the recorded number of sockets, no connect)", got, want)
+	}
+	// The old instance is fenced: its next write fails.
+	if err := old.WriteAt(context.Background(), testPattern(4096, 2), 4096, false); !errors.Is(err, engine.ErrFenced) {
+		t.Fatalf("write by the old instance after the restart: %v, want ErrFenced", err)
+	}
+	// The kernel replays a write that was in flight, then goes on.
+	kwrite(t, k.sock(3, 0), 0, p)
+	q := testPattern(4096, 9)
+	kwrite(t, k.sock(3, 1), 8192, q)
+	kflush(t, k.sock(3, 2))
+	if got := kread(t, k.sock(3, 0), 0, 4096); !bytes.Equal(got, p) {
+		t.Fatal("data written before the restart differs")
+	}
+	if got := kread(t, k.sock(3, 2), 8192, 4096); !bytes.Equal(got, q) {
+		t.Fatal("data written after the restart differs")
+	}
+	rec, _ := loadRecord(dir, vol.Id)
+	if rec == nil || rec.PID != os.Getpid() || rec.Index != 3 {
+		t.Fatalf("record after the restart: %+v", rec)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A record whose device the kernel no longer has connected for the volume
+// is stale: a new device is connected.
+func TestNBDAttachStaleRecord(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kstale", 8*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	k.devs[0] = &fakeDevice{backend: "stor:someone-else", connected: true}
+	saveRecord(dir, &attachRecord{Volume: "kstale", VolumeID: vol.Id, Device: "/dev/nbd0", Index: 0, Backend: backendID(vol.Id), Connections: 2})
+	r := startAttach(t, attachConfig(t, c, k, dir, "kstale"))
+	if r.dev != "/dev/nbd1" {
+		t.Fatalf("printed %q, want a new device /dev/nbd1", r.dev)
+	}
+	if got := k.callLog(); len(got) != 1 || !strings.HasPrefix(got[0], "connect ") {
+		t.Fatalf("kernel calls %q, want one connect", got)
+	}
+}
+
+// A connection that ends while serving (the kernel drops a socket whose
+// request timed out) is replaced by RECONFIGURE with one new socket; a
+// volume that grows grows the device.
+func TestNBDAttachReplacesConnectionsAndFollowsSize(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kheal", 8*mib)
+	k := newFakeKernel(t)
+	r := startAttach(t, attachConfig(t, c, k, t.TempDir(), "kheal"))
+	_ = r
+	k.sock(0, 0).Close() // the kernel declares connection 0 dead
+	waitUntil(t, "a replacement socket", func() bool { return k.nsocks(0) == 3 })
+	p := testPattern(4096, 5)
+	kwrite(t, k.sock(0, 2), 0, p)
+	if got := kread(t, k.sock(0, 1), 0, 4096); !bytes.Equal(got, p) {
+		t.Fatal("I/O on the replacement socket failed")
+	}
+	last := k.reconfs[0]
+	if len(last.Sockets) != 1 || last.Backend != backendID(vol.Id) {
+		t.Fatalf("replacement reconfigure %+v", last)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if _, err := c.Dial().Volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, SizeBytes: 12 * mib}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the device to grow", func() bool {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return k.devs[0].size == 12*mib
+	})
+	kwrite(t, k.sock(0, 1), 10*mib, p) // past the old end
+}
+
+// A device in use when the stop comes is left connected (for a restart to
+// resume), with its record; the volume stays attached.
+func TestNBDAttachStopLeavesBusyDevice(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kbusy", 8*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	r := startAttach(t, attachConfig(t, c, k, dir, "kbusy"))
+	k.mu.Lock()
+	k.devs[0].busy = true
+	k.mu.Unlock()
+	err := r.stop()
+	if err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("stop of a device in use: %v", err)
+	}
+	for _, call := range k.callLog() {
+		if strings.HasPrefix(call, "disconnect") {
+			t.Fatalf("a device in use was disconnected: %q", k.callLog())
+		}
+	}
+	if rec, _ := loadRecord(dir, vol.Id); rec == nil {
+		t.Fatal("the record of a device left connected was removed")
+	}
+	if v := getVolume(t, c, vol.Id); v.Attachment == nil {
+		t.Fatal("the volume of a device left connected was detached")
+	}
+}
+
+// nbd detach: refuses a device in use or not attached by stor-ctl; with a
+// live attach process it signals it and waits; with none it disconnects
+// the device itself, removes the record and detaches the volume.
+func TestNBDDetach(t *testing.T) {
+	dir := t.TempDir()
+	k := newFakeKernel(t)
+	k.devs[0] = &fakeDevice{backend: "stor:vol-a", connected: true}
+	k.devs[1] = &fakeDevice{backend: "other", connected: true}
+	k.devs[2] = &fakeDevice{backend: "stor:vol-c", connected: true, busy: true}
+	saveRecord(dir, &attachRecord{Volume: "a", VolumeID: "vol-a", Device: "/dev/nbd0", Index: 0, Backend: "stor:vol-a", Node: "n1", PID: 4242})
+	var detached []string
+	cfg := func(i int) nbdDetachConfig {
+		return nbdDetachConfig{Index: i, StateDir: dir, kernel: k.ops(), Wait: 5 * time.Second,
+			detachVolume: func(_ context.Context, id, node string) error {
+				detached = append(detached, id+"@"+node)
+				return nil
+			},
+			signal: func(pid int) error { return fmt.Errorf("no process %d", pid) },
+		}
+	}
+	ctx := context.Background()
+
+	if err := runNBDDetach(ctx, cfg(1)); err == nil || !strings.Contains(err.Error(), "not attached by stor-ctl") {
+		t.Fatalf("detach of a foreign device: %v", err)
+	}
+	if err := runNBDDetach(ctx, cfg(2)); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("detach of a device in use: %v", err)
+	}
+
+	// A live attach process (it holds the lock): detach signals it and
+	// waits for it to stop.
+	lock, err := lockVolume(dir, "vol-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := cfg(0)
+	live.signal = func(pid int) error {
+		if pid != 4242 {
+			t.Errorf("signalled pid %d, want the recorded 4242", pid)
+		}
+		go func() { // the process stops cleanly
+			time.Sleep(100 * time.Millisecond)
+			removeRecord(dir, "vol-a")
+			lock.Close()
+		}()
+		return nil
+	}
+	if err := runNBDDetach(ctx, live); err != nil {
+		t.Fatalf("detach with a live attach process: %v", err)
+	}
+	if len(detached) != 0 || len(k.callLog()) != 0 {
+		t.Fatalf("detach did the live process's work itself: %v %q", detached, k.callLog())
+	}
+
+	// No live process: detach disconnects, removes the record and
+	// detaches the volume.
+	saveRecord(dir, &attachRecord{Volume: "a", VolumeID: "vol-a", Device: "/dev/nbd0", Index: 0, Backend: "stor:vol-a", Node: "n1", PID: 4242})
+	if err := runNBDDetach(ctx, cfg(0)); err != nil {
+		t.Fatalf("detach without a live process: %v", err)
+	}
+	if got := k.callLog(); len(got) != 1 || got[0] != "disconnect 0" {
+		t.Fatalf("kernel calls %q", got)
+	}
+	if rec, _ := loadRecord(dir, "vol-a"); rec != nil {
+		t.Fatal("record left")
+	}
+	if len(detached) != 1 || detached[0] != "vol-a@n1" {
+		t.Fatalf("cluster detach calls %v", detached)
+	}
+
+	// --force disconnects a device in use.
+	forced := cfg(2)
+	forced.Force = true
+	if err := runNBDDetach(ctx, forced); err != nil {
+		t.Fatalf("forced detach: %v", err)
+	}
+	if k.device(2).connected {
+		t.Fatal("forced detach left the device connected")
+	}
+}
+
+// Flags are checked before anything is attached.
+func TestNBDAttachFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"nbd", "attach", "v", "--connections", "0"},
+		{"nbd", "attach", "v", "--connections", "65"},
+		{"nbd", "attach", "v", "--io-timeout", "0s"},
+		{"nbd", "attach"},
+		{"nbd", "detach", "/dev/sda"},
+		{"nbd", "detach"},
+	} {
+		var out, errb bytes.Buffer
+		if code := Execute(args, &out, &errb); code != 2 {
+			t.Errorf("%q: exit %d, want 2 (%s)", args, code, errb.String())
+		}
+	}
+}
