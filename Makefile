@@ -5,7 +5,7 @@ PROTOC_GEN_GO_VERSION ?= v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 
 .PHONY: build test test-short e2e lint proto verify-proto cluster bench clean
-.PHONY: install-nbd-tools test-nbd fuzz-nbd bench-nbd
+.PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -91,6 +91,25 @@ fuzz-nbd:
 # BENCH_RUNS, BENCH_RUNTIME, BENCH_WORKLOADS... shorten it (see the script).
 bench-nbd:
 	./scripts/bench-nbd.sh
+
+# The VM tests (internal/vmtest): Debian's kernel under qemu with an
+# initramfs of the project's static binaries, running the kernel NBD
+# scenarios (netlink attach, ext4, a replica killed, restart survival).
+# They skip, saying what is missing, without qemu or the kernel (make
+# install-vm-tools). VM_RUN selects tests (a -run pattern).
+VM_RUN ?= ^TestVM
+vm:
+	$(GO) test -count=1 -timeout 20m -v -run '$(VM_RUN)' ./internal/vmtest/
+
+# What the VM tests need: qemu, a busybox for the guest, the ext4 tools,
+# and Debian's kernel (linux-image-amd64) unpacked without installing it
+# into the cache dir (internal/vmtest/install-kernel.sh; $$STOR_VM_CACHE, else
+# /var/cache/stor-vm for root).
+VM_TOOLS ?= qemu-system-x86 busybox-static e2fsprogs
+install-vm-tools:
+	$(SUDO) apt-get update
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(VM_TOOLS)
+	./internal/vmtest/install-kernel.sh
 
 clean:
 	rm -rf $(BIN)
