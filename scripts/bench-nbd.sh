@@ -323,6 +323,25 @@ wait_quiet() {
 	done
 	waited=$((waited + i))
 }
+# cpu_ticks: CPU ticks the machine spent busy (user, system, interrupts,
+# and steal: time the hypervisor gave to other guests).
+cpu_ticks() {
+	local _ user nice sys idle iowait irq softirq steal
+	read -r _ user nice sys idle iowait irq softirq steal _ </proc/stat
+	echo $((user + nice + sys + irq + softirq + steal))
+}
+# own_ticks: CPU ticks of the processes this script started: the servers,
+# nbdkit, and (through this shell's reaped children) every fio run.
+own_ticks() {
+	local p st f t=0
+	for p in $$ "${server_pids[@]}" "${serve_pids[@]}" $nbdkit_pid; do
+		st=$(<"/proc/$p/stat")
+		read -r -a f <<<"${st##*) }" # utime stime cutime cstime: f[11..14]
+		t=$((t + f[11] + f[12] + f[13] + f[14]))
+	done
+	echo $t
+}
+hz=$(getconf CLK_TCK)
 others_before=$(others)
 log "load before: $load_before; processes matching '$others_pattern': $others_before"
 bench_start=$SECONDS
@@ -338,19 +357,24 @@ for ((rep = 1; rep <= runs; rep++)); do
 			check_alive
 			load1=$(cut -d' ' -f1 /proc/loadavg)
 			busy=$(others)
+			cpu0=$(cpu_ticks) own0=$(own_ticks) t0=$(date +%s%N)
 			f=$dir/$w-$t-$rep.json
 			# shellcheck disable=SC2046 # workload_args is split on purpose
 			run_fio "$w" "$t" "$f" $((ramp + runtime + 30)) --time_based --runtime="$runtime" --ramp_time="$ramp" $(workload_args "$w")
 			busy=$((busy + $(others))) # at the start or at the end
-			jq -c --arg w "$w" --arg t "$t" --argjson rep "$rep" --argjson load1 "$load1" --argjson others "${busy:-0}" '
+			# The CPU that other work took during the run, in cores
+			# (kernel threads doing this run's writeback count as other).
+			other_cores=$(awk -v b=$(($(cpu_ticks) - cpu0)) -v o=$(($(own_ticks) - own0)) -v hz="$hz" \
+				-v ns=$(($(date +%s%N) - t0)) 'BEGIN { c = (b - o) / hz / (ns / 1e9); printf "%.2f", c < 0 ? 0 : c }')
+			jq -c --arg w "$w" --arg t "$t" --argjson rep "$rep" --argjson load1 "$load1" --argjson others "${busy:-0}" --argjson other_cores "$other_cores" '
 				(if ($w | test("read")) then .jobs[0].read else .jobs[0].write end) as $d
-				| {workload: $w, target: $t, rep: $rep, load1: $load1, others: $others,
+				| {workload: $w, target: $t, rep: $rep, load1: $load1, others: $others, other_cores: $other_cores,
 				   iops: $d.iops, mib_s: ($d.bw_bytes / 1048576),
 				   p50_us: ($d.clat_ns.percentile["50.000000"] / 1000),
 				   p99_us: ($d.clat_ns.percentile["99.000000"] / 1000),
 				   mean_us: ($d.clat_ns.mean / 1000),
 				   errors: .jobs[0].error}' "$f" >>"$runs_file"
-			log "$(tail -n 1 "$runs_file" | jq -r '"run \(.rep) \(.workload) \(.target): \(.iops|floor) IOPS, \(.mib_s*10|floor/10) MiB/s, p50 \(.p50_us) µs, p99 \(.p99_us) µs (load \(.load1), others \(.others))"')"
+			log "$(tail -n 1 "$runs_file" | jq -r '"run \(.rep) \(.workload) \(.target): \(.iops|floor) IOPS, \(.mib_s*10|floor/10) MiB/s, p50 \(.p50_us) µs, p99 \(.p99_us) µs (load \(.load1), other work \(.other_cores) cores)"')"
 		done
 	done
 done
@@ -392,6 +416,8 @@ summary=$(jq -s \
 		nbdkit_command: $nbdkit_cmd, nbdkit_thread_model: $nbdkit_model, fio_command: $fio_common,
 		load: {before: $load_before, after: $load_after,
 			max_load1: ([$runs[].load1] | max),
+			other_cores_median: ([$runs[].other_cores] | median), other_cores_max: ([$runs[].other_cores] | max),
+			runs_with_other_cores_over_0_25: ([$runs[] | select(.other_cores > 0.25)] | length),
 			others_pattern: $others_pattern, runs_with_others: ([$runs[] | select(.others > 0)] | length),
 			runs: ($runs | length), others_before: $others_before, others_after: $others_after,
 			seconds_waited_for_quiet: $waited},
@@ -428,7 +454,8 @@ table=$(jq -r '
 conditions=$(jq -r '
 	"- \(.when) UTC, stor \(.rev), Linux \(.kernel), \(.cpus) CPUs (\(.cpu)), \(.fio), \(.nbdkit | split("\n")[0])",
 	"- \(.runs_per_target) runs per workload and target, medians; \(.seconds) s of fio; each volume and the nbdkit file \(.size_mib) MiB on \(.filesystem)",
-	"- load average before \(.load.before), after \(.load.after), highest 1-min load at the start of a run \(.load.max_load1); a process matching `\(.load.others_pattern)` (other work on the machine) ran at the start or the end of \(.load.runs_with_others) of \(.load.runs) runs\(if .load.seconds_waited_for_quiet > 0 then " (the script waited \(.load.seconds_waited_for_quiet) s for it in all)" else "" end)",
+	"- load average before \(.load.before), after \(.load.after), highest 1-min load at the start of a run \(.load.max_load1)",
+	"- CPU taken by other work (not this script'"'"'s processes; kernel writeback included) during a run: median \(.load.other_cores_median) cores, highest \(.load.other_cores_max), over 0.25 cores in \(.load.runs_with_other_cores_over_0_25) of \(.load.runs) runs; a process matching `\(.load.others_pattern)` (other work on the machine) ran at the start or the end of \(.load.runs_with_others) of \(.load.runs) runs\(if .load.seconds_waited_for_quiet > 0 then " (the script waited \(.load.seconds_waited_for_quiet) s for it in all)" else "" end)",
 	"- nbdkit: `\(.nbdkit_command)` (thread model \(.nbdkit_thread_model), no filters)",
 	"- fio: `\(.fio_command)`, then per workload:"
 ' <<<"$summary" | sed "s|$dir|\$DIR|g")
