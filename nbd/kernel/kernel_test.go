@@ -411,4 +411,3 @@ func TestKernelRefusals(t *testing.T) {
 		t.Fatalf("reconfigure of disconnected %s: %v, want EINVAL", kernel.Path(free), err)
 	}
 }
-
