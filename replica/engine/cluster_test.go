@@ -196,7 +196,9 @@ func TestReplicaServerKilledDuringWritesIsRebuilt(t *testing.T) {
 	}
 	c.Kill(victim)
 	time.Sleep(1500 * time.Millisecond) // writes go on with two replicas
+	l.mu.Lock()
 	before := len(l.acked)
+	l.mu.Unlock()
 	c.Start(victim)
 	time.Sleep(500 * time.Millisecond)
 	close(stop)
