@@ -132,7 +132,17 @@ func (w *writer) addSnapshot(s *storpb.Snapshot, v *storpb.Volume) {
 	v.PendingSnapshotIds = append(v.PendingSnapshotIds, s.Id)
 	w.put(bucketSnapshots, s.Id, s)
 	w.putRaw(bucketSnapshotNames, s.Name, s.Id)
+	w.putVolume(v)
+}
+
+// putVolume stores v, changed as a side effect of a snapshot command, and
+// names it for the watchers (the attached engine learns of pending
+// snapshots this way).
+func (w *writer) putVolume(v *storpb.Volume) {
 	w.put(bucketVolumes, v.Id, v)
+	if !slices.Contains(w.lastTouched, v.Id) {
+		w.lastTouched = append(w.lastTouched, v.Id)
+	}
 }
 
 // removeSnapshot deletes a snapshot record and un-pends it on its volume
@@ -146,7 +156,7 @@ func (w *writer) removeSnapshot(s *storpb.Snapshot, v *storpb.Volume) error {
 	}
 	if i := slices.Index(v.PendingSnapshotIds, s.Id); i >= 0 {
 		v.PendingSnapshotIds = slices.Delete(v.PendingSnapshotIds, i, i+1)
-		w.put(bucketVolumes, v.Id, v)
+		w.putVolume(v)
 	}
 	w.del(bucketSnapshots, s.Id)
 	w.del(bucketSnapshotNames, s.Name)
@@ -212,7 +222,7 @@ func (w *writer) putResolved(s *storpb.Snapshot, v *storpb.Volume) {
 	if !resolveSnapshot(s) {
 		if i := slices.Index(v.PendingSnapshotIds, s.Id); i >= 0 {
 			v.PendingSnapshotIds = slices.Delete(v.PendingSnapshotIds, i, i+1)
-			w.put(bucketVolumes, v.Id, v)
+			w.putVolume(v)
 		}
 	}
 	w.put(bucketSnapshots, s.Id, s)
