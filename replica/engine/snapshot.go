@@ -43,7 +43,7 @@ type snapshotCutter interface {
 // cutSnapshots starts cutting v's pending snapshots unless a cut is
 // already running (which then looks at the latest state again when done).
 func (e *Engine) cutSnapshots(v *storpb.Volume) {
-	if len(v.PendingSnapshotIds) == 0 || e.cfg.ReadOnly {
+	if len(v.PendingSnapshotIds) == 0 {
 		return
 	}
 	if e.cfg.Control.Snapshots == nil {
