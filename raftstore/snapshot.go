@@ -23,7 +23,10 @@ import (
 //     first recorded cut fixes cut_epoch): writes need an attach, and an
 //     attach raises the epoch, so cuts at one epoch of a detached volume,
 //     or by one engine while it held writes, are cuts at the same point. A
-//     cut reported at another epoch is recorded as MISSED.
+//     cut reported at another epoch is recorded as MISSED. On a replica the
+//     layer is named replica.LayerName(snapshot id, epoch of the cut), so a
+//     cut at one epoch is never taken for a cut at another (a stray layer
+//     is merged away by its server).
 //   - A clone (CreateVolume with a content source) starts CREATING with
 //     clone_snapshot_id naming what its replicas are filled from; a volume
 //     source is snapshotted implicitly (snapshot id "<clone id>-source").

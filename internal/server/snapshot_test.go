@@ -266,7 +266,7 @@ func TestSnapshotOfAttachedVolumeIsCrashConsistent(t *testing.T) {
 
 	var snapData []byte
 	for _, r := range v.Replicas {
-		data, err := c.ReadSnapshot(v.Id, s.Id, r.Id, s.SizeBytes)
+		data, err := c.ReadSnapshot(v.Id, replica.LayerName(s.Id, s.CutEpoch), r.Id, s.SizeBytes)
 		if err != nil {
 			t.Fatalf("read snapshot from %s: %v", r.Id, err)
 		}
@@ -296,7 +296,7 @@ func TestSnapshotOfAttachedVolumeIsCrashConsistent(t *testing.T) {
 	if t.Failed() {
 		return
 	}
-	data, err := c.ReadSnapshot(v.Id, s.Id, replicaOn(v, vid).Id, s.SizeBytes)
+	data, err := c.ReadSnapshot(v.Id, replica.LayerName(s.Id, s.CutEpoch), replicaOn(v, vid).Id, s.SizeBytes)
 	if err != nil || !bytes.Equal(data, snapData) {
 		t.Fatalf("rebuilt replica %s's snapshot: equal %v, err %v", replicaOn(v, vid).Id, bytes.Equal(data, snapData), err)
 	}
@@ -409,17 +409,20 @@ func TestSnapshotDetachedCloneAndDelete(t *testing.T) {
 	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ListSnapshotsResponse, error) {
 		return c.Client(leader).Snapshots.ListSnapshots(ctx, &storpb.ListSnapshotsRequest{VolumeId: v.Id})
 	})
-	waitLayersGone(t, c, v, raftstore.ImplicitSnapshotID(vclone.Id))
+	// The implicit snapshot was cut while the source was detached, at its
+	// current epoch; the copy done, its layers are merged away.
+	src := getVolume(t, c, leader, v.Id)
+	waitLayersGone(t, c, v, replica.LayerName(raftstore.ImplicitSnapshotID(vclone.Id), src.Epoch))
 
 	// Delete merges the snapshot on every replica; the head is unchanged.
 	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.DeleteSnapshotResponse, error) {
 		return c.Client(leader).Snapshots.DeleteSnapshot(ctx, &storpb.DeleteSnapshotRequest{Snapshot: snapRef(s.Id)})
 	})
-	waitLayersGone(t, c, v, s.Id)
+	waitLayersGone(t, c, v, replica.LayerName(s.Id, s.CutEpoch))
 	requireChecksums(t, c, v.Id, newHead, "head after the snapshot's layer was merged")
 }
 
-// waitLayersGone waits until no replica of v has snapshot id's layer.
+// waitLayersGone waits until no replica of v has layer id.
 func waitLayersGone(t *testing.T, c *servertest.Cluster, v *storpb.Volume, id string) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)

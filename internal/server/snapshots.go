@@ -26,10 +26,12 @@ import (
 //     pulled over the replica data protocol (extents, then snapshot reads;
 //     all-zero chunks become WRITE_ZEROES so the copy stays sparse),
 //     flushed, and recorded with RecordCloneCopied.
-//   - merge: a local snapshot layer whose record is gone (deleted), or
-//     whose record says this replica missed it, is deleted, which merges
-//     it into the layer above. A layer whose record this server cannot
-//     find is merged only once this server has caught up with the leader.
+//   - merge: a local snapshot layer (named replica.LayerName(snapshot, cut
+//     epoch)) whose record is gone (deleted), whose record says this
+//     replica missed it, or that was cut at another epoch than the
+//     snapshot's recorded cuts, is deleted, which merges it into the layer
+//     above. A layer whose record this server cannot find is merged only
+//     once this server has caught up with the leader.
 //
 // Each task runs in its own goroutine, at most one per key; a failed task
 // is retried by a later reconcile.
@@ -68,7 +70,7 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
 		d.s.logger.Warn("read snapshots", "err", err)
 		return
 	}
-	type layerRef struct{ replica, snapshot string }
+	type layerRef struct{ replica, layer, snapshot string }
 	var unknown []layerRef // local layers with no record in our view
 	for id, p := range desired {
 		v, rep := p.vol, p.rep
@@ -88,14 +90,18 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
 		if err != nil {
 			continue
 		}
-		for _, sid := range r.Snapshots() {
+		for _, layer := range r.Snapshots() {
+			sid, epoch, ok := replica.ParseLayerName(layer)
+			if !ok {
+				continue // not a layer the cluster named
+			}
 			s := w.snaps[sid]
-			switch {
-			case s == nil:
-				unknown = append(unknown, layerRef{id, sid})
-			case snapshotEntry(s, id) == storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED,
-				snapshotEntry(s, id) == storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_UNSPECIFIED:
-				d.runTask("merge/"+id+"/"+sid, func() error { return d.mergeLayer(r, sid, "this replica missed the snapshot") })
+			if s == nil {
+				unknown = append(unknown, layerRef{id, layer, sid})
+				continue
+			}
+			if why := strayLayer(s, v, id, epoch); why != "" {
+				d.runTask("merge/"+id+"/"+layer, func() error { return d.mergeLayer(r, layer, why) })
 			}
 		}
 	}
@@ -108,7 +114,7 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
 		return // not sure our view is current: keep the layers for now
 	}
 	for _, l := range unknown {
-		rid, sid := l.replica, l.snapshot
+		rid, sid, layer := l.replica, l.snapshot, l.layer
 		err := d.s.store.View(func(rd *raftstore.Reader) error {
 			_, err := rd.Snapshot(sid)
 			return err
@@ -120,8 +126,29 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
 		if err != nil {
 			continue
 		}
-		d.runTask("merge/"+rid+"/"+sid, func() error { return d.mergeLayer(r, sid, "the snapshot was deleted") })
+		d.runTask("merge/"+rid+"/"+layer, func() error { return d.mergeLayer(r, layer, "the snapshot was deleted") })
 	}
+}
+
+// strayLayer says why local layer (snapshot s cut at epoch) of replica id
+// of volume v is not the snapshot's and must be merged, or "" to keep it:
+// the replica missed the snapshot or is not in it; the snapshot's cuts are
+// at another epoch; or the replica is still pending but the layer was cut
+// at an epoch the volume has left (that cut can no longer be recorded).
+func strayLayer(s *storpb.Snapshot, v *storpb.Volume, id string, epoch uint64) string {
+	switch snapshotEntry(s, id) {
+	case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT:
+		if epoch != s.CutEpoch {
+			return fmt.Sprintf("cut at epoch %d, the snapshot's cuts are at epoch %d", epoch, s.CutEpoch)
+		}
+	case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING:
+		if epoch < v.Epoch {
+			return fmt.Sprintf("cut at epoch %d, never recorded; the volume is at epoch %d", epoch, v.Epoch)
+		}
+	default:
+		return "this replica missed the snapshot"
+	}
+	return ""
 }
 
 // snapshotEntry is replica id's state in s (UNSPECIFIED: not listed).
@@ -172,7 +199,7 @@ func (d *dataPlane) cutDetached(v *storpb.Volume, s *storpb.Snapshot, id string)
 		if err != nil {
 			return err
 		}
-		if err := r.CreateSnapshot(replica.Op{Epoch: v.Epoch, Generation: v.Generation}, s.Id); err != nil {
+		if err := r.CreateSnapshot(replica.Op{Epoch: v.Epoch, Generation: v.Generation}, replica.LayerName(s.Id, v.Epoch)); err != nil {
 			return fmt.Errorf("cut snapshot %s on %s: %w", s.Name, id, err)
 		}
 		req.CutReplicaIds = []string{id}
@@ -274,10 +301,11 @@ func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, epoch uint
 	}
 	defer h.Close(context.Background())
 	so := replica.Op{Epoch: epoch}
+	layer := replica.LayerName(s.Id, s.CutEpoch)
 	buf := make([]byte, replica.MaxIO)
 	var copied int64
 	for from := int64(0); ; {
-		exts, err := h.Extents(ctx, so, s.Id, from, cloneExtents)
+		exts, err := h.Extents(ctx, so, layer, from, cloneExtents)
 		if err != nil {
 			return copied, fmt.Errorf("extents: %w", err)
 		}
@@ -285,7 +313,7 @@ func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, epoch uint
 			for off := e.Off; off < e.Off+e.Len; {
 				n := min(int64(len(buf)), e.Off+e.Len-off)
 				p := buf[:n]
-				if err := h.ReadSnapshotAt(ctx, so, s.Id, p, off); err != nil {
+				if err := h.ReadSnapshotAt(ctx, so, layer, p, off); err != nil {
 					return copied, fmt.Errorf("read at %d: %w", off, err)
 				}
 				if allZero(p) {

@@ -129,12 +129,13 @@ func checksum(ctx context.Context, addr, replicaID string, epoch, size uint64) (
 	return hex.EncodeToString(sum.Sum(nil)), nil
 }
 
-// ReadSnapshot reads snapshot snapshotID in full from replica replicaID of
-// volume volumeID over the data protocol (the snapshot read path), at the
+// ReadSnapshot reads snapshot layer layer (replica.LayerName of the
+// snapshot and its cut epoch) in full from replica replicaID of volume
+// volumeID over the data protocol (the snapshot read path), at the
 // volume's current epoch: size bytes (the snapshot's size). It does not
 // consult the snapshot's record: a layer that is gone is an error wrapping
 // replica.ErrNotFound.
-func (c *Cluster) ReadSnapshot(volumeID, snapshotID, replicaID string, size uint64) ([]byte, error) {
+func (c *Cluster) ReadSnapshot(volumeID, layer, replicaID string, size uint64) ([]byte, error) {
 	c.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -171,8 +172,8 @@ func (c *Cluster) ReadSnapshot(volumeID, snapshotID, replicaID string, size uint
 	out := make([]byte, size)
 	for off := uint64(0); off < size; off += replica.MaxIO {
 		p := out[off:min(size, off+replica.MaxIO)]
-		if err := h.ReadSnapshotAt(ctx, replica.Op{Epoch: v.Volume.Epoch}, snapshotID, p, int64(off)); err != nil {
-			return nil, fmt.Errorf("read snapshot %s of %s at %d: %w", snapshotID, replicaID, off, err)
+		if err := h.ReadSnapshotAt(ctx, replica.Op{Epoch: v.Volume.Epoch}, layer, p, int64(off)); err != nil {
+			return nil, fmt.Errorf("read snapshot layer %s of %s at %d: %w", layer, replicaID, off, err)
 		}
 	}
 	return out, nil

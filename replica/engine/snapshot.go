@@ -31,8 +31,10 @@ import (
 //     cut at it) with RecordSnapshotCut at its epoch.
 //
 // Every replica therefore cuts exactly the writes acknowledged before the
-// quiesce, none after. A cut is idempotent per snapshot id on a replica,
-// so a retry after a failed record is harmless.
+// quiesce, none after. The layer is named replica.LayerName(snapshot,
+// epoch): a cut is idempotent per layer name, so a retry after a failed
+// record is harmless, and a layer a server cut at an older epoch (which the
+// control plane then refused) is never taken for this cut.
 
 // snapshotCutter is the ReplicaConn capability to cut a snapshot layer
 // (the wire client has it). A replica without it is recorded as missed.
@@ -167,7 +169,7 @@ func (e *Engine) quiesceAndCut(ctx context.Context, id string, pending []string)
 	var cut []string
 	start := time.Now()
 	err := e.fanOut(ctx, set, func(ctx context.Context, m *member) error {
-		if err := m.conn.(snapshotCutter).CreateSnapshot(ctx, e.op(false), id); err != nil {
+		if err := m.conn.(snapshotCutter).CreateSnapshot(ctx, e.op(false), replica.LayerName(id, e.epoch)); err != nil {
 			return err
 		}
 		mu.Lock()
