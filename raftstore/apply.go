@@ -79,6 +79,10 @@ func (w *writer) apply(c command) (proto.Message, error) {
 		return w.setReplicaState(c.At, c.Body.(*storpb.SetReplicaStateRequest))
 	case opReplaceReplica:
 		return w.replaceReplica(c.At, c.ID, c.Body.(*storpb.ReplaceReplicaRequest))
+	case opRecordCut:
+		return w.recordCut(c.Body.(*storpb.RecordSnapshotCutRequest))
+	case opRecordCloneCopy:
+		return w.recordCloneCopied(c.Body.(*storpb.RecordCloneCopiedRequest))
 	}
 	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
 }
@@ -227,7 +231,8 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 		}
 		return existing, nil // idempotent
 	}
-	if err := w.checkContentSource(req.ContentSource, size); err != nil {
+	clone, err := w.prepareClone(at, id, req.ContentSource, size)
+	if err != nil {
 		return nil, fmt.Errorf("volume %q: %w", req.Name, err)
 	}
 	servers, err := w.Servers()
@@ -253,33 +258,10 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 		})
 	}
 	w.addAllocated(chosen, int64(size))
+	w.startClone(v, clone)
 	w.put(bucketVolumes, v.Id, v)
 	w.putRaw(bucketVolumeNames, v.Name, v.Id)
 	return v, nil
-}
-
-func (w *writer) checkContentSource(src *storpb.ContentSource, size uint64) error {
-	var srcSize uint64
-	switch s := src.GetSource().(type) {
-	case nil:
-		return nil
-	case *storpb.ContentSource_SnapshotId:
-		snap, err := w.Snapshot(s.SnapshotId)
-		if err != nil {
-			return fmt.Errorf("content source: %w", err)
-		}
-		srcSize = snap.SizeBytes
-	case *storpb.ContentSource_VolumeId:
-		vol, err := w.Volume(s.VolumeId)
-		if err != nil {
-			return fmt.Errorf("content source: %w", err)
-		}
-		srcSize = vol.SizeBytes
-	}
-	if size < srcSize {
-		return fmt.Errorf("%w: size %d is smaller than its content source (%d)", ErrInvalidArgument, size, srcSize)
-	}
-	return nil
 }
 
 func (w *writer) deleteVolume(ref *storpb.VolumeRef) (proto.Message, error) {
@@ -294,6 +276,9 @@ func (w *writer) deleteVolume(ref *storpb.VolumeRef) (proto.Message, error) {
 		return nil, err
 	} else if n > 0 {
 		return nil, fmt.Errorf("%w: volume %q has %d snapshots; delete them first", ErrFailedPrecondition, v.Name, n)
+	}
+	if err := w.dropImplicitSnapshot(v); err != nil {
+		return nil, err
 	}
 	w.addAllocated(replicaServers(v), -int64(v.SizeBytes))
 	w.del(bucketVolumes, v.Id)
@@ -341,6 +326,9 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 	switch {
 	case req.NodeId == "":
 		return nil, fmt.Errorf("%w: attach volume %q: node id is empty", ErrInvalidArgument, v.Name)
+	case v.State == storpb.VolumeState_VOLUME_STATE_CREATING:
+		return nil, fmt.Errorf("%w: volume %q is a clone still being filled from its source (%d of %d replicas copied); it can be attached when the copy is done",
+			ErrFailedPrecondition, v.Name, len(v.CloneDoneReplicaIds), len(v.Replicas))
 	case v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE:
 		return nil, fmt.Errorf("%w: volume %q is %v, not attachable yet", ErrFailedPrecondition, v.Name, v.State)
 	case v.Attachment != nil && v.Attachment.NodeId != req.NodeId && !req.Takeover:
@@ -516,44 +504,11 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		w.addAllocated([]string{old.ServerId}, -int64(v.SizeBytes))
 	}
 	v.Replicas = keep
+	if old != nil {
+		if err := w.missReplica(v, old.Id, "the replica was removed from the volume"); err != nil {
+			return nil, err
+		}
+	}
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil
-}
-
-// -------------------------------------------------------------- snapshots
-
-func (w *writer) createSnapshot(at int64, id string, req *storpb.CreateSnapshotRequest) (proto.Message, error) {
-	if err := ValidateName("snapshot", req.Name); err != nil {
-		return nil, err
-	}
-	if req.VolumeId == "" {
-		return nil, fmt.Errorf("%w: snapshot %q: source volume id is empty", ErrInvalidArgument, req.Name)
-	}
-	if existing, err := w.SnapshotByRef(&storpb.SnapshotRef{Name: req.Name}); err == nil {
-		if existing.VolumeId != req.VolumeId {
-			return nil, fmt.Errorf("%w: snapshot %q exists for volume %q", ErrAlreadyExists, req.Name, existing.VolumeId)
-		}
-		return existing, nil
-	}
-	v, err := w.Volume(req.VolumeId)
-	if err != nil {
-		return nil, err
-	}
-	s := &storpb.Snapshot{
-		Id: id, Name: req.Name, VolumeId: v.Id, CreatedUnixNano: at,
-		SizeBytes: v.SizeBytes, ReadyToUse: true,
-	}
-	w.put(bucketSnapshots, s.Id, s)
-	w.putRaw(bucketSnapshotNames, s.Name, s.Id)
-	return s, nil
-}
-
-func (w *writer) deleteSnapshot(ref *storpb.SnapshotRef) (proto.Message, error) {
-	s, err := w.SnapshotByRef(ref)
-	if err != nil {
-		return nil, err
-	}
-	w.del(bucketSnapshots, s.Id)
-	w.del(bucketSnapshotNames, s.Name)
-	return s, nil
 }

@@ -14,19 +14,21 @@ import (
 type op uint8
 
 const (
-	opInitCluster     op = 1 // ID = cluster id
-	opRegisterServer  op = 2 // Body = storpb.Server
-	opSetServerState  op = 3 // Body = storpb.Server (id, state)
-	opRemoveServer    op = 4 // ID = server id
-	opCreateVolume    op = 5 // ID = new volume id, Body = storpb.CreateVolumeRequest
-	opDeleteVolume    op = 6 // Body = storpb.VolumeRef
-	opExpandVolume    op = 7 // Body = storpb.ExpandVolumeRequest
-	opAttachVolume    op = 8 // Body = storpb.AttachVolumeRequest
-	opDetachVolume    op = 9 // Body = storpb.DetachVolumeRequest
-	opCreateSnapshot  op = 10
+	opInitCluster     op = 1  // ID = cluster id
+	opRegisterServer  op = 2  // Body = storpb.Server
+	opSetServerState  op = 3  // Body = storpb.Server (id, state)
+	opRemoveServer    op = 4  // ID = server id
+	opCreateVolume    op = 5  // ID = new volume id, Body = storpb.CreateVolumeRequest
+	opDeleteVolume    op = 6  // Body = storpb.VolumeRef
+	opExpandVolume    op = 7  // Body = storpb.ExpandVolumeRequest
+	opAttachVolume    op = 8  // Body = storpb.AttachVolumeRequest
+	opDetachVolume    op = 9  // Body = storpb.DetachVolumeRequest
+	opCreateSnapshot  op = 10 // ID = new snapshot id, Body = storpb.CreateSnapshotRequest
 	opDeleteSnapshot  op = 11 // Body = storpb.SnapshotRef
 	opSetReplicaState op = 12 // Body = storpb.SetReplicaStateRequest
 	opReplaceReplica  op = 13 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
+	opRecordCut       op = 14 // Body = storpb.RecordSnapshotCutRequest
+	opRecordCloneCopy op = 15 // Body = storpb.RecordCloneCopiedRequest
 )
 
 var opNames = map[op]string{
@@ -36,7 +38,8 @@ var opNames = map[op]string{
 	opExpandVolume: "expand-volume", opAttachVolume: "attach-volume",
 	opDetachVolume: "detach-volume", opCreateSnapshot: "create-snapshot",
 	opDeleteSnapshot: "delete-snapshot", opSetReplicaState: "set-replica-state",
-	opReplaceReplica: "replace-replica",
+	opReplaceReplica: "replace-replica", opRecordCut: "record-snapshot-cut",
+	opRecordCloneCopy: "record-clone-copied",
 }
 
 func (o op) String() string {
@@ -116,6 +119,10 @@ func decodeCommand(b []byte) (command, error) {
 		m = &storpb.SetReplicaStateRequest{}
 	case opReplaceReplica:
 		m = &storpb.ReplaceReplicaRequest{}
+	case opRecordCut:
+		m = &storpb.RecordSnapshotCutRequest{}
+	case opRecordCloneCopy:
+		m = &storpb.RecordCloneCopiedRequest{}
 	default:
 		return c, fmt.Errorf("%w: unknown command %v", ErrCorrupt, c.Op)
 	}

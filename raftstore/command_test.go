@@ -32,6 +32,8 @@ func TestOpValuesArePinned(t *testing.T) {
 		{opDeleteSnapshot, 11, "delete-snapshot"},
 		{opSetReplicaState, 12, "set-replica-state"},
 		{opReplaceReplica, 13, "replace-replica"},
+		{opRecordCut, 14, "record-snapshot-cut"},
+		{opRecordCloneCopy, 15, "record-clone-copied"},
 	}
 	if len(opNames) != len(want) {
 		t.Errorf("opNames has %d ops, this test knows %d: add the new op here and to commandRoundTripCases", len(opNames), len(want))
@@ -104,6 +106,13 @@ func commandRoundTripCases() []struct {
 		}}},
 		{name: "replace-replica", cmd: command{Op: opReplaceReplica, At: 12, ID: "vol-6c2a-r4", Body: &storpb.ReplaceReplicaRequest{
 			Volume: &storpb.VolumeRef{Id: "vol-6c2a"}, ReplicaId: "vol-6c2a-r2", ServerId: "s3", RemoveOnly: true,
+		}}},
+		{name: "record-snapshot-cut", cmd: command{Op: opRecordCut, At: 13, Body: &storpb.RecordSnapshotCutRequest{
+			SnapshotId: "snap-9", Epoch: 4, CutReplicaIds: []string{"vol-6c2a-r1", "vol-6c2a-r2"},
+			MissedReplicaIds: []string{"vol-6c2a-r3"}, Reason: "not healthy at the cut",
+		}}},
+		{name: "record-clone-copied", cmd: command{Op: opRecordCloneCopy, At: 14, Body: &storpb.RecordCloneCopiedRequest{
+			VolumeId: "vol-7d", ReplicaId: "vol-7d-r1",
 		}}},
 		// Edge values of the header.
 		{name: "negative time, long id", cmd: command{Op: opInitCluster, At: math.MinInt64, ID: string(bytes.Repeat([]byte("x"), 300))}},

@@ -194,6 +194,16 @@ func cmdDeleteSnapshot(id string) command {
 	return command{Op: opDeleteSnapshot, Body: &storpb.SnapshotRef{Id: id}}
 }
 
+func cmdRecordCut(snapID string, epoch uint64, cut, missed []string) command {
+	return command{Op: opRecordCut, Body: &storpb.RecordSnapshotCutRequest{
+		SnapshotId: snapID, Epoch: epoch, CutReplicaIds: cut, MissedReplicaIds: missed, Reason: "test: missed",
+	}}
+}
+
+func cmdRecordCloneCopied(volumeID, replicaID string) command {
+	return command{Op: opRecordCloneCopy, Body: &storpb.RecordCloneCopiedRequest{VolumeId: volumeID, ReplicaId: replicaID}}
+}
+
 func topo(kv ...string) *storpb.Topology {
 	t := &storpb.Topology{Segments: map[string]string{}}
 	for i := 0; i+1 < len(kv); i += 2 {
@@ -239,6 +249,13 @@ func richWorkload() []command {
 			Name: "pvc-five", SizeBytes: 10 * mib, ReplicaCount: 2,
 			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}},
 		}),
+		cmdRecordCut("snap-1", 2, []string{"vol-1-r1", "vol-1-r2"}, nil),
+		cmdCreateVolumeReq("vol-6", &storpb.CreateVolumeRequest{
+			Name: "pvc-six", SizeBytes: 6 * mib, ReplicaCount: 1,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-2"}},
+		}),
+		cmdRecordCut(ImplicitSnapshotID("vol-6"), 0, []string{"vol-2-r1"}, []string{"vol-2-r2"}),
+		cmdRecordCloneCopied("vol-6", "vol-6-r1"),
 		cmdDeleteVolume("vol-3"),
 		cmdSetServerState("s4", storpb.ServerState_SERVER_STATE_DOWN),
 	}
@@ -276,6 +293,21 @@ func checkRichState(t testing.TB, f *FSM) {
 		}
 		if _, err := r.SnapshotByRef(&storpb.SnapshotRef{Name: "snap-three"}); !errors.Is(err, ErrNotFound) {
 			t.Errorf("deleted snap-three: %v", err)
+		}
+		if s1, err := r.Snapshot("snap-1"); err != nil || !s1.ReadyToUse || s1.CutEpoch != 2 || len(s1.Replicas) != 2 {
+			t.Errorf("snap-1: %v, %v", s1, err)
+		}
+		if s2, err := r.Snapshot("snap-2"); err != nil || s2.ReadyToUse || s2.StatusMessage == "" {
+			t.Errorf("snap-2 (never cut): %v, %v", s2, err)
+		}
+		if v5, err := r.Volume("vol-5"); err != nil || v5.State != storpb.VolumeState_VOLUME_STATE_CREATING || v5.CloneSnapshotId != "snap-1" {
+			t.Errorf("vol-5 (clone still copying): %v, %v", v5, err)
+		}
+		if v6, err := r.Volume("vol-6"); err != nil || v6.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+			t.Errorf("vol-6 (clone copied): %v, %v", v6, err)
+		}
+		if _, err := r.Snapshot(ImplicitSnapshotID("vol-6")); !errors.Is(err, ErrNotFound) {
+			t.Errorf("vol-6's implicit snapshot after its copy: %v", err)
 		}
 		if s4, err := r.Server("s4"); err != nil || s4.State != storpb.ServerState_SERVER_STATE_DOWN {
 			t.Errorf("s4: %v, %v", s4, err)
@@ -1235,7 +1267,8 @@ func TestFSMRemoveServerMarksReplicasFaulty(t *testing.T) {
 			t.Errorf("after expanding %s: %s", v.Id, p)
 		}
 	}
-	applyCommands(t, f, cmdDetachVolume("vol-1", ""), cmdDeleteSnapshot("snap-1"), cmdDeleteSnapshot("snap-2"))
+	applyCommands(t, f, cmdDetachVolume("vol-1", ""), cmdRecordCloneCopied("vol-5", "vol-5-r1"), cmdRecordCloneCopied("vol-5", "vol-5-r2"),
+		cmdDeleteSnapshot("snap-1"), cmdDeleteSnapshot("snap-2"))
 	for _, v := range beforeVols {
 		if r := applyCommands(t, f, cmdDeleteVolume(v.Id))[0]; r.err != nil {
 			t.Errorf("delete %s: %v", v.Id, r.err)

@@ -430,7 +430,8 @@ func (s *Store) ReplaceReplica(ctx context.Context, req *storpb.ReplaceReplicaRe
 	return asVolume(s.propose(ctx, command{Op: opReplaceReplica, ID: uuid.NewString(), Body: req}))
 }
 
-// CreateSnapshot records a snapshot of a volume (idempotent by name).
+// CreateSnapshot records a snapshot of a volume (idempotent by name); the
+// data path cuts it (see snapshot.go).
 func (s *Store) CreateSnapshot(ctx context.Context, req *storpb.CreateSnapshotRequest) (*storpb.Snapshot, error) {
 	m, err := s.propose(ctx, command{Op: opCreateSnapshot, ID: uuid.NewString(), Body: req})
 	if err != nil {
@@ -443,6 +444,20 @@ func (s *Store) CreateSnapshot(ctx context.Context, req *storpb.CreateSnapshotRe
 func (s *Store) DeleteSnapshot(ctx context.Context, ref *storpb.SnapshotRef) error {
 	_, err := s.propose(ctx, command{Op: opDeleteSnapshot, Body: ref})
 	return err
+}
+
+// RecordSnapshotCut records cuts (and misses) the data path made.
+func (s *Store) RecordSnapshotCut(ctx context.Context, req *storpb.RecordSnapshotCutRequest) (*storpb.Snapshot, error) {
+	m, err := s.propose(ctx, command{Op: opRecordCut, Body: req})
+	if err != nil {
+		return nil, err
+	}
+	return m.(*storpb.Snapshot), nil
+}
+
+// RecordCloneCopied records that a clone's replica holds its copy.
+func (s *Store) RecordCloneCopied(ctx context.Context, req *storpb.RecordCloneCopiedRequest) (*storpb.Volume, error) {
+	return asVolume(s.propose(ctx, command{Op: opRecordCloneCopy, Body: req}))
 }
 
 func asVolume(m proto.Message, err error) (*storpb.Volume, error) {

@@ -96,8 +96,8 @@ func TestFSMWatch(t *testing.T) {
 		{cmdExpandVolume("vol-1", 2*mib), true},
 		{cmdCreateVolume("vol-2", "pvc-2", mib, 1), false},
 		{cmdAttachVolume("vol-2", "node-1", false), false},
-		{cmdCreateSnapshot("snap-1", "vol-1", "snap-1"), false},
-		{cmdDeleteSnapshot("snap-1"), false},
+		{cmdCreateSnapshot("snap-1", "vol-1", "snap-1"), true}, // the volume names it pending: the engine cuts it
+		{cmdDeleteSnapshot("snap-1"), true},                    // and no longer
 		{cmdRegisterServer("s4", "d", 0, nil), false},
 		{cmdAttachVolume("vol-1", "node-2", true), true},
 		{cmdAttachVolume("vol-1", "node-3", false), false},                                               // refused
@@ -118,7 +118,7 @@ func TestFSMWatch(t *testing.T) {
 		switch step.cmd.Op {
 		case opDeleteVolume:
 			w.deleted = true
-		case opRemoveServer:
+		case opRemoveServer, opCreateSnapshot, opDeleteSnapshot:
 			w.vol = readVolume(t, f, "vol-1")
 		default:
 			w.vol = r.msg.(*storpb.Volume)

@@ -168,7 +168,12 @@
 //
 // Rebuild tracking lives in memory only: after a reopen the rebuilder
 // calls BeginRebuild again and reads its source after that. RebuildWrite
-// writes the head; snapshots are not rebuilt.
+// writes the head; snapshot layers are not rebuilt. That is the cluster's
+// chosen rule (raftstore/snapshot.go): a snapshot is served only by the
+// replicas its record names as having cut it. A replica that returns and
+// is rebuilt in place (delta or full) keeps the layers it cut before, which
+// never change, so it still serves those snapshots; a new replica (a
+// replacement) holds no layers and serves none of the older snapshots.
 //
 // # Concurrency
 //

@@ -283,3 +283,24 @@ func TestValidName(t *testing.T) {
 		}
 	}
 }
+
+func TestLayerNameRoundTrip(t *testing.T) {
+	for _, tc := range []struct {
+		id    string
+		epoch uint64
+	}{{"0f86385f-15d5-4f23-9b37-a5de854d666a", 0}, {"vol-1-source", 18446744073709551615}, {"a_e1", 7}} {
+		name := LayerName(tc.id, tc.epoch)
+		if err := validName(name); err != nil {
+			t.Errorf("LayerName(%q, %d) = %q is not a valid layer id: %v", tc.id, tc.epoch, name, err)
+		}
+		id, epoch, ok := ParseLayerName(name)
+		if !ok || id != tc.id || epoch != tc.epoch {
+			t.Errorf("ParseLayerName(%q) = %q, %d, %v; want %q, %d", name, id, epoch, ok, tc.id, tc.epoch)
+		}
+	}
+	for _, bad := range []string{"nightly", "_e3", "snap_ex", "snap_e"} {
+		if _, _, ok := ParseLayerName(bad); ok {
+			t.Errorf("ParseLayerName(%q) accepted a name LayerName does not make", bad)
+		}
+	}
+}

@@ -3,6 +3,8 @@ package replica
 import (
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 )
 
 // findSnapshotLocked returns the index in r.layers of snapshot id, or -1.
@@ -297,4 +299,26 @@ func (r *Replica) Extents(o Op, snapshotID string, from int64, limit int) ([]Ext
 		pos = e
 	}
 	return out, nil
+}
+
+// LayerName names the layer that snapshot snapshotID's cut at volume epoch
+// epoch gets on a replica. The cluster names layers by cut epoch so that a
+// cut made at one epoch is never mistaken for one made at another (a
+// retried cut by id is a no-op, which must not hide an older point in
+// time); see raftstore/snapshot.go.
+func LayerName(snapshotID string, epoch uint64) string {
+	return fmt.Sprintf("%s_e%d", snapshotID, epoch)
+}
+
+// ParseLayerName splits a name made by LayerName.
+func ParseLayerName(name string) (snapshotID string, epoch uint64, ok bool) {
+	i := strings.LastIndex(name, "_e")
+	if i <= 0 {
+		return "", 0, false
+	}
+	epoch, err := strconv.ParseUint(name[i+2:], 10, 64)
+	if err != nil {
+		return "", 0, false
+	}
+	return name[:i], epoch, true
 }

@@ -238,6 +238,64 @@ func (AccessMode) EnumDescriptor() ([]byte, []int) {
 	return file_control_proto_rawDescGZIP(), []int{3}
 }
 
+type SnapshotReplicaState int32
+
+const (
+	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_UNSPECIFIED SnapshotReplicaState = 0
+	// The replica has not cut the snapshot's layer yet.
+	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING SnapshotReplicaState = 1
+	// The replica holds the snapshot's layer: it can serve the snapshot.
+	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT SnapshotReplicaState = 2
+	// The replica can no longer cut at the snapshot's point (it was not
+	// healthy when the attached engine cut, or the volume was written since
+	// the others cut, or the replica was removed). It does not serve the
+	// snapshot; a layer it may hold is merged away.
+	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED SnapshotReplicaState = 3
+)
+
+// Enum value maps for SnapshotReplicaState.
+var (
+	SnapshotReplicaState_name = map[int32]string{
+		0: "SNAPSHOT_REPLICA_STATE_UNSPECIFIED",
+		1: "SNAPSHOT_REPLICA_STATE_PENDING",
+		2: "SNAPSHOT_REPLICA_STATE_CUT",
+		3: "SNAPSHOT_REPLICA_STATE_MISSED",
+	}
+	SnapshotReplicaState_value = map[string]int32{
+		"SNAPSHOT_REPLICA_STATE_UNSPECIFIED": 0,
+		"SNAPSHOT_REPLICA_STATE_PENDING":     1,
+		"SNAPSHOT_REPLICA_STATE_CUT":         2,
+		"SNAPSHOT_REPLICA_STATE_MISSED":      3,
+	}
+)
+
+func (x SnapshotReplicaState) Enum() *SnapshotReplicaState {
+	p := new(SnapshotReplicaState)
+	*p = x
+	return p
+}
+
+func (x SnapshotReplicaState) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (SnapshotReplicaState) Descriptor() protoreflect.EnumDescriptor {
+	return file_control_proto_enumTypes[4].Descriptor()
+}
+
+func (SnapshotReplicaState) Type() protoreflect.EnumType {
+	return &file_control_proto_enumTypes[4]
+}
+
+func (x SnapshotReplicaState) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use SnapshotReplicaState.Descriptor instead.
+func (SnapshotReplicaState) EnumDescriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{4}
+}
+
 type Suffrage int32
 
 const (
@@ -271,11 +329,11 @@ func (x Suffrage) String() string {
 }
 
 func (Suffrage) Descriptor() protoreflect.EnumDescriptor {
-	return file_control_proto_enumTypes[4].Descriptor()
+	return file_control_proto_enumTypes[5].Descriptor()
 }
 
 func (Suffrage) Type() protoreflect.EnumType {
-	return &file_control_proto_enumTypes[4]
+	return &file_control_proto_enumTypes[5]
 }
 
 func (x Suffrage) Number() protoreflect.EnumNumber {
@@ -284,7 +342,7 @@ func (x Suffrage) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Suffrage.Descriptor instead.
 func (Suffrage) EnumDescriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{4}
+	return file_control_proto_rawDescGZIP(), []int{5}
 }
 
 type Server struct {
@@ -813,8 +871,18 @@ type Volume struct {
 	Generation      uint64               `protobuf:"varint,11,opt,name=generation,proto3" json:"generation,omitempty"`
 	CreatedUnixNano int64                `protobuf:"varint,12,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	Accessibility   *TopologyRequirement `protobuf:"bytes,13,opt,name=accessibility,proto3" json:"accessibility,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Snapshots of this volume that some replica has not cut yet. The
+	// attached engine (through its watch) or, for a detached volume, each
+	// replica's server cuts them; see Snapshot.replicas.
+	PendingSnapshotIds []string `protobuf:"bytes,14,rep,name=pending_snapshot_ids,json=pendingSnapshotIds,proto3" json:"pending_snapshot_ids,omitempty"`
+	// For a clone (state CREATING): the snapshot its replicas are filled
+	// from (for a volume source, a snapshot taken implicitly), and the
+	// replicas whose copy is complete. The clone becomes AVAILABLE when
+	// every replica's copy is.
+	CloneSnapshotId     string   `protobuf:"bytes,15,opt,name=clone_snapshot_id,json=cloneSnapshotId,proto3" json:"clone_snapshot_id,omitempty"`
+	CloneDoneReplicaIds []string `protobuf:"bytes,16,rep,name=clone_done_replica_ids,json=cloneDoneReplicaIds,proto3" json:"clone_done_replica_ids,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *Volume) Reset() {
@@ -938,6 +1006,96 @@ func (x *Volume) GetAccessibility() *TopologyRequirement {
 	return nil
 }
 
+func (x *Volume) GetPendingSnapshotIds() []string {
+	if x != nil {
+		return x.PendingSnapshotIds
+	}
+	return nil
+}
+
+func (x *Volume) GetCloneSnapshotId() string {
+	if x != nil {
+		return x.CloneSnapshotId
+	}
+	return ""
+}
+
+func (x *Volume) GetCloneDoneReplicaIds() []string {
+	if x != nil {
+		return x.CloneDoneReplicaIds
+	}
+	return nil
+}
+
+type SnapshotReplica struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	ReplicaId string                 `protobuf:"bytes,1,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	ServerId  string                 `protobuf:"bytes,2,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
+	State     SnapshotReplicaState   `protobuf:"varint,3,opt,name=state,proto3,enum=stor.v1.SnapshotReplicaState" json:"state,omitempty"`
+	// Why the replica missed the cut.
+	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotReplica) Reset() {
+	*x = SnapshotReplica{}
+	mi := &file_control_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotReplica) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotReplica) ProtoMessage() {}
+
+func (x *SnapshotReplica) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotReplica.ProtoReflect.Descriptor instead.
+func (*SnapshotReplica) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *SnapshotReplica) GetReplicaId() string {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return ""
+}
+
+func (x *SnapshotReplica) GetServerId() string {
+	if x != nil {
+		return x.ServerId
+	}
+	return ""
+}
+
+func (x *SnapshotReplica) GetState() SnapshotReplicaState {
+	if x != nil {
+		return x.State
+	}
+	return SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_UNSPECIFIED
+}
+
+func (x *SnapshotReplica) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 type Snapshot struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
 	Id              string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -945,14 +1103,29 @@ type Snapshot struct {
 	VolumeId        string                 `protobuf:"bytes,3,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
 	CreatedUnixNano int64                  `protobuf:"varint,4,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	SizeBytes       uint64                 `protobuf:"varint,5,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
-	ReadyToUse      bool                   `protobuf:"varint,6,opt,name=ready_to_use,json=readyToUse,proto3" json:"ready_to_use,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// True when no replica is PENDING and at least one has CUT.
+	ReadyToUse bool `protobuf:"varint,6,opt,name=ready_to_use,json=readyToUse,proto3" json:"ready_to_use,omitempty"`
+	// The volume's healthy replicas when the snapshot was requested and
+	// whether each has cut its layer. Only CUT replicas serve the snapshot.
+	Replicas []*SnapshotReplica `protobuf:"bytes,7,rep,name=replicas,proto3" json:"replicas,omitempty"`
+	// The volume epoch of the first recorded cut; every later cut must be
+	// at the same epoch (no write can have happened in between), else that
+	// replica MISSED. Meaningful once some replica is CUT.
+	CutEpoch uint64 `protobuf:"varint,8,opt,name=cut_epoch,json=cutEpoch,proto3" json:"cut_epoch,omitempty"`
+	// Why the snapshot is not ready, or why it failed; empty when ready.
+	StatusMessage string `protobuf:"bytes,9,opt,name=status_message,json=statusMessage,proto3" json:"status_message,omitempty"`
+	// No replica could cut: the snapshot can never become ready.
+	Failed bool `protobuf:"varint,10,opt,name=failed,proto3" json:"failed,omitempty"`
+	// Set on the snapshot a clone from a volume takes implicitly: the
+	// clone's volume id. It is deleted when the clone's copy is done.
+	ImplicitForVolumeId string `protobuf:"bytes,11,opt,name=implicit_for_volume_id,json=implicitForVolumeId,proto3" json:"implicit_for_volume_id,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_control_proto_msgTypes[7]
+	mi := &file_control_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -964,7 +1137,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[7]
+	mi := &file_control_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -977,7 +1150,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{7}
+	return file_control_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Snapshot) GetId() string {
@@ -1022,6 +1195,41 @@ func (x *Snapshot) GetReadyToUse() bool {
 	return false
 }
 
+func (x *Snapshot) GetReplicas() []*SnapshotReplica {
+	if x != nil {
+		return x.Replicas
+	}
+	return nil
+}
+
+func (x *Snapshot) GetCutEpoch() uint64 {
+	if x != nil {
+		return x.CutEpoch
+	}
+	return 0
+}
+
+func (x *Snapshot) GetStatusMessage() string {
+	if x != nil {
+		return x.StatusMessage
+	}
+	return ""
+}
+
+func (x *Snapshot) GetFailed() bool {
+	if x != nil {
+		return x.Failed
+	}
+	return false
+}
+
+func (x *Snapshot) GetImplicitForVolumeId() string {
+	if x != nil {
+		return x.ImplicitForVolumeId
+	}
+	return ""
+}
+
 type JoinRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The joining server; id, address and raft_address are required.
@@ -1032,7 +1240,7 @@ type JoinRequest struct {
 
 func (x *JoinRequest) Reset() {
 	*x = JoinRequest{}
-	mi := &file_control_proto_msgTypes[8]
+	mi := &file_control_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1044,7 +1252,7 @@ func (x *JoinRequest) String() string {
 func (*JoinRequest) ProtoMessage() {}
 
 func (x *JoinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[8]
+	mi := &file_control_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1057,7 +1265,7 @@ func (x *JoinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinRequest.ProtoReflect.Descriptor instead.
 func (*JoinRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{8}
+	return file_control_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *JoinRequest) GetServer() *Server {
@@ -1077,7 +1285,7 @@ type JoinResponse struct {
 
 func (x *JoinResponse) Reset() {
 	*x = JoinResponse{}
-	mi := &file_control_proto_msgTypes[9]
+	mi := &file_control_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1089,7 +1297,7 @@ func (x *JoinResponse) String() string {
 func (*JoinResponse) ProtoMessage() {}
 
 func (x *JoinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[9]
+	mi := &file_control_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1102,7 +1310,7 @@ func (x *JoinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinResponse.ProtoReflect.Descriptor instead.
 func (*JoinResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{9}
+	return file_control_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *JoinResponse) GetClusterId() string {
@@ -1128,7 +1336,7 @@ type LeaveRequest struct {
 
 func (x *LeaveRequest) Reset() {
 	*x = LeaveRequest{}
-	mi := &file_control_proto_msgTypes[10]
+	mi := &file_control_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1140,7 +1348,7 @@ func (x *LeaveRequest) String() string {
 func (*LeaveRequest) ProtoMessage() {}
 
 func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[10]
+	mi := &file_control_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1153,7 +1361,7 @@ func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaveRequest.ProtoReflect.Descriptor instead.
 func (*LeaveRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{10}
+	return file_control_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *LeaveRequest) GetServerId() string {
@@ -1171,7 +1379,7 @@ type LeaveResponse struct {
 
 func (x *LeaveResponse) Reset() {
 	*x = LeaveResponse{}
-	mi := &file_control_proto_msgTypes[11]
+	mi := &file_control_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1183,7 +1391,7 @@ func (x *LeaveResponse) String() string {
 func (*LeaveResponse) ProtoMessage() {}
 
 func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[11]
+	mi := &file_control_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1196,7 +1404,7 @@ func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaveResponse.ProtoReflect.Descriptor instead.
 func (*LeaveResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{11}
+	return file_control_proto_rawDescGZIP(), []int{12}
 }
 
 type StatusRequest struct {
@@ -1207,7 +1415,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_control_proto_msgTypes[12]
+	mi := &file_control_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1219,7 +1427,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[12]
+	mi := &file_control_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1232,7 +1440,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{12}
+	return file_control_proto_rawDescGZIP(), []int{13}
 }
 
 type Member struct {
@@ -1249,7 +1457,7 @@ type Member struct {
 
 func (x *Member) Reset() {
 	*x = Member{}
-	mi := &file_control_proto_msgTypes[13]
+	mi := &file_control_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1261,7 +1469,7 @@ func (x *Member) String() string {
 func (*Member) ProtoMessage() {}
 
 func (x *Member) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[13]
+	mi := &file_control_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1274,7 +1482,7 @@ func (x *Member) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Member.ProtoReflect.Descriptor instead.
 func (*Member) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{13}
+	return file_control_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Member) GetId() string {
@@ -1333,7 +1541,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_control_proto_msgTypes[14]
+	mi := &file_control_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1345,7 +1553,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[14]
+	mi := &file_control_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1358,7 +1566,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{14}
+	return file_control_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *StatusResponse) GetClusterId() string {
@@ -1439,7 +1647,7 @@ type ListServersRequest struct {
 
 func (x *ListServersRequest) Reset() {
 	*x = ListServersRequest{}
-	mi := &file_control_proto_msgTypes[15]
+	mi := &file_control_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1451,7 +1659,7 @@ func (x *ListServersRequest) String() string {
 func (*ListServersRequest) ProtoMessage() {}
 
 func (x *ListServersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[15]
+	mi := &file_control_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1464,7 +1672,7 @@ func (x *ListServersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServersRequest.ProtoReflect.Descriptor instead.
 func (*ListServersRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{15}
+	return file_control_proto_rawDescGZIP(), []int{16}
 }
 
 type ListServersResponse struct {
@@ -1476,7 +1684,7 @@ type ListServersResponse struct {
 
 func (x *ListServersResponse) Reset() {
 	*x = ListServersResponse{}
-	mi := &file_control_proto_msgTypes[16]
+	mi := &file_control_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1488,7 +1696,7 @@ func (x *ListServersResponse) String() string {
 func (*ListServersResponse) ProtoMessage() {}
 
 func (x *ListServersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[16]
+	mi := &file_control_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1501,7 +1709,7 @@ func (x *ListServersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServersResponse.ProtoReflect.Descriptor instead.
 func (*ListServersResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{16}
+	return file_control_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListServersResponse) GetServers() []*Server {
@@ -1522,7 +1730,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_control_proto_msgTypes[17]
+	mi := &file_control_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1534,7 +1742,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[17]
+	mi := &file_control_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1547,7 +1755,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{17}
+	return file_control_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *HeartbeatRequest) GetServer() *Server {
@@ -1566,7 +1774,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_control_proto_msgTypes[18]
+	mi := &file_control_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1578,7 +1786,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[18]
+	mi := &file_control_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1591,7 +1799,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{18}
+	return file_control_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *HeartbeatResponse) GetLeaderId() string {
@@ -1619,7 +1827,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[19]
+	mi := &file_control_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1631,7 +1839,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[19]
+	mi := &file_control_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1644,7 +1852,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{19}
+	return file_control_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -1698,7 +1906,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[20]
+	mi := &file_control_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1710,7 +1918,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[20]
+	mi := &file_control_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1723,7 +1931,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{20}
+	return file_control_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -1744,7 +1952,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[21]
+	mi := &file_control_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1756,7 +1964,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[21]
+	mi := &file_control_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1769,7 +1977,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{21}
+	return file_control_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -1795,7 +2003,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[22]
+	mi := &file_control_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1807,7 +2015,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[22]
+	mi := &file_control_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1820,7 +2028,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{22}
+	return file_control_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -1839,7 +2047,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[23]
+	mi := &file_control_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1851,7 +2059,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[23]
+	mi := &file_control_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1864,7 +2072,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{23}
+	return file_control_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -1887,7 +2095,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[24]
+	mi := &file_control_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1899,7 +2107,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[24]
+	mi := &file_control_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1912,7 +2120,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{24}
+	return file_control_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -1940,7 +2148,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[25]
+	mi := &file_control_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1952,7 +2160,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[25]
+	mi := &file_control_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1965,7 +2173,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{25}
+	return file_control_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -1991,7 +2199,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[26]
+	mi := &file_control_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2003,7 +2211,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[26]
+	mi := &file_control_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2016,7 +2224,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{26}
+	return file_control_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -2034,7 +2242,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[27]
+	mi := &file_control_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2046,7 +2254,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[27]
+	mi := &file_control_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2059,7 +2267,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{27}
+	return file_control_proto_rawDescGZIP(), []int{28}
 }
 
 type ExpandVolumeRequest struct {
@@ -2074,7 +2282,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2086,7 +2294,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2099,7 +2307,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{28}
+	return file_control_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -2125,7 +2333,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2137,7 +2345,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2150,7 +2358,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{29}
+	return file_control_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -2174,7 +2382,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2186,7 +2394,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2199,7 +2407,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{30}
+	return file_control_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -2240,7 +2448,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2252,7 +2460,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2265,7 +2473,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{31}
+	return file_control_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -2286,7 +2494,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2298,7 +2506,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2311,7 +2519,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{32}
+	return file_control_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -2337,7 +2545,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2349,7 +2557,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2362,7 +2570,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{33}
+	return file_control_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -2403,7 +2611,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2415,7 +2623,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2428,7 +2636,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{34}
+	return file_control_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -2503,7 +2711,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2515,7 +2723,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2528,7 +2736,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{35}
+	return file_control_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -2559,7 +2767,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2571,7 +2779,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2584,7 +2792,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -2624,7 +2832,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2636,7 +2844,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2649,10 +2857,108 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
+// RecordCloneCopied records that a clone's replica holds its full copy of
+// the source snapshot (the copying server calls it).
+type RecordCloneCopiedRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	ReplicaId     string                 `protobuf:"bytes,2,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecordCloneCopiedRequest) Reset() {
+	*x = RecordCloneCopiedRequest{}
+	mi := &file_control_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecordCloneCopiedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecordCloneCopiedRequest) ProtoMessage() {}
+
+func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
+func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *RecordCloneCopiedRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *RecordCloneCopiedRequest) GetReplicaId() string {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return ""
+}
+
+type RecordCloneCopiedResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Volume        *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecordCloneCopiedResponse) Reset() {
+	*x = RecordCloneCopiedResponse{}
+	mi := &file_control_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecordCloneCopiedResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecordCloneCopiedResponse) ProtoMessage() {}
+
+func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
+func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
 	if x != nil {
 		return x.Volume
 	}
@@ -2668,7 +2974,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2680,7 +2986,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2693,7 +2999,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -2717,7 +3023,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2729,7 +3035,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2742,7 +3048,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -2778,7 +3084,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2790,7 +3096,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2803,7 +3109,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -2829,7 +3135,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2841,7 +3147,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2854,7 +3160,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -2874,7 +3180,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2886,7 +3192,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2899,7 +3205,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -2925,7 +3231,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2937,7 +3243,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2950,7 +3256,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -2969,7 +3275,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2981,7 +3287,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2994,7 +3300,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -3016,7 +3322,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3028,7 +3334,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3041,7 +3347,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -3075,7 +3381,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3087,7 +3393,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3100,7 +3406,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -3126,7 +3432,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3138,7 +3444,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3151,7 +3457,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -3169,7 +3475,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3181,7 +3487,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3194,7 +3500,133 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{51}
+}
+
+// RecordSnapshotCut is how the data path reports cuts: the attached engine
+// for the replicas it cut while writes were held, a server for its own
+// replica of a detached volume.
+type RecordSnapshotCutRequest struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	SnapshotId string                 `protobuf:"bytes,1,opt,name=snapshot_id,json=snapshotId,proto3" json:"snapshot_id,omitempty"`
+	// The volume epoch the cuts were made at (the replicas were fenced to
+	// it). A stale epoch is refused with ABORTED.
+	Epoch            uint64   `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	CutReplicaIds    []string `protobuf:"bytes,3,rep,name=cut_replica_ids,json=cutReplicaIds,proto3" json:"cut_replica_ids,omitempty"`
+	MissedReplicaIds []string `protobuf:"bytes,4,rep,name=missed_replica_ids,json=missedReplicaIds,proto3" json:"missed_replica_ids,omitempty"`
+	// Why the missed replicas missed.
+	Reason        string `protobuf:"bytes,5,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecordSnapshotCutRequest) Reset() {
+	*x = RecordSnapshotCutRequest{}
+	mi := &file_control_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecordSnapshotCutRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecordSnapshotCutRequest) ProtoMessage() {}
+
+func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
+func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
+	if x != nil {
+		return x.SnapshotId
+	}
+	return ""
+}
+
+func (x *RecordSnapshotCutRequest) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *RecordSnapshotCutRequest) GetCutReplicaIds() []string {
+	if x != nil {
+		return x.CutReplicaIds
+	}
+	return nil
+}
+
+func (x *RecordSnapshotCutRequest) GetMissedReplicaIds() []string {
+	if x != nil {
+		return x.MissedReplicaIds
+	}
+	return nil
+}
+
+func (x *RecordSnapshotCutRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type RecordSnapshotCutResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Snapshot      *Snapshot              `protobuf:"bytes,1,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RecordSnapshotCutResponse) Reset() {
+	*x = RecordSnapshotCutResponse{}
+	mi := &file_control_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RecordSnapshotCutResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RecordSnapshotCutResponse) ProtoMessage() {}
+
+func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
+func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
+	if x != nil {
+		return x.Snapshot
+	}
+	return nil
 }
 
 var File_control_proto protoreflect.FileDescriptor
@@ -3250,7 +3682,7 @@ const file_control_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"w\n" +
 	"\x13TopologyRequirement\x12/\n" +
 	"\trequisite\x18\x01 \x03(\v2\x11.stor.v1.TopologyR\trequisite\x12/\n" +
-	"\tpreferred\x18\x02 \x03(\v2\x11.stor.v1.TopologyR\tpreferred\"\xe4\x04\n" +
+	"\tpreferred\x18\x02 \x03(\v2\x11.stor.v1.TopologyR\tpreferred\"\xf7\x05\n" +
 	"\x06Volume\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1d\n" +
@@ -3272,10 +3704,19 @@ const file_control_proto_rawDesc = "" +
 	"generation\x18\v \x01(\x04R\n" +
 	"generation\x12*\n" +
 	"\x11created_unix_nano\x18\f \x01(\x03R\x0fcreatedUnixNano\x12B\n" +
-	"\raccessibility\x18\r \x01(\v2\x1c.stor.v1.TopologyRequirementR\raccessibility\x1a=\n" +
+	"\raccessibility\x18\r \x01(\v2\x1c.stor.v1.TopologyRequirementR\raccessibility\x120\n" +
+	"\x14pending_snapshot_ids\x18\x0e \x03(\tR\x12pendingSnapshotIds\x12*\n" +
+	"\x11clone_snapshot_id\x18\x0f \x01(\tR\x0fcloneSnapshotId\x123\n" +
+	"\x16clone_done_replica_ids\x18\x10 \x03(\tR\x13cloneDoneReplicaIds\x1a=\n" +
 	"\x0fParametersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb8\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9a\x01\n" +
+	"\x0fSnapshotReplica\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\x01 \x01(\tR\treplicaId\x12\x1b\n" +
+	"\tserver_id\x18\x02 \x01(\tR\bserverId\x123\n" +
+	"\x05state\x18\x03 \x01(\x0e2\x1d.stor.v1.SnapshotReplicaStateR\x05state\x12\x16\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xff\x02\n" +
 	"\bSnapshot\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -3284,7 +3725,13 @@ const file_control_proto_rawDesc = "" +
 	"\n" +
 	"size_bytes\x18\x05 \x01(\x04R\tsizeBytes\x12 \n" +
 	"\fready_to_use\x18\x06 \x01(\bR\n" +
-	"readyToUse\"6\n" +
+	"readyToUse\x124\n" +
+	"\breplicas\x18\a \x03(\v2\x18.stor.v1.SnapshotReplicaR\breplicas\x12\x1b\n" +
+	"\tcut_epoch\x18\b \x01(\x04R\bcutEpoch\x12%\n" +
+	"\x0estatus_message\x18\t \x01(\tR\rstatusMessage\x12\x16\n" +
+	"\x06failed\x18\n" +
+	" \x01(\bR\x06failed\x123\n" +
+	"\x16implicit_for_volume_id\x18\v \x01(\tR\x13implicitForVolumeId\"6\n" +
 	"\vJoinRequest\x12'\n" +
 	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"C\n" +
 	"\fJoinResponse\x12\x1d\n" +
@@ -3396,6 +3843,12 @@ const file_control_proto_rawDesc = "" +
 	"\vremove_only\x18\x04 \x01(\bR\n" +
 	"removeOnly\"A\n" +
 	"\x16ReplaceReplicaResponse\x12'\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"V\n" +
+	"\x18RecordCloneCopiedRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\x02 \x01(\tR\treplicaId\"D\n" +
+	"\x19RecordCloneCopiedResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"@\n" +
 	"\x12WatchVolumeRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\"f\n" +
@@ -3425,7 +3878,16 @@ const file_control_proto_rawDesc = "" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"I\n" +
 	"\x15DeleteSnapshotRequest\x120\n" +
 	"\bsnapshot\x18\x01 \x01(\v2\x14.stor.v1.SnapshotRefR\bsnapshot\"\x18\n" +
-	"\x16DeleteSnapshotResponse*r\n" +
+	"\x16DeleteSnapshotResponse\"\xbf\x01\n" +
+	"\x18RecordSnapshotCutRequest\x12\x1f\n" +
+	"\vsnapshot_id\x18\x01 \x01(\tR\n" +
+	"snapshotId\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12&\n" +
+	"\x0fcut_replica_ids\x18\x03 \x03(\tR\rcutReplicaIds\x12,\n" +
+	"\x12missed_replica_ids\x18\x04 \x03(\tR\x10missedReplicaIds\x12\x16\n" +
+	"\x06reason\x18\x05 \x01(\tR\x06reason\"J\n" +
+	"\x19RecordSnapshotCutResponse\x12-\n" +
+	"\bsnapshot\x18\x01 \x01(\v2\x11.stor.v1.SnapshotR\bsnapshot*r\n" +
 	"\vServerState\x12\x1c\n" +
 	"\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fSERVER_STATE_UP\x10\x01\x12\x15\n" +
@@ -3444,7 +3906,12 @@ const file_control_proto_rawDesc = "" +
 	"AccessMode\x12\x1b\n" +
 	"\x17ACCESS_MODE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16ACCESS_MODE_READ_WRITE\x10\x01\x12\x19\n" +
-	"\x15ACCESS_MODE_READ_ONLY\x10\x02*O\n" +
+	"\x15ACCESS_MODE_READ_ONLY\x10\x02*\xa5\x01\n" +
+	"\x14SnapshotReplicaState\x12&\n" +
+	"\"SNAPSHOT_REPLICA_STATE_UNSPECIFIED\x10\x00\x12\"\n" +
+	"\x1eSNAPSHOT_REPLICA_STATE_PENDING\x10\x01\x12\x1e\n" +
+	"\x1aSNAPSHOT_REPLICA_STATE_CUT\x10\x02\x12!\n" +
+	"\x1dSNAPSHOT_REPLICA_STATE_MISSED\x10\x03*O\n" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
@@ -3454,7 +3921,7 @@ const file_control_proto_rawDesc = "" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
 	"\x06Status\x12\x16.stor.v1.StatusRequest\x1a\x17.stor.v1.StatusResponse\x12H\n" +
 	"\vListServers\x12\x1b.stor.v1.ListServersRequest\x1a\x1c.stor.v1.ListServersResponse\x12B\n" +
-	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse2\x8b\x06\n" +
+	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
 	"\fCreateVolume\x12\x1c.stor.v1.CreateVolumeRequest\x1a\x1d.stor.v1.CreateVolumeResponse\x12B\n" +
 	"\tGetVolume\x12\x19.stor.v1.GetVolumeRequest\x1a\x1a.stor.v1.GetVolumeResponse\x12H\n" +
@@ -3465,12 +3932,14 @@ const file_control_proto_rawDesc = "" +
 	"\fDetachVolume\x12\x1c.stor.v1.DetachVolumeRequest\x1a\x1d.stor.v1.DetachVolumeResponse\x12B\n" +
 	"\vWatchVolume\x12\x1b.stor.v1.WatchVolumeRequest\x1a\x14.stor.v1.VolumeEvent0\x01\x12T\n" +
 	"\x0fSetReplicaState\x12\x1f.stor.v1.SetReplicaStateRequest\x1a .stor.v1.SetReplicaStateResponse\x12Q\n" +
-	"\x0eReplaceReplica\x12\x1e.stor.v1.ReplaceReplicaRequest\x1a\x1f.stor.v1.ReplaceReplicaResponse2\xd1\x02\n" +
+	"\x0eReplaceReplica\x12\x1e.stor.v1.ReplaceReplicaRequest\x1a\x1f.stor.v1.ReplaceReplicaResponse\x12Z\n" +
+	"\x11RecordCloneCopied\x12!.stor.v1.RecordCloneCopiedRequest\x1a\".stor.v1.RecordCloneCopiedResponse2\xad\x03\n" +
 	"\x0fSnapshotService\x12Q\n" +
 	"\x0eCreateSnapshot\x12\x1e.stor.v1.CreateSnapshotRequest\x1a\x1f.stor.v1.CreateSnapshotResponse\x12H\n" +
 	"\vGetSnapshot\x12\x1b.stor.v1.GetSnapshotRequest\x1a\x1c.stor.v1.GetSnapshotResponse\x12N\n" +
 	"\rListSnapshots\x12\x1d.stor.v1.ListSnapshotsRequest\x1a\x1e.stor.v1.ListSnapshotsResponse\x12Q\n" +
-	"\x0eDeleteSnapshot\x12\x1e.stor.v1.DeleteSnapshotRequest\x1a\x1f.stor.v1.DeleteSnapshotResponseB*Z(github.com/stor-io/stor/api/proto;storpbb\x06proto3"
+	"\x0eDeleteSnapshot\x12\x1e.stor.v1.DeleteSnapshotRequest\x1a\x1f.stor.v1.DeleteSnapshotResponse\x12Z\n" +
+	"\x11RecordSnapshotCut\x12!.stor.v1.RecordSnapshotCutRequest\x1a\".stor.v1.RecordSnapshotCutResponseB*Z(github.com/stor-io/stor/api/proto;storpbb\x06proto3"
 
 var (
 	file_control_proto_rawDescOnce sync.Once
@@ -3484,157 +3953,171 @@ func file_control_proto_rawDescGZIP() []byte {
 	return file_control_proto_rawDescData
 }
 
-var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 53)
+var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
 var file_control_proto_goTypes = []any{
-	(ServerState)(0),                // 0: stor.v1.ServerState
-	(VolumeState)(0),                // 1: stor.v1.VolumeState
-	(ReplicaState)(0),               // 2: stor.v1.ReplicaState
-	(AccessMode)(0),                 // 3: stor.v1.AccessMode
-	(Suffrage)(0),                   // 4: stor.v1.Suffrage
-	(*Server)(nil),                  // 5: stor.v1.Server
-	(*Replica)(nil),                 // 6: stor.v1.Replica
-	(*Attachment)(nil),              // 7: stor.v1.Attachment
-	(*ContentSource)(nil),           // 8: stor.v1.ContentSource
-	(*Topology)(nil),                // 9: stor.v1.Topology
-	(*TopologyRequirement)(nil),     // 10: stor.v1.TopologyRequirement
-	(*Volume)(nil),                  // 11: stor.v1.Volume
-	(*Snapshot)(nil),                // 12: stor.v1.Snapshot
-	(*JoinRequest)(nil),             // 13: stor.v1.JoinRequest
-	(*JoinResponse)(nil),            // 14: stor.v1.JoinResponse
-	(*LeaveRequest)(nil),            // 15: stor.v1.LeaveRequest
-	(*LeaveResponse)(nil),           // 16: stor.v1.LeaveResponse
-	(*StatusRequest)(nil),           // 17: stor.v1.StatusRequest
-	(*Member)(nil),                  // 18: stor.v1.Member
-	(*StatusResponse)(nil),          // 19: stor.v1.StatusResponse
-	(*ListServersRequest)(nil),      // 20: stor.v1.ListServersRequest
-	(*ListServersResponse)(nil),     // 21: stor.v1.ListServersResponse
-	(*HeartbeatRequest)(nil),        // 22: stor.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),       // 23: stor.v1.HeartbeatResponse
-	(*CreateVolumeRequest)(nil),     // 24: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),    // 25: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),               // 26: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),        // 27: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),       // 28: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),      // 29: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),     // 30: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),     // 31: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),    // 32: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),     // 33: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),    // 34: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),     // 35: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),    // 36: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),     // 37: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),    // 38: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),  // 39: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil), // 40: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),   // 41: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),  // 42: stor.v1.ReplaceReplicaResponse
-	(*WatchVolumeRequest)(nil),      // 43: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),             // 44: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),   // 45: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),  // 46: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),             // 47: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),      // 48: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),     // 49: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),    // 50: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 51: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 52: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 53: stor.v1.DeleteSnapshotResponse
-	nil,                             // 54: stor.v1.Server.LabelsEntry
-	nil,                             // 55: stor.v1.Topology.SegmentsEntry
-	nil,                             // 56: stor.v1.Volume.ParametersEntry
-	nil,                             // 57: stor.v1.CreateVolumeRequest.ParametersEntry
+	(ServerState)(0),                  // 0: stor.v1.ServerState
+	(VolumeState)(0),                  // 1: stor.v1.VolumeState
+	(ReplicaState)(0),                 // 2: stor.v1.ReplicaState
+	(AccessMode)(0),                   // 3: stor.v1.AccessMode
+	(SnapshotReplicaState)(0),         // 4: stor.v1.SnapshotReplicaState
+	(Suffrage)(0),                     // 5: stor.v1.Suffrage
+	(*Server)(nil),                    // 6: stor.v1.Server
+	(*Replica)(nil),                   // 7: stor.v1.Replica
+	(*Attachment)(nil),                // 8: stor.v1.Attachment
+	(*ContentSource)(nil),             // 9: stor.v1.ContentSource
+	(*Topology)(nil),                  // 10: stor.v1.Topology
+	(*TopologyRequirement)(nil),       // 11: stor.v1.TopologyRequirement
+	(*Volume)(nil),                    // 12: stor.v1.Volume
+	(*SnapshotReplica)(nil),           // 13: stor.v1.SnapshotReplica
+	(*Snapshot)(nil),                  // 14: stor.v1.Snapshot
+	(*JoinRequest)(nil),               // 15: stor.v1.JoinRequest
+	(*JoinResponse)(nil),              // 16: stor.v1.JoinResponse
+	(*LeaveRequest)(nil),              // 17: stor.v1.LeaveRequest
+	(*LeaveResponse)(nil),             // 18: stor.v1.LeaveResponse
+	(*StatusRequest)(nil),             // 19: stor.v1.StatusRequest
+	(*Member)(nil),                    // 20: stor.v1.Member
+	(*StatusResponse)(nil),            // 21: stor.v1.StatusResponse
+	(*ListServersRequest)(nil),        // 22: stor.v1.ListServersRequest
+	(*ListServersResponse)(nil),       // 23: stor.v1.ListServersResponse
+	(*HeartbeatRequest)(nil),          // 24: stor.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),         // 25: stor.v1.HeartbeatResponse
+	(*CreateVolumeRequest)(nil),       // 26: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),      // 27: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                 // 28: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),          // 29: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),         // 30: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),        // 31: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),       // 32: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),       // 33: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),      // 34: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),       // 35: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),      // 36: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),       // 37: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),      // 38: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),       // 39: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),      // 40: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),    // 41: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),   // 42: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),     // 43: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),    // 44: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),  // 45: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil), // 46: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),        // 47: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),               // 48: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),     // 49: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),    // 50: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),               // 51: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),        // 52: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),       // 53: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),      // 54: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),     // 55: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),     // 56: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),    // 57: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),  // 58: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil), // 59: stor.v1.RecordSnapshotCutResponse
+	nil,                               // 60: stor.v1.Server.LabelsEntry
+	nil,                               // 61: stor.v1.Topology.SegmentsEntry
+	nil,                               // 62: stor.v1.Volume.ParametersEntry
+	nil,                               // 63: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	54, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	60, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
 	2,  // 2: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 3: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	55, // 4: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
-	9,  // 5: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
-	9,  // 6: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	56, // 7: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
-	8,  // 8: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
+	61, // 4: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	10, // 5: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
+	10, // 6: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
+	62, // 7: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	9,  // 8: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 9: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
-	7,  // 10: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
-	6,  // 11: stor.v1.Volume.replicas:type_name -> stor.v1.Replica
-	10, // 12: stor.v1.Volume.accessibility:type_name -> stor.v1.TopologyRequirement
-	5,  // 13: stor.v1.JoinRequest.server:type_name -> stor.v1.Server
-	4,  // 14: stor.v1.Member.suffrage:type_name -> stor.v1.Suffrage
-	0,  // 15: stor.v1.Member.state:type_name -> stor.v1.ServerState
-	18, // 16: stor.v1.StatusResponse.members:type_name -> stor.v1.Member
-	5,  // 17: stor.v1.ListServersResponse.servers:type_name -> stor.v1.Server
-	5,  // 18: stor.v1.HeartbeatRequest.server:type_name -> stor.v1.Server
-	57, // 19: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
-	8,  // 20: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
-	10, // 21: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
-	11, // 22: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	26, // 23: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	11, // 24: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
-	11, // 25: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	26, // 26: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	26, // 27: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	11, // 28: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	26, // 29: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	3,  // 30: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
-	11, // 31: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	26, // 32: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	11, // 33: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
-	2,  // 34: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
-	11, // 35: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	26, // 36: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
-	11, // 37: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
-	26, // 38: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	11, // 39: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	12, // 40: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	47, // 41: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	12, // 42: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	12, // 43: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	47, // 44: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	13, // 45: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	15, // 46: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	17, // 47: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	20, // 48: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	22, // 49: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	24, // 50: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	27, // 51: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	29, // 52: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	31, // 53: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	33, // 54: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	35, // 55: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	37, // 56: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	43, // 57: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	39, // 58: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	41, // 59: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	45, // 60: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	48, // 61: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	50, // 62: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	52, // 63: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	14, // 64: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	16, // 65: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	19, // 66: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	21, // 67: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	23, // 68: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	25, // 69: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	28, // 70: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	30, // 71: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	32, // 72: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	34, // 73: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	36, // 74: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	38, // 75: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	44, // 76: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	40, // 77: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	42, // 78: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	46, // 79: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	49, // 80: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	51, // 81: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	53, // 82: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	64, // [64:83] is the sub-list for method output_type
-	45, // [45:64] is the sub-list for method input_type
-	45, // [45:45] is the sub-list for extension type_name
-	45, // [45:45] is the sub-list for extension extendee
-	0,  // [0:45] is the sub-list for field type_name
+	8,  // 10: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
+	7,  // 11: stor.v1.Volume.replicas:type_name -> stor.v1.Replica
+	11, // 12: stor.v1.Volume.accessibility:type_name -> stor.v1.TopologyRequirement
+	4,  // 13: stor.v1.SnapshotReplica.state:type_name -> stor.v1.SnapshotReplicaState
+	13, // 14: stor.v1.Snapshot.replicas:type_name -> stor.v1.SnapshotReplica
+	6,  // 15: stor.v1.JoinRequest.server:type_name -> stor.v1.Server
+	5,  // 16: stor.v1.Member.suffrage:type_name -> stor.v1.Suffrage
+	0,  // 17: stor.v1.Member.state:type_name -> stor.v1.ServerState
+	20, // 18: stor.v1.StatusResponse.members:type_name -> stor.v1.Member
+	6,  // 19: stor.v1.ListServersResponse.servers:type_name -> stor.v1.Server
+	6,  // 20: stor.v1.HeartbeatRequest.server:type_name -> stor.v1.Server
+	63, // 21: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	9,  // 22: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
+	11, // 23: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
+	12, // 24: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
+	28, // 25: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	12, // 26: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
+	12, // 27: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
+	28, // 28: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	28, // 29: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	12, // 30: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
+	28, // 31: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	3,  // 32: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
+	12, // 33: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
+	28, // 34: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	12, // 35: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
+	2,  // 36: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
+	12, // 37: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
+	28, // 38: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	12, // 39: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	12, // 40: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
+	28, // 41: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	12, // 42: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	14, // 43: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	51, // 44: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	14, // 45: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	14, // 46: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	51, // 47: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	14, // 48: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
+	15, // 49: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	17, // 50: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	19, // 51: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	22, // 52: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	24, // 53: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	26, // 54: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	29, // 55: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	31, // 56: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	33, // 57: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	35, // 58: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	37, // 59: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	39, // 60: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	47, // 61: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	41, // 62: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	43, // 63: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	45, // 64: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	49, // 65: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	52, // 66: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	54, // 67: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	56, // 68: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	58, // 69: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	16, // 70: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	18, // 71: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	21, // 72: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	23, // 73: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	25, // 74: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	27, // 75: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	30, // 76: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	32, // 77: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	34, // 78: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	36, // 79: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	38, // 80: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	40, // 81: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	48, // 82: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	42, // 83: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	44, // 84: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	46, // 85: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	50, // 86: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	53, // 87: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	55, // 88: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	57, // 89: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	59, // 90: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	70, // [70:91] is the sub-list for method output_type
+	49, // [49:70] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }
@@ -3651,8 +4134,8 @@ func file_control_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
-			NumEnums:      5,
-			NumMessages:   53,
+			NumEnums:      6,
+			NumMessages:   58,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -287,16 +287,17 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	VolumeService_CreateVolume_FullMethodName    = "/stor.v1.VolumeService/CreateVolume"
-	VolumeService_GetVolume_FullMethodName       = "/stor.v1.VolumeService/GetVolume"
-	VolumeService_ListVolumes_FullMethodName     = "/stor.v1.VolumeService/ListVolumes"
-	VolumeService_DeleteVolume_FullMethodName    = "/stor.v1.VolumeService/DeleteVolume"
-	VolumeService_ExpandVolume_FullMethodName    = "/stor.v1.VolumeService/ExpandVolume"
-	VolumeService_AttachVolume_FullMethodName    = "/stor.v1.VolumeService/AttachVolume"
-	VolumeService_DetachVolume_FullMethodName    = "/stor.v1.VolumeService/DetachVolume"
-	VolumeService_WatchVolume_FullMethodName     = "/stor.v1.VolumeService/WatchVolume"
-	VolumeService_SetReplicaState_FullMethodName = "/stor.v1.VolumeService/SetReplicaState"
-	VolumeService_ReplaceReplica_FullMethodName  = "/stor.v1.VolumeService/ReplaceReplica"
+	VolumeService_CreateVolume_FullMethodName      = "/stor.v1.VolumeService/CreateVolume"
+	VolumeService_GetVolume_FullMethodName         = "/stor.v1.VolumeService/GetVolume"
+	VolumeService_ListVolumes_FullMethodName       = "/stor.v1.VolumeService/ListVolumes"
+	VolumeService_DeleteVolume_FullMethodName      = "/stor.v1.VolumeService/DeleteVolume"
+	VolumeService_ExpandVolume_FullMethodName      = "/stor.v1.VolumeService/ExpandVolume"
+	VolumeService_AttachVolume_FullMethodName      = "/stor.v1.VolumeService/AttachVolume"
+	VolumeService_DetachVolume_FullMethodName      = "/stor.v1.VolumeService/DetachVolume"
+	VolumeService_WatchVolume_FullMethodName       = "/stor.v1.VolumeService/WatchVolume"
+	VolumeService_SetReplicaState_FullMethodName   = "/stor.v1.VolumeService/SetReplicaState"
+	VolumeService_ReplaceReplica_FullMethodName    = "/stor.v1.VolumeService/ReplaceReplica"
+	VolumeService_RecordCloneCopied_FullMethodName = "/stor.v1.VolumeService/RecordCloneCopied"
 )
 
 // VolumeServiceClient is the client API for VolumeService service.
@@ -313,6 +314,7 @@ type VolumeServiceClient interface {
 	WatchVolume(ctx context.Context, in *WatchVolumeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[VolumeEvent], error)
 	SetReplicaState(ctx context.Context, in *SetReplicaStateRequest, opts ...grpc.CallOption) (*SetReplicaStateResponse, error)
 	ReplaceReplica(ctx context.Context, in *ReplaceReplicaRequest, opts ...grpc.CallOption) (*ReplaceReplicaResponse, error)
+	RecordCloneCopied(ctx context.Context, in *RecordCloneCopiedRequest, opts ...grpc.CallOption) (*RecordCloneCopiedResponse, error)
 }
 
 type volumeServiceClient struct {
@@ -432,6 +434,16 @@ func (c *volumeServiceClient) ReplaceReplica(ctx context.Context, in *ReplaceRep
 	return out, nil
 }
 
+func (c *volumeServiceClient) RecordCloneCopied(ctx context.Context, in *RecordCloneCopiedRequest, opts ...grpc.CallOption) (*RecordCloneCopiedResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RecordCloneCopiedResponse)
+	err := c.cc.Invoke(ctx, VolumeService_RecordCloneCopied_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // VolumeServiceServer is the server API for VolumeService service.
 // All implementations must embed UnimplementedVolumeServiceServer
 // for forward compatibility.
@@ -446,6 +458,7 @@ type VolumeServiceServer interface {
 	WatchVolume(*WatchVolumeRequest, grpc.ServerStreamingServer[VolumeEvent]) error
 	SetReplicaState(context.Context, *SetReplicaStateRequest) (*SetReplicaStateResponse, error)
 	ReplaceReplica(context.Context, *ReplaceReplicaRequest) (*ReplaceReplicaResponse, error)
+	RecordCloneCopied(context.Context, *RecordCloneCopiedRequest) (*RecordCloneCopiedResponse, error)
 	mustEmbedUnimplementedVolumeServiceServer()
 }
 
@@ -485,6 +498,9 @@ func (UnimplementedVolumeServiceServer) SetReplicaState(context.Context, *SetRep
 }
 func (UnimplementedVolumeServiceServer) ReplaceReplica(context.Context, *ReplaceReplicaRequest) (*ReplaceReplicaResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ReplaceReplica not implemented")
+}
+func (UnimplementedVolumeServiceServer) RecordCloneCopied(context.Context, *RecordCloneCopiedRequest) (*RecordCloneCopiedResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RecordCloneCopied not implemented")
 }
 func (UnimplementedVolumeServiceServer) mustEmbedUnimplementedVolumeServiceServer() {}
 func (UnimplementedVolumeServiceServer) testEmbeddedByValue()                       {}
@@ -680,6 +696,24 @@ func _VolumeService_ReplaceReplica_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _VolumeService_RecordCloneCopied_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RecordCloneCopiedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(VolumeServiceServer).RecordCloneCopied(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: VolumeService_RecordCloneCopied_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(VolumeServiceServer).RecordCloneCopied(ctx, req.(*RecordCloneCopiedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // VolumeService_ServiceDesc is the grpc.ServiceDesc for VolumeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -723,6 +757,10 @@ var VolumeService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "ReplaceReplica",
 			Handler:    _VolumeService_ReplaceReplica_Handler,
 		},
+		{
+			MethodName: "RecordCloneCopied",
+			Handler:    _VolumeService_RecordCloneCopied_Handler,
+		},
 	},
 	Streams: []grpc.StreamDesc{
 		{
@@ -735,10 +773,11 @@ var VolumeService_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	SnapshotService_CreateSnapshot_FullMethodName = "/stor.v1.SnapshotService/CreateSnapshot"
-	SnapshotService_GetSnapshot_FullMethodName    = "/stor.v1.SnapshotService/GetSnapshot"
-	SnapshotService_ListSnapshots_FullMethodName  = "/stor.v1.SnapshotService/ListSnapshots"
-	SnapshotService_DeleteSnapshot_FullMethodName = "/stor.v1.SnapshotService/DeleteSnapshot"
+	SnapshotService_CreateSnapshot_FullMethodName    = "/stor.v1.SnapshotService/CreateSnapshot"
+	SnapshotService_GetSnapshot_FullMethodName       = "/stor.v1.SnapshotService/GetSnapshot"
+	SnapshotService_ListSnapshots_FullMethodName     = "/stor.v1.SnapshotService/ListSnapshots"
+	SnapshotService_DeleteSnapshot_FullMethodName    = "/stor.v1.SnapshotService/DeleteSnapshot"
+	SnapshotService_RecordSnapshotCut_FullMethodName = "/stor.v1.SnapshotService/RecordSnapshotCut"
 )
 
 // SnapshotServiceClient is the client API for SnapshotService service.
@@ -749,6 +788,7 @@ type SnapshotServiceClient interface {
 	GetSnapshot(ctx context.Context, in *GetSnapshotRequest, opts ...grpc.CallOption) (*GetSnapshotResponse, error)
 	ListSnapshots(ctx context.Context, in *ListSnapshotsRequest, opts ...grpc.CallOption) (*ListSnapshotsResponse, error)
 	DeleteSnapshot(ctx context.Context, in *DeleteSnapshotRequest, opts ...grpc.CallOption) (*DeleteSnapshotResponse, error)
+	RecordSnapshotCut(ctx context.Context, in *RecordSnapshotCutRequest, opts ...grpc.CallOption) (*RecordSnapshotCutResponse, error)
 }
 
 type snapshotServiceClient struct {
@@ -799,6 +839,16 @@ func (c *snapshotServiceClient) DeleteSnapshot(ctx context.Context, in *DeleteSn
 	return out, nil
 }
 
+func (c *snapshotServiceClient) RecordSnapshotCut(ctx context.Context, in *RecordSnapshotCutRequest, opts ...grpc.CallOption) (*RecordSnapshotCutResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RecordSnapshotCutResponse)
+	err := c.cc.Invoke(ctx, SnapshotService_RecordSnapshotCut_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // SnapshotServiceServer is the server API for SnapshotService service.
 // All implementations must embed UnimplementedSnapshotServiceServer
 // for forward compatibility.
@@ -807,6 +857,7 @@ type SnapshotServiceServer interface {
 	GetSnapshot(context.Context, *GetSnapshotRequest) (*GetSnapshotResponse, error)
 	ListSnapshots(context.Context, *ListSnapshotsRequest) (*ListSnapshotsResponse, error)
 	DeleteSnapshot(context.Context, *DeleteSnapshotRequest) (*DeleteSnapshotResponse, error)
+	RecordSnapshotCut(context.Context, *RecordSnapshotCutRequest) (*RecordSnapshotCutResponse, error)
 	mustEmbedUnimplementedSnapshotServiceServer()
 }
 
@@ -828,6 +879,9 @@ func (UnimplementedSnapshotServiceServer) ListSnapshots(context.Context, *ListSn
 }
 func (UnimplementedSnapshotServiceServer) DeleteSnapshot(context.Context, *DeleteSnapshotRequest) (*DeleteSnapshotResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DeleteSnapshot not implemented")
+}
+func (UnimplementedSnapshotServiceServer) RecordSnapshotCut(context.Context, *RecordSnapshotCutRequest) (*RecordSnapshotCutResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RecordSnapshotCut not implemented")
 }
 func (UnimplementedSnapshotServiceServer) mustEmbedUnimplementedSnapshotServiceServer() {}
 func (UnimplementedSnapshotServiceServer) testEmbeddedByValue()                         {}
@@ -922,6 +976,24 @@ func _SnapshotService_DeleteSnapshot_Handler(srv interface{}, ctx context.Contex
 	return interceptor(ctx, in, info, handler)
 }
 
+func _SnapshotService_RecordSnapshotCut_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RecordSnapshotCutRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(SnapshotServiceServer).RecordSnapshotCut(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: SnapshotService_RecordSnapshotCut_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(SnapshotServiceServer).RecordSnapshotCut(ctx, req.(*RecordSnapshotCutRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // SnapshotService_ServiceDesc is the grpc.ServiceDesc for SnapshotService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -944,6 +1016,10 @@ var SnapshotService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "DeleteSnapshot",
 			Handler:    _SnapshotService_DeleteSnapshot_Handler,
+		},
+		{
+			MethodName: "RecordSnapshotCut",
+			Handler:    _SnapshotService_RecordSnapshotCut_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

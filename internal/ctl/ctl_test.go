@@ -774,3 +774,47 @@ func TestReplicaCommands(t *testing.T) {
 		t.Fatalf("remove without a replica id: exit %d", r.code)
 	}
 }
+
+func TestVolumeCreateClone(t *testing.T) {
+	f := newFake(t)
+	out := mustRun(t, "--server", f.addr, "-o", "json", "volume", "create", "restore", "--from-snapshot", "nightly")
+	got := f.volumes.creates[len(f.volumes.creates)-1]
+	if got.GetContentSource().GetSnapshotId() != "snap-1" || got.GetSizeBytes() != 10<<30 {
+		t.Fatalf("clone from snapshot: request %v; want snapshot snap-1 and the snapshot's size", got)
+	}
+	var v storpb.Volume
+	if err := protojson.Unmarshal([]byte(out), &v); err != nil || v.GetName() != "restore" {
+		t.Fatalf("-o json output %q: %v", out, err)
+	}
+
+	mustRun(t, "--server", f.addr, "volume", "create", "copy", "--from-volume", "db", "--size", "20GiB")
+	got = f.volumes.creates[len(f.volumes.creates)-1]
+	if got.GetContentSource().GetVolumeId() != "vol-1" || got.GetSizeBytes() != 20<<30 {
+		t.Fatalf("clone from volume: request %v; want volume vol-1 and 20 GiB", got)
+	}
+
+	n := len(f.volumes.creates)
+	if r := run(t, "--server", f.addr, "volume", "create", "x", "--from-volume", "db", "--from-snapshot", "nightly"); r.code != 2 {
+		t.Fatalf("both sources: exit %d, stderr %q; want a usage error", r.code, r.stderr)
+	}
+	if r := run(t, "--server", f.addr, "volume", "create", "x", "--from-snapshot", "gone"); r.code != 1 || !strings.Contains(r.stderr, `"gone" not found`) {
+		t.Fatalf("unknown snapshot: exit %d, stderr %q", r.code, r.stderr)
+	}
+	if len(f.volumes.creates) != n {
+		t.Fatalf("CreateVolume was called for a refused clone")
+	}
+}
+
+func TestSnapshotShowsWhyNotReady(t *testing.T) {
+	f := newFake(t)
+	f.snapshots.snapshots[1].StatusMessage = "waiting for replicas to cut the snapshot: r-5 (server s2)"
+	f.snapshots.snapshots[1].Replicas = []*storpb.SnapshotReplica{
+		{ReplicaId: "r-4", ServerId: "s1", State: storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT},
+		{ReplicaId: "r-5", ServerId: "s2", State: storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING},
+	}
+	out := mustRun(t, "--server", f.addr, "snapshot", "get", "pre-upgrade")
+	assertCells(t, out, "READY:", "no")
+	if !strings.Contains(out, "waiting for replicas to cut the snapshot: r-5 (server s2)") || !strings.Contains(out, "r-4=cut r-5=pending") {
+		t.Fatalf("snapshot get does not say why it is not ready:\n%s", out)
+	}
+}

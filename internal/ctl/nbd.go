@@ -85,7 +85,7 @@ needs --allow-remote.
 				return err
 			}
 			defer c.Close()
-			cfg.Control = engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster}
+			cfg.Control = engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots}
 			cfg.Connect = engine.WireConnector(wire.ClientConfig{})
 			cfg.Timeout = a.timeout
 			cfg.Stdout = a.stdout

@@ -102,7 +102,7 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 				return err
 			}
 			defer c.Close()
-			cfg.Control = engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster}
+			cfg.Control = engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots}
 			cfg.Connect = engine.WireConnector(wire.ClientConfig{})
 			cfg.Timeout = a.timeout
 			cfg.Stdout = a.stdout

@@ -3,6 +3,7 @@ package ctl
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -109,8 +110,12 @@ func newSnapshotListCommand(a *app) *cobra.Command {
 				}
 				t := newTable(a.stdout, "NAME", "ID", "VOLUME ID", "SIZE", "READY", "CREATED")
 				for _, s := range all.GetSnapshots() {
+					ready := yesNo(s.GetReadyToUse())
+					if s.GetFailed() {
+						ready = "failed"
+					}
 					t.row(s.GetName(), s.GetId(), s.GetVolumeId(), bytesize.Format(s.GetSizeBytes()),
-						yesNo(s.GetReadyToUse()), formatTime(s.GetCreatedUnixNano()))
+						ready, formatTime(s.GetCreatedUnixNano()))
 				}
 				return t.flush()
 			})
@@ -175,8 +180,20 @@ func (a *app) printSnapshot(s *storpb.Snapshot) error {
 		field{"VOLUME ID", s.GetVolumeId()},
 		field{"SIZE", bytesize.Format(s.GetSizeBytes())},
 		field{"READY", yesNo(s.GetReadyToUse())},
+		field{"STATUS", orDash(s.GetStatusMessage())},
+		field{"REPLICAS", snapshotReplicas(s)},
 		field{"CREATED", formatTime(s.GetCreatedUnixNano())},
 	)
+}
+
+// snapshotReplicas lists each replica's cut state: "r1=cut r2=pending".
+func snapshotReplicas(s *storpb.Snapshot) string {
+	var parts []string
+	for _, r := range s.GetReplicas() {
+		st := strings.ToLower(strings.TrimPrefix(r.GetState().String(), "SNAPSHOT_REPLICA_STATE_"))
+		parts = append(parts, r.GetReplicaId()+"="+st)
+	}
+	return orDash(strings.Join(parts, " "))
 }
 
 func yesNo(b bool) string {

@@ -45,6 +45,8 @@ func newVolumeCreateCommand(a *app) *cobra.Command {
 		params   []string
 		zones    []string
 		node     string
+		fromSnap string
+		fromVol  string
 	)
 	cmd := &cobra.Command{
 		Use:   "create NAME --size SIZE",
@@ -54,17 +56,31 @@ the existing volume.
 
 SIZE is bytes or a number with a unit: B, KiB, MiB, GiB, TiB, PiB (binary) or
 KB, MB, GB, TB (decimal), e.g. 10GiB or 1.5TiB. The server rounds it up to a
-multiple of 4096.`,
+multiple of 4096.
+
+With --from-snapshot or --from-volume the volume is a clone: the servers fill
+its replicas from the snapshot (a volume source is snapshotted implicitly, so
+the copy is consistent), and it cannot be attached until the copy is done
+(its state is CREATING until then). --size defaults to the source's size.`,
 		Example: `  stor-ctl volume create db --size 10GiB
-  stor-ctl volume create logs --size 500GB --replicas 2 --zone a --zone b --param fs=xfs`,
+  stor-ctl volume create logs --size 500GB --replicas 2 --zone a --zone b --param fs=xfs
+  stor-ctl volume create db-restore --from-snapshot db-nightly
+  stor-ctl volume create db-copy --from-volume db --size 20GiB`,
 		Args: exactArgs("NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if !cmd.Flags().Changed("size") {
+			if fromSnap != "" && fromVol != "" {
+				return usageErrorf("volume create: --from-snapshot and --from-volume exclude each other")
+			}
+			clone := fromSnap != "" || fromVol != ""
+			if !cmd.Flags().Changed("size") && !clone {
 				return usageErrorf("volume create: --size is required")
 			}
-			sizeBytes, err := bytesize.Parse(size)
-			if err != nil {
-				return usageErrorf("--size: %v", err)
+			var sizeBytes uint64
+			if cmd.Flags().Changed("size") {
+				var err error
+				if sizeBytes, err = bytesize.Parse(size); err != nil {
+					return usageErrorf("--size: %v", err)
+				}
 			}
 			parameters, err := parseParams(params)
 			if err != nil {
@@ -78,6 +94,9 @@ multiple of 4096.`,
 				Accessibility: topology(zones, node),
 			}
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				if err := cloneSource(ctx, c, req, fromSnap, fromVol); err != nil {
+					return err
+				}
 				resp, err := c.Volumes.CreateVolume(ctx, req)
 				if err != nil {
 					return err
@@ -87,12 +106,42 @@ multiple of 4096.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&size, "size", "", "volume size, e.g. 10GiB (required)")
+	f.StringVar(&size, "size", "", "volume size, e.g. 10GiB (required unless cloning)")
+	f.StringVar(&fromSnap, "from-snapshot", "", "clone: fill the volume from this snapshot (a name)")
+	f.StringVar(&fromVol, "from-volume", "", "clone: fill the volume from this volume's current contents (a name)")
 	f.Uint32Var(&replicas, "replicas", 0, "number of replicas (default: the server's default, 3)")
 	f.StringArrayVar(&params, "param", nil, "volume parameter key=value (repeatable)")
 	f.StringArrayVar(&zones, "zone", nil, "place replicas only in this zone (repeatable: any of them)")
 	f.StringVar(&node, "node", "", "preferred server for the first replica (data locality)")
 	return cmd
+}
+
+// cloneSource resolves --from-snapshot or --from-volume (names) into the
+// request's content source, and defaults its size to the source's.
+func cloneSource(ctx context.Context, c *client.Client, req *storpb.CreateVolumeRequest, fromSnap, fromVol string) error {
+	var srcSize uint64
+	switch {
+	case fromSnap != "":
+		resp, err := c.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Name: fromSnap}})
+		if err != nil {
+			return fmt.Errorf("--from-snapshot %s: %w", fromSnap, err)
+		}
+		req.ContentSource = &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: resp.GetSnapshot().GetId()}}
+		srcSize = resp.GetSnapshot().GetSizeBytes()
+	case fromVol != "":
+		resp, err := c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: fromVol}})
+		if err != nil {
+			return fmt.Errorf("--from-volume %s: %w", fromVol, err)
+		}
+		req.ContentSource = &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: resp.GetVolume().GetId()}}
+		srcSize = resp.GetVolume().GetSizeBytes()
+	default:
+		return nil
+	}
+	if req.SizeBytes == 0 {
+		req.SizeBytes = srcSize
+	}
+	return nil
 }
 
 // parseParams turns repeated key=value flags into a map.

@@ -28,7 +28,9 @@ import (
 //     caught up with the leader (a lagging view must not delete data);
 //   - rebuilds this server's rebuilding replicas of detached volumes (an
 //     attached volume's engine rebuilds its own, since it also sends the
-//     target every new write).
+//     target every new write);
+//   - cuts snapshots of detached volumes, fills clones' replicas, and
+//     merges deleted snapshots' layers (snapshots.go).
 type dataPlane struct {
 	s     *Server
 	store *replica.Store
@@ -37,6 +39,7 @@ type dataPlane struct {
 
 	mu         sync.Mutex
 	rebuilding map[string]bool // replica ids with a detached rebuild running
+	tasks      map[string]bool // snapshot cuts, clone copies and merges running (snapshots.go)
 
 	wg sync.WaitGroup
 }
@@ -50,7 +53,7 @@ func (s *Server) startDataPlane() error {
 	for id, derr := range store.Damaged() {
 		s.logger.Error("damaged replica left in place for inspection", "replica", id, "err", derr)
 	}
-	d := &dataPlane{s: s, store: store, rebuilding: map[string]bool{}}
+	d := &dataPlane{s: s, store: store, rebuilding: map[string]bool{}, tasks: map[string]bool{}}
 	d.lis = cfg.DataListener
 	if d.lis == nil {
 		if d.lis, err = net.Listen("tcp", cfg.DataListen); err != nil {
@@ -144,6 +147,7 @@ func (d *dataPlane) reconcile() {
 			d.startRebuild(p.vol, p.rep)
 		}
 	}
+	d.reconcileSnapshots(desired)
 	var stale []*replica.Replica
 	for _, r := range d.store.List() {
 		if _, ok := desired[r.ID()]; !ok {

@@ -177,6 +177,16 @@ func (v *volumeService) ReplaceReplica(ctx context.Context, req *storpb.ReplaceR
 	return &storpb.ReplaceReplicaResponse{Volume: vol}, nil
 }
 
+// RecordCloneCopied records that a clone's replica holds its full copy.
+func (v *volumeService) RecordCloneCopied(ctx context.Context, req *storpb.RecordCloneCopiedRequest) (*storpb.RecordCloneCopiedResponse, error) {
+	vol, err := v.s.store.RecordCloneCopied(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	v.s.logger.Info("clone replica copied", "volume", vol.Name, "replica", req.ReplicaId, "state", vol.State)
+	return &storpb.RecordCloneCopiedResponse{Volume: vol}, nil
+}
+
 // WatchVolume streams the volume's committed changes as this server
 // applies them. It is served by any server from its own state machine:
 // the stream starts from a state that includes every change the leader had
@@ -267,6 +277,17 @@ func (n *snapshotService) ListSnapshots(ctx context.Context, req *storpb.ListSna
 
 func (n *snapshotService) DeleteSnapshot(ctx context.Context, req *storpb.DeleteSnapshotRequest) (*storpb.DeleteSnapshotResponse, error) {
 	return &storpb.DeleteSnapshotResponse{}, n.s.store.DeleteSnapshot(ctx, req.Snapshot)
+}
+
+// RecordSnapshotCut records the cuts (and misses) the data path made.
+func (n *snapshotService) RecordSnapshotCut(ctx context.Context, req *storpb.RecordSnapshotCutRequest) (*storpb.RecordSnapshotCutResponse, error) {
+	snap, err := n.s.store.RecordSnapshotCut(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	n.s.logger.Info("snapshot cuts recorded", "snapshot", snap.Name, "cut", req.CutReplicaIds, "missed", req.MissedReplicaIds,
+		"ready", snap.ReadyToUse, "status", snap.StatusMessage)
+	return &storpb.RecordSnapshotCutResponse{Snapshot: snap}, nil
 }
 
 // catchUp waits until this server's state machine has applied everything

@@ -36,7 +36,7 @@ func (c *Cluster) EngineConfig(volume, node string) engine.Config {
 	cl := c.Dial()
 	return engine.Config{
 		Volume: volume, NodeID: node,
-		Control:   engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+		Control:   engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster, Snapshots: cl.Snapshots},
 		Connect:   engine.WireConnector(wire.ClientConfig{}),
 		IOTimeout: 3 * time.Second,
 		Logger:    c.log.logger.With("engine", node),
@@ -127,4 +127,60 @@ func checksum(ctx context.Context, addr, replicaID string, epoch, size uint64) (
 		sum.Write(p)
 	}
 	return hex.EncodeToString(sum.Sum(nil)), nil
+}
+
+// ReadSnapshot reads snapshot layer layer (replica.LayerName of the
+// snapshot and its cut epoch) in full from replica replicaID of volume
+// volumeID over the data protocol (the snapshot read path), at the
+// volume's current epoch: size bytes (the snapshot's size). It does not
+// consult the snapshot's record: a layer that is gone is an error wrapping
+// replica.ErrNotFound.
+func (c *Cluster) ReadSnapshot(volumeID, layer, replicaID string, size uint64) ([]byte, error) {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cl := c.Dial()
+	v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
+	if err != nil {
+		return nil, err
+	}
+	servers, err := cl.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	if err != nil {
+		return nil, err
+	}
+	var addr string
+	for _, r := range v.Volume.Replicas {
+		for _, srv := range servers.Servers {
+			if r.Id == replicaID && srv.Id == r.ServerId {
+				addr = srv.DataAddress
+			}
+		}
+	}
+	if addr == "" {
+		return nil, fmt.Errorf("servertest: volume %s has no replica %s", volumeID, replicaID)
+	}
+	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	h, err := conn.Open(ctx, replicaID, v.Volume.Epoch)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close(ctx)
+	out := make([]byte, size)
+	for off := uint64(0); off < size; off += replica.MaxIO {
+		p := out[off:min(size, off+replica.MaxIO)]
+		if err := h.ReadSnapshotAt(ctx, replica.Op{Epoch: v.Volume.Epoch}, layer, p, int64(off)); err != nil {
+			return nil, fmt.Errorf("read snapshot layer %s of %s at %d: %w", layer, replicaID, off, err)
+		}
+	}
+	return out, nil
+}
+
+// Digest is the SHA-256 of p in the form Checksums reports.
+func Digest(p []byte) string {
+	sum := sha256.Sum256(p)
+	return hex.EncodeToString(sum[:])
 }

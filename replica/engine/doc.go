@@ -40,7 +40,8 @@
 //
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the
-// replicas, and changes to the replica set update the write set.
+// replicas, changes to the replica set update the write set, and pending
+// snapshots are cut with writes held (snapshot.go).
 //
 // # Concurrency
 //

@@ -55,6 +55,9 @@ type Connector func(ctx context.Context, dataAddr, replicaID string, epoch uint6
 type ControlPlane struct {
 	Volumes storpb.VolumeServiceClient
 	Cluster storpb.ClusterServiceClient
+	// Snapshots is how the engine records the snapshots it cuts; without
+	// it, snapshots of the attached volume stay pending (snapshot.go).
+	Snapshots storpb.SnapshotServiceClient
 }
 
 // Config configures Open.
@@ -128,6 +131,10 @@ type Engine struct {
 	inflightMu sync.Mutex
 	inflight   map[*pending]struct{}
 
+	// quiesce is held shared by every write from beginWrite to endWrite
+	// and exclusively by a snapshot cut (snapshot.go).
+	quiesce sync.RWMutex
+
 	// mu guards the write set and the generation. Requests copy the set
 	// under mu and release it before doing I/O.
 	mu         sync.Mutex
@@ -136,6 +143,8 @@ type Engine struct {
 	generation uint64
 	servers    map[string]*storpb.Server // server id -> server, for data addresses
 	last       *storpb.Volume            // the latest committed state seen on the watch
+	cutting    bool                      // a snapshot cut goroutine runs (snapshot.go)
+	cutAgain   bool                      // the volume changed while it ran: look again
 
 	// faultMu serialises reports to the control plane so one failing
 	// replica is reported once.
@@ -389,6 +398,7 @@ func (e *Engine) usable() error {
 type pending struct{ done chan struct{} }
 
 func (e *Engine) beginWrite() *pending {
+	e.quiesce.RLock()
 	p := &pending{done: make(chan struct{})}
 	e.inflightMu.Lock()
 	e.inflight[p] = struct{}{}
@@ -401,6 +411,7 @@ func (e *Engine) endWrite(p *pending) {
 	delete(e.inflight, p)
 	e.inflightMu.Unlock()
 	close(p.done)
+	e.quiesce.RUnlock()
 }
 
 // waitWrites waits for every write that began before it was called.

@@ -83,6 +83,7 @@ func (e *Engine) onVolume(v *storpb.Volume) {
 	e.applyVolume(v)
 	e.addNewReplicas(v)
 	e.startRebuilds()
+	e.cutSnapshots(v)
 }
 
 // grow grows every replica, then the engine: no write may reach past the

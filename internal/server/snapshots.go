@@ -1,0 +1,350 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/raftstore"
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// The data plane's share of snapshots and clones, run by every reconcile
+// for this server's replicas (see raftstore/snapshot.go for the records):
+//
+//   - cut: a snapshot pending on a local replica of a detached volume is
+//     cut here and recorded. If another replica already cut at an older
+//     epoch (the volume was attached since, so it may have been written),
+//     the replica is recorded as missed instead. An attached volume's
+//     engine cuts its replicas itself, with writes held.
+//   - copy: a local replica of a clone (CREATING) whose source snapshot is
+//     ready is filled from a replica that holds the snapshot's layer,
+//     pulled over the replica data protocol (extents, then snapshot reads;
+//     all-zero chunks become WRITE_ZEROES so the copy stays sparse),
+//     flushed, and recorded with RecordCloneCopied.
+//   - merge: a local snapshot layer (named replica.LayerName(snapshot, cut
+//     epoch)) whose record is gone (deleted), whose record says this
+//     replica missed it, or that was cut at another epoch than the
+//     snapshot's recorded cuts, is deleted, which merges it into the layer
+//     above. A layer whose record this server cannot find is merged only
+//     once this server has caught up with the leader.
+//
+// Each task runs in its own goroutine, at most one per key; a failed task
+// is retried by a later reconcile.
+
+// snapshotWork is one reconcile's view of the snapshots.
+type snapshotWork struct {
+	snaps   map[string]*storpb.Snapshot
+	vols    map[string]*storpb.Volume
+	servers map[string]*storpb.Server
+}
+
+func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
+	w := snapshotWork{snaps: map[string]*storpb.Snapshot{}, vols: map[string]*storpb.Volume{}, servers: map[string]*storpb.Server{}}
+	err := d.s.store.View(func(r *raftstore.Reader) error {
+		snaps, _, err := r.Snapshots("", "", 0)
+		if err != nil {
+			return err
+		}
+		for _, s := range snaps {
+			w.snaps[s.Id] = s
+		}
+		vols, _, err := r.Volumes("", 0)
+		if err != nil {
+			return err
+		}
+		for _, v := range vols {
+			w.vols[v.Id] = v
+		}
+		srvs, err := r.Servers()
+		for _, s := range srvs {
+			w.servers[s.Id] = s
+		}
+		return err
+	})
+	if err != nil {
+		d.s.logger.Warn("read snapshots", "err", err)
+		return
+	}
+	type layerRef struct{ replica, layer, snapshot string }
+	var unknown []layerRef // local layers with no record in our view
+	for id, p := range desired {
+		v, rep := p.vol, p.rep
+		for _, sid := range v.PendingSnapshotIds {
+			s := w.snaps[sid]
+			if s == nil || snapshotEntry(s, id) != storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING || v.Attachment != nil {
+				continue
+			}
+			d.runTask("cut/"+id+"/"+sid, func() error { return d.cutDetached(v, s, id) })
+		}
+		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && !slices.Contains(v.CloneDoneReplicaIds, id) {
+			if s := w.snaps[v.CloneSnapshotId]; s != nil && s.ReadyToUse {
+				d.runTask("clone/"+id, func() error { return d.copyClone(v, rep, s, w) })
+			}
+		}
+		r, err := d.store.Get(id)
+		if err != nil {
+			continue
+		}
+		for _, layer := range r.Snapshots() {
+			sid, epoch, ok := replica.ParseLayerName(layer)
+			if !ok {
+				continue // not a layer the cluster named
+			}
+			s := w.snaps[sid]
+			if s == nil {
+				unknown = append(unknown, layerRef{id, layer, sid})
+				continue
+			}
+			if why := strayLayer(s, v, id, epoch); why != "" {
+				d.runTask("merge/"+id+"/"+layer, func() error { return d.mergeLayer(r, layer, why) })
+			}
+		}
+	}
+	if len(unknown) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(d.s.ctx, 5*time.Second)
+	defer cancel()
+	if err := d.s.catchUp(ctx); err != nil {
+		return // not sure our view is current: keep the layers for now
+	}
+	for _, l := range unknown {
+		rid, sid, layer := l.replica, l.snapshot, l.layer
+		err := d.s.store.View(func(rd *raftstore.Reader) error {
+			_, err := rd.Snapshot(sid)
+			return err
+		})
+		if !errors.Is(err, raftstore.ErrNotFound) {
+			continue
+		}
+		r, err := d.store.Get(rid)
+		if err != nil {
+			continue
+		}
+		d.runTask("merge/"+rid+"/"+layer, func() error { return d.mergeLayer(r, layer, "the snapshot was deleted") })
+	}
+}
+
+// strayLayer says why local layer (snapshot s cut at epoch) of replica id
+// of volume v is not the snapshot's and must be merged, or "" to keep it:
+// the replica missed the snapshot or is not in it; the snapshot's cuts are
+// at another epoch; or the replica is still pending but the layer was cut
+// at an epoch the volume has left (that cut can no longer be recorded).
+func strayLayer(s *storpb.Snapshot, v *storpb.Volume, id string, epoch uint64) string {
+	switch snapshotEntry(s, id) {
+	case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT:
+		if epoch != s.CutEpoch {
+			return fmt.Sprintf("cut at epoch %d, the snapshot's cuts are at epoch %d", epoch, s.CutEpoch)
+		}
+	case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING:
+		if epoch < v.Epoch {
+			return fmt.Sprintf("cut at epoch %d, never recorded; the volume is at epoch %d", epoch, v.Epoch)
+		}
+	default:
+		return "this replica missed the snapshot"
+	}
+	return ""
+}
+
+// snapshotEntry is replica id's state in s (UNSPECIFIED: not listed).
+func snapshotEntry(s *storpb.Snapshot, id string) storpb.SnapshotReplicaState {
+	for _, r := range s.Replicas {
+		if r.ReplicaId == id {
+			return r.State
+		}
+	}
+	return storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_UNSPECIFIED
+}
+
+// runTask runs fn in a goroutine unless a task with the same key is
+// running. A failure is logged; a later reconcile retries.
+func (d *dataPlane) runTask(key string, fn func() error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.tasks[key] || d.s.ctx.Err() != nil {
+		return
+	}
+	d.tasks[key] = true
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		if err := fn(); err != nil && d.s.ctx.Err() == nil {
+			d.s.logger.Warn("snapshot task failed; will retry", "task", key, "err", err)
+			select { // back off before the next attempt
+			case <-d.s.ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+		d.mu.Lock()
+		delete(d.tasks, key)
+		d.mu.Unlock()
+	}()
+}
+
+// cutDetached cuts snapshot s on local replica id of detached volume v,
+// or records the replica as missed when it can no longer cut at the point
+// the others did.
+func (d *dataPlane) cutDetached(v *storpb.Volume, s *storpb.Snapshot, id string) error {
+	ctx, cancel := context.WithTimeout(d.s.ctx, 30*time.Second)
+	defer cancel()
+	snaps := storpb.NewSnapshotServiceClient(d.s.selfConn())
+	req := &storpb.RecordSnapshotCutRequest{SnapshotId: s.Id, Epoch: v.Epoch}
+	if raftstore.CutAllowed(s, v.Epoch) {
+		r, err := d.store.Get(id)
+		if err != nil {
+			return err
+		}
+		if err := r.CreateSnapshot(replica.Op{Epoch: v.Epoch, Generation: v.Generation}, replica.LayerName(s.Id, v.Epoch)); err != nil {
+			return fmt.Errorf("cut snapshot %s on %s: %w", s.Name, id, err)
+		}
+		req.CutReplicaIds = []string{id}
+	} else {
+		req.MissedReplicaIds = []string{id}
+		req.Reason = fmt.Sprintf("the volume was attached (epoch %d) after the other replicas cut at epoch %d", v.Epoch, s.CutEpoch)
+	}
+	snap, err := snaps.RecordSnapshotCut(ctx, req)
+	if err != nil {
+		return fmt.Errorf("record cut of %s on %s: %w", s.Name, id, err)
+	}
+	d.s.logger.Info("snapshot cut at the replica (detached volume)", "snapshot", s.Name, "replica", id,
+		"cut", len(req.CutReplicaIds) > 0, "ready", snap.Snapshot.ReadyToUse)
+	return nil
+}
+
+// mergeLayer deletes snapshot layer sid of r (merging it up).
+func (d *dataPlane) mergeLayer(r *replica.Replica, sid, why string) error {
+	if err := r.DeleteSnapshot(replica.Op{Epoch: r.Epoch()}, sid); err != nil && !errors.Is(err, replica.ErrNotFound) {
+		return fmt.Errorf("merge snapshot layer %s of %s: %w", sid, r.ID(), err)
+	}
+	d.s.logger.Info("snapshot layer merged", "replica", r.ID(), "snapshot", sid, "why", why)
+	return nil
+}
+
+// cloneExtents is how many extents one EXTENTS request of a copy asks for.
+const cloneExtents = 512
+
+// copyClone fills local replica rep of clone v from snapshot s.
+func (d *dataPlane) copyClone(v *storpb.Volume, rep *storpb.Replica, s *storpb.Snapshot, w snapshotWork) error {
+	ctx := d.s.ctx
+	src := w.vols[s.VolumeId]
+	if src == nil {
+		return fmt.Errorf("source volume %s of snapshot %s not found", s.VolumeId, s.Name)
+	}
+	// A replica that holds the layer: the local one first.
+	var sources []*storpb.Replica
+	for _, r := range src.Replicas {
+		if raftstore.SnapshotServes(s, r.Id) && !r.ServerRemoved {
+			sources = append(sources, r)
+		}
+	}
+	slices.SortStableFunc(sources, func(a, b *storpb.Replica) int {
+		return boolInt(b.ServerId == d.s.cfg.ID) - boolInt(a.ServerId == d.s.cfg.ID)
+	})
+	dst, err := d.store.Get(rep.Id)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, from := range sources {
+		srv := w.servers[from.ServerId]
+		if srv == nil {
+			continue
+		}
+		start := time.Now()
+		n, err := d.copyFrom(ctx, srv.DataAddress, from.Id, src.Epoch, s, dst, replica.Op{Epoch: v.Epoch, Generation: v.Generation})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("from %s: %w", from.Id, err))
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		_, err = storpb.NewVolumeServiceClient(d.s.selfConn()).RecordCloneCopied(cctx, &storpb.RecordCloneCopiedRequest{VolumeId: v.Id, ReplicaId: rep.Id})
+		cancel()
+		if err != nil {
+			return fmt.Errorf("record clone copy: %w", err)
+		}
+		d.s.logger.Info("clone replica filled", "volume", v.Name, "replica", rep.Id, "snapshot", s.Name,
+			"source", from.Id, "bytes", n, "took", time.Since(start).Round(time.Millisecond))
+		return nil
+	}
+	if len(errs) == 0 {
+		return fmt.Errorf("no replica of %s holds snapshot %s", src.Name, s.Name)
+	}
+	return errors.Join(errs...)
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// copyFrom copies snapshot s from replica srcID (on the server at addr,
+// opened at epoch) into dst, flushes dst, and returns the bytes copied.
+func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, epoch uint64, s *storpb.Snapshot, dst *replica.Replica, o replica.Op) (int64, error) {
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	conn, err := wire.Dial(dctx, "tcp", addr, wire.ClientConfig{Dial: d.s.cfg.Dial})
+	if err != nil {
+		cancel()
+		return 0, err
+	}
+	defer conn.Close()
+	h, err := conn.Open(dctx, srcID, epoch)
+	cancel()
+	if err != nil {
+		return 0, err
+	}
+	defer h.Close(context.Background())
+	so := replica.Op{Epoch: epoch}
+	layer := replica.LayerName(s.Id, s.CutEpoch)
+	buf := make([]byte, replica.MaxIO)
+	var copied int64
+	for from := int64(0); ; {
+		exts, err := h.Extents(ctx, so, layer, from, cloneExtents)
+		if err != nil {
+			return copied, fmt.Errorf("extents: %w", err)
+		}
+		for _, e := range exts {
+			for off := e.Off; off < e.Off+e.Len; {
+				n := min(int64(len(buf)), e.Off+e.Len-off)
+				p := buf[:n]
+				if err := h.ReadSnapshotAt(ctx, so, layer, p, off); err != nil {
+					return copied, fmt.Errorf("read at %d: %w", off, err)
+				}
+				if allZero(p) {
+					err = dst.WriteZeroes(o, off, n)
+				} else {
+					err = dst.WriteAt(o, p, off)
+				}
+				if err != nil {
+					return copied, fmt.Errorf("write at %d: %w", off, err)
+				}
+				copied += n
+				off += n
+			}
+		}
+		if len(exts) < cloneExtents {
+			break
+		}
+		last := exts[len(exts)-1]
+		from = last.Off + last.Len
+	}
+	if err := dst.Flush(o); err != nil {
+		return copied, fmt.Errorf("flush: %w", err)
+	}
+	return copied, nil
+}
+
+func allZero(p []byte) bool {
+	for _, b := range p {
+		if b != 0 {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,363 @@
+package raftstore
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// Snapshots and clones in the state machine (DESIGN.md "Snapshots,
+// clones, expansion"):
+//
+//   - CreateSnapshot records the snapshot with one PENDING entry per healthy
+//     replica of the volume and adds its id to the volume's
+//     pending_snapshot_ids, which reaches the attached engine through its
+//     watch (a volume change). The data path cuts the layers and reports
+//     through RecordSnapshotCut; the snapshot is ready when no replica is
+//     PENDING and at least one has CUT, failed when none could.
+//   - Every cut of one snapshot must be made at the same volume epoch (the
+//     first recorded cut fixes cut_epoch): writes need an attach, and an
+//     attach raises the epoch, so cuts at one epoch of a detached volume,
+//     or by one engine while it held writes, are cuts at the same point. A
+//     cut reported at another epoch is recorded as MISSED. On a replica the
+//     layer is named replica.LayerName(snapshot id, epoch of the cut), so a
+//     cut at one epoch is never taken for a cut at another (a stray layer
+//     is merged away by its server).
+//   - A clone (CreateVolume with a content source) starts CREATING with
+//     clone_snapshot_id naming what its replicas are filled from; a volume
+//     source is snapshotted implicitly (snapshot id "<clone id>-source").
+//     RecordCloneCopied marks replicas filled; the clone becomes AVAILABLE
+//     when all are, and its implicit snapshot is then deleted.
+
+const (
+	snapPending = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING
+	snapCut     = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT
+	snapMissed  = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED
+)
+
+// ImplicitSnapshotID is the id of the snapshot a clone from a volume takes.
+func ImplicitSnapshotID(cloneID string) string { return cloneID + "-source" }
+
+// SnapshotServes reports whether replica id holds snapshot s's layer (and
+// may serve it).
+func SnapshotServes(s *storpb.Snapshot, replicaID string) bool {
+	for _, r := range s.Replicas {
+		if r.ReplicaId == replicaID {
+			return r.State == snapCut
+		}
+	}
+	return false
+}
+
+// newSnapshot builds the record of a snapshot of v: PENDING on every
+// healthy replica. It writes nothing.
+func newSnapshot(at int64, id, name string, v *storpb.Volume) (*storpb.Snapshot, error) {
+	if v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+		return nil, fmt.Errorf("%w: volume %q is still being filled from its content source; snapshot it when the copy is done",
+			ErrFailedPrecondition, v.Name)
+	}
+	s := &storpb.Snapshot{Id: id, Name: name, VolumeId: v.Id, CreatedUnixNano: at, SizeBytes: v.SizeBytes}
+	for _, r := range v.Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && !r.ServerRemoved {
+			s.Replicas = append(s.Replicas, &storpb.SnapshotReplica{ReplicaId: r.Id, ServerId: r.ServerId, State: snapPending})
+		}
+	}
+	if len(s.Replicas) == 0 {
+		return nil, fmt.Errorf("%w: volume %q has no healthy replica to snapshot", ErrFailedPrecondition, v.Name)
+	}
+	resolveSnapshot(s)
+	return s, nil
+}
+
+// resolveSnapshot recomputes ready_to_use, failed and status_message from
+// the replicas' entries. It reports whether any replica is still pending.
+func resolveSnapshot(s *storpb.Snapshot) (pending bool) {
+	var waiting, missed []string
+	cut := 0
+	for _, r := range s.Replicas {
+		switch r.State {
+		case snapPending:
+			waiting = append(waiting, fmt.Sprintf("%s (server %s)", r.ReplicaId, r.ServerId))
+		case snapCut:
+			cut++
+		case snapMissed:
+			missed = append(missed, fmt.Sprintf("%s: %s", r.ReplicaId, r.Reason))
+		}
+	}
+	s.ReadyToUse, s.Failed = false, false
+	switch {
+	case len(waiting) > 0:
+		s.StatusMessage = "waiting for replicas to cut the snapshot: " + strings.Join(waiting, ", ")
+	case cut == 0:
+		s.Failed = true
+		s.StatusMessage = "no replica could cut the snapshot: " + strings.Join(missed, "; ")
+	default:
+		s.ReadyToUse = true
+		s.StatusMessage = ""
+	}
+	return len(waiting) > 0
+}
+
+func (w *writer) createSnapshot(at int64, id string, req *storpb.CreateSnapshotRequest) (proto.Message, error) {
+	if err := ValidateName("snapshot", req.Name); err != nil {
+		return nil, err
+	}
+	if req.VolumeId == "" {
+		return nil, fmt.Errorf("%w: snapshot %q: source volume id is empty", ErrInvalidArgument, req.Name)
+	}
+	if existing, err := w.SnapshotByRef(&storpb.SnapshotRef{Name: req.Name}); err == nil {
+		if existing.VolumeId != req.VolumeId {
+			return nil, fmt.Errorf("%w: snapshot %q exists for volume %q", ErrAlreadyExists, req.Name, existing.VolumeId)
+		}
+		return existing, nil
+	}
+	if id == "" {
+		return nil, fmt.Errorf("%w: create-snapshot without a new snapshot id", ErrCorrupt)
+	}
+	v, err := w.Volume(req.VolumeId)
+	if err != nil {
+		return nil, err
+	}
+	s, err := newSnapshot(at, id, req.Name, v)
+	if err != nil {
+		return nil, err
+	}
+	w.addSnapshot(s, v)
+	return s, nil
+}
+
+// addSnapshot stores a new snapshot record and names it pending on v.
+func (w *writer) addSnapshot(s *storpb.Snapshot, v *storpb.Volume) {
+	v.PendingSnapshotIds = append(v.PendingSnapshotIds, s.Id)
+	w.put(bucketSnapshots, s.Id, s)
+	w.putRaw(bucketSnapshotNames, s.Name, s.Id)
+	w.putVolume(v)
+}
+
+// putVolume stores v, changed as a side effect of a snapshot command, and
+// names it for the watchers (the attached engine learns of pending
+// snapshots this way).
+func (w *writer) putVolume(v *storpb.Volume) {
+	w.put(bucketVolumes, v.Id, v)
+	if !slices.Contains(w.lastTouched, v.Id) {
+		w.lastTouched = append(w.lastTouched, v.Id)
+	}
+}
+
+// removeSnapshot deletes a snapshot record and un-pends it on its volume
+// (v, when the caller holds it, else it is read).
+func (w *writer) removeSnapshot(s *storpb.Snapshot, v *storpb.Volume) error {
+	if v == nil {
+		var err error
+		if v, err = w.Volume(s.VolumeId); err != nil {
+			return err
+		}
+	}
+	if i := slices.Index(v.PendingSnapshotIds, s.Id); i >= 0 {
+		v.PendingSnapshotIds = slices.Delete(v.PendingSnapshotIds, i, i+1)
+		w.putVolume(v)
+	}
+	w.del(bucketSnapshots, s.Id)
+	w.del(bucketSnapshotNames, s.Name)
+	return nil
+}
+
+func (w *writer) deleteSnapshot(ref *storpb.SnapshotRef) (proto.Message, error) {
+	s, err := w.SnapshotByRef(ref)
+	if err != nil {
+		return nil, err
+	}
+	vols, _, err := w.Volumes("", 0)
+	if err != nil {
+		return nil, err
+	}
+	for _, v := range vols {
+		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == s.Id {
+			return nil, fmt.Errorf("%w: snapshot %q has clone %q still copying from it", ErrFailedPrecondition, s.Name, v.Name)
+		}
+	}
+	if err := w.removeSnapshot(s, nil); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// recordCut applies a data-path report of cuts (see the file comment).
+func (w *writer) recordCut(req *storpb.RecordSnapshotCutRequest) (proto.Message, error) {
+	s, err := w.Snapshot(req.SnapshotId)
+	if err != nil {
+		return nil, err
+	}
+	v, err := w.Volume(s.VolumeId)
+	if err != nil {
+		return nil, err
+	}
+	if len(req.CutReplicaIds) > 0 && req.Epoch != v.Epoch {
+		return nil, fmt.Errorf("%w: volume %q is at epoch %d, the cuts were made at %d", ErrStaleEpoch, v.Name, v.Epoch, req.Epoch)
+	}
+	for _, r := range s.Replicas {
+		if r.State != snapPending {
+			continue
+		}
+		switch {
+		case slices.Contains(req.CutReplicaIds, r.ReplicaId):
+			if !CutAllowed(s, req.Epoch) {
+				r.State = snapMissed
+				r.Reason = fmt.Sprintf("cut at epoch %d, after the volume was attached again (the other replicas cut at epoch %d)", req.Epoch, s.CutEpoch)
+				continue
+			}
+			r.State, s.CutEpoch = snapCut, req.Epoch
+		case slices.Contains(req.MissedReplicaIds, r.ReplicaId):
+			r.State, r.Reason = snapMissed, req.Reason
+		}
+	}
+	w.putResolved(s, v)
+	return s, nil
+}
+
+// putResolved stores s with its status recomputed, and takes it off v's
+// pending list once no replica is pending.
+func (w *writer) putResolved(s *storpb.Snapshot, v *storpb.Volume) {
+	if !resolveSnapshot(s) {
+		if i := slices.Index(v.PendingSnapshotIds, s.Id); i >= 0 {
+			v.PendingSnapshotIds = slices.Delete(v.PendingSnapshotIds, i, i+1)
+			w.putVolume(v)
+		}
+	}
+	w.put(bucketSnapshots, s.Id, s)
+}
+
+// missReplica marks replica id MISSED in every pending snapshot of v (it
+// was removed, so it will never cut). The caller stores v.
+func (w *writer) missReplica(v *storpb.Volume, id, reason string) error {
+	for _, sid := range slices.Clone(v.PendingSnapshotIds) {
+		s, err := w.Snapshot(sid)
+		if err != nil {
+			return err
+		}
+		for _, r := range s.Replicas {
+			if r.ReplicaId == id && r.State == snapPending {
+				r.State, r.Reason = snapMissed, reason
+			}
+		}
+		w.putResolved(s, v)
+	}
+	return nil
+}
+
+// cloneSource is what prepareClone found: the snapshot the clone is filled
+// from, and for a volume source the implicit snapshot to record.
+type cloneSource struct {
+	snapshotID string
+	implicit   *storpb.Snapshot
+	srcVolume  *storpb.Volume
+}
+
+// prepareClone validates a content source and returns how the clone is
+// filled (nil: no source). It writes nothing.
+func (w *writer) prepareClone(at int64, cloneID string, src *storpb.ContentSource, size uint64) (*cloneSource, error) {
+	switch s := src.GetSource().(type) {
+	case nil:
+		return nil, nil
+	case *storpb.ContentSource_SnapshotId:
+		snap, err := w.Snapshot(s.SnapshotId)
+		if err != nil {
+			return nil, fmt.Errorf("content source: %w", err)
+		}
+		if snap.Failed {
+			return nil, fmt.Errorf("%w: content source: snapshot %q failed: %s", ErrFailedPrecondition, snap.Name, snap.StatusMessage)
+		}
+		if size < snap.SizeBytes {
+			return nil, fmt.Errorf("%w: size %d is smaller than its content source (%d)", ErrInvalidArgument, size, snap.SizeBytes)
+		}
+		return &cloneSource{snapshotID: snap.Id}, nil
+	case *storpb.ContentSource_VolumeId:
+		vol, err := w.Volume(s.VolumeId)
+		if err != nil {
+			return nil, fmt.Errorf("content source: %w", err)
+		}
+		if size < vol.SizeBytes {
+			return nil, fmt.Errorf("%w: size %d is smaller than its content source (%d)", ErrInvalidArgument, size, vol.SizeBytes)
+		}
+		id := ImplicitSnapshotID(cloneID)
+		snap, err := newSnapshot(at, id, "clone-source-"+cloneID, vol)
+		if err != nil {
+			return nil, fmt.Errorf("content source: %w", err)
+		}
+		snap.ImplicitForVolumeId = cloneID
+		return &cloneSource{snapshotID: id, implicit: snap, srcVolume: vol}, nil
+	}
+	return nil, fmt.Errorf("%w: unknown content source", ErrInvalidArgument)
+}
+
+// startClone makes v a clone being filled from c (if any): CREATING, and
+// the implicit snapshot recorded.
+func (w *writer) startClone(v *storpb.Volume, c *cloneSource) {
+	if c == nil {
+		return
+	}
+	v.State = storpb.VolumeState_VOLUME_STATE_CREATING
+	v.CloneSnapshotId = c.snapshotID
+	if c.implicit != nil {
+		w.addSnapshot(c.implicit, c.srcVolume)
+	}
+}
+
+// dropImplicitSnapshot deletes the implicit snapshot a clone being
+// deleted (or done) was filled from.
+func (w *writer) dropImplicitSnapshot(v *storpb.Volume) error {
+	if v.CloneSnapshotId == "" {
+		return nil
+	}
+	s, err := w.Snapshot(v.CloneSnapshotId)
+	if err != nil || s.ImplicitForVolumeId != v.Id {
+		return nil // a user's snapshot, or already gone
+	}
+	return w.removeSnapshot(s, nil)
+}
+
+func (w *writer) recordCloneCopied(req *storpb.RecordCloneCopiedRequest) (proto.Message, error) {
+	v, err := w.Volume(req.VolumeId)
+	if err != nil {
+		return nil, err
+	}
+	if v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
+		return v, nil // already done
+	}
+	if findReplica(v, req.ReplicaId) == nil {
+		return nil, fmt.Errorf("%w: volume %q has no replica %q", ErrNotFound, v.Name, req.ReplicaId)
+	}
+	if !slices.Contains(v.CloneDoneReplicaIds, req.ReplicaId) {
+		v.CloneDoneReplicaIds = append(v.CloneDoneReplicaIds, req.ReplicaId)
+	}
+	done := true
+	for _, r := range v.Replicas {
+		if !r.ServerRemoved && !slices.Contains(v.CloneDoneReplicaIds, r.Id) {
+			done = false
+		}
+	}
+	if done {
+		if err := w.dropImplicitSnapshot(v); err != nil {
+			return nil, err
+		}
+		v.State = storpb.VolumeState_VOLUME_STATE_AVAILABLE
+	}
+	w.put(bucketVolumes, v.Id, v)
+	return v, nil
+}
+
+// CutAllowed reports whether a replica of s's volume may still cut s at
+// epoch: no replica has cut yet, or they cut at that same epoch (no write
+// can have happened in between). Otherwise the replica missed the cut.
+func CutAllowed(s *storpb.Snapshot, epoch uint64) bool {
+	for _, r := range s.Replicas {
+		if r.State == snapCut {
+			return s.CutEpoch == epoch
+		}
+	}
+	return true
+}

@@ -1,0 +1,170 @@
+package raftstore
+
+import (
+	"errors"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+func readSnapshot(t testing.TB, f *FSM, id string) *storpb.Snapshot {
+	t.Helper()
+	var s *storpb.Snapshot
+	if err := f.View(func(r *Reader) error {
+		var err error
+		s, err = r.Snapshot(id)
+		return err
+	}); err != nil {
+		t.Fatalf("snapshot %s: %v", id, err)
+	}
+	return s
+}
+
+func snapStates(s *storpb.Snapshot) map[string]storpb.SnapshotReplicaState {
+	m := map[string]storpb.SnapshotReplicaState{}
+	for _, r := range s.Replicas {
+		m[r.ReplicaId] = r.State
+	}
+	return m
+}
+
+func snapshotBase(t *testing.T) *FSM {
+	f := openTestFSM(t, "")
+	mustApply(t, f,
+		cmdInitCluster("c1"),
+		cmdRegisterServer("s1", "a", gib, nil),
+		cmdRegisterServer("s2", "b", gib, nil),
+		cmdRegisterServer("s3", "c", gib, nil),
+		cmdCreateVolume("vol-1", "pvc-1", mib, 3),
+	)
+	return f
+}
+
+// TestFSMSnapshotCutLifecycle: a snapshot is pending on every healthy
+// replica, named on its volume (which is what the engine's watch sees),
+// ready once every replica cut, and a cut at another epoch than the first
+// is recorded as missed.
+func TestFSMSnapshotCutLifecycle(t *testing.T) {
+	f := snapshotBase(t)
+	s := mustApply(t, f, cmdCreateSnapshot("snap-1", "vol-1", "snap-one"))[0].msg.(*storpb.Snapshot)
+	if s.ReadyToUse || s.Failed || len(s.Replicas) != 3 || !strings.Contains(s.StatusMessage, "vol-1-r3") {
+		t.Fatalf("new snapshot: %v", s)
+	}
+	if v := readVolume(t, f, "vol-1"); !slices.Equal(v.PendingSnapshotIds, []string{"snap-1"}) {
+		t.Fatalf("volume pending snapshots %v, want [snap-1]", v.PendingSnapshotIds)
+	}
+
+	// Two replicas cut while detached at epoch 0.
+	mustApply(t, f, cmdRecordCut("snap-1", 0, []string{"vol-1-r1", "vol-1-r2"}, nil))
+	s = readSnapshot(t, f, "snap-1")
+	if s.ReadyToUse || s.CutEpoch != 0 || !strings.Contains(s.StatusMessage, "vol-1-r3 (server ") || strings.Contains(s.StatusMessage, "vol-1-r1") {
+		t.Fatalf("after two cuts: %v", s)
+	}
+	// The volume is attached (a write may follow): the third replica's
+	// late cut is refused as stale at epoch 0, and at epoch 1 recorded
+	// as missed. The snapshot is ready from the two that cut.
+	mustApply(t, f, cmdAttachVolume("vol-1", "node-1", false))
+	if r := applyCommands(t, f, cmdRecordCut("snap-1", 0, []string{"vol-1-r3"}, nil))[0]; !errors.Is(r.err, ErrStaleEpoch) {
+		t.Fatalf("cut at a stale epoch: %v, want ErrStaleEpoch", r.err)
+	}
+	mustApply(t, f, cmdRecordCut("snap-1", 1, []string{"vol-1-r3"}, nil))
+	s = readSnapshot(t, f, "snap-1")
+	want := map[string]storpb.SnapshotReplicaState{"vol-1-r1": snapCut, "vol-1-r2": snapCut, "vol-1-r3": snapMissed}
+	if got := snapStates(s); !maps.Equal(got, want) || !s.ReadyToUse || s.StatusMessage != "" {
+		t.Fatalf("after the late cut: %v (states %v)", s, got)
+	}
+	if !SnapshotServes(s, "vol-1-r1") || SnapshotServes(s, "vol-1-r3") {
+		t.Errorf("SnapshotServes: r1 %v r3 %v", SnapshotServes(s, "vol-1-r1"), SnapshotServes(s, "vol-1-r3"))
+	}
+	if v := readVolume(t, f, "vol-1"); len(v.PendingSnapshotIds) != 0 {
+		t.Errorf("volume still names pending snapshots %v", v.PendingSnapshotIds)
+	}
+
+	// An engine that could cut none: the snapshot fails, with the reasons.
+	mustApply(t, f, cmdCreateSnapshot("snap-2", "vol-1", "snap-two"),
+		cmdRecordCut("snap-2", 1, nil, []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}))
+	s = readSnapshot(t, f, "snap-2")
+	if s.ReadyToUse || !s.Failed || !strings.Contains(s.StatusMessage, "test: missed") {
+		t.Errorf("snapshot no replica cut: %v", s)
+	}
+
+	// A replica removed while a snapshot waits for it is missed.
+	mustApply(t, f, cmdCreateSnapshot("snap-3", "vol-1", "snap-three"),
+		cmdRecordCut("snap-3", 1, []string{"vol-1-r1", "vol-1-r2"}, nil),
+		cmdReplaceReplica("vol-1", "vol-1-r3", "", "", true))
+	s = readSnapshot(t, f, "snap-3")
+	if !s.ReadyToUse || snapStates(s)["vol-1-r3"] != snapMissed {
+		t.Errorf("snapshot after its pending replica was removed: %v", s)
+	}
+
+	// Deleting drops the record and the volume's pending mark.
+	mustApply(t, f, cmdCreateSnapshot("snap-4", "vol-1", "snap-four"), cmdDeleteSnapshot("snap-4"))
+	if v := readVolume(t, f, "vol-1"); len(v.PendingSnapshotIds) != 0 {
+		t.Errorf("pending after delete: %v", v.PendingSnapshotIds)
+	}
+}
+
+// TestFSMClone: a clone is CREATING and not attachable until each of its
+// replicas recorded its copy; its source snapshot cannot be deleted
+// meanwhile; a clone from a volume snapshots the source implicitly and
+// drops that snapshot when done (or when the clone is deleted).
+func TestFSMClone(t *testing.T) {
+	f := snapshotBase(t)
+	mustApply(t, f, cmdCreateSnapshot("snap-1", "vol-1", "snap-one"))
+	v := mustApply(t, f, cmdCreateVolumeReq("clone-1", &storpb.CreateVolumeRequest{
+		Name: "pvc-clone", SizeBytes: 2 * mib, ReplicaCount: 2,
+		ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}},
+	}))[0].msg.(*storpb.Volume)
+	if v.State != storpb.VolumeState_VOLUME_STATE_CREATING || v.CloneSnapshotId != "snap-1" {
+		t.Fatalf("clone: %v", v)
+	}
+	r := applyCommands(t, f, cmdAttachVolume("clone-1", "node-1", false))[0]
+	if !errors.Is(r.err, ErrFailedPrecondition) || !strings.Contains(r.err.Error(), "still being filled") {
+		t.Fatalf("attach a copying clone: %v", r.err)
+	}
+	if r := applyCommands(t, f, cmdDeleteSnapshot("snap-1"))[0]; !errors.Is(r.err, ErrFailedPrecondition) {
+		t.Fatalf("delete the source of a copying clone: %v", r.err)
+	}
+	if r := applyCommands(t, f, cmdCreateSnapshot("snap-c", "clone-1", "snap-of-clone"))[0]; !errors.Is(r.err, ErrFailedPrecondition) {
+		t.Fatalf("snapshot a copying clone: %v", r.err)
+	}
+	mustApply(t, f, cmdRecordCloneCopied("clone-1", "clone-1-r1"), cmdRecordCloneCopied("clone-1", "clone-1-r1"))
+	if v := readVolume(t, f, "clone-1"); v.State != storpb.VolumeState_VOLUME_STATE_CREATING || len(v.CloneDoneReplicaIds) != 1 {
+		t.Fatalf("clone with one of two copies: %v", v)
+	}
+	mustApply(t, f, cmdRecordCloneCopied("clone-1", "clone-1-r2"), cmdAttachVolume("clone-1", "node-1", false), cmdDeleteSnapshot("snap-1"))
+
+	// From a volume: an implicit snapshot, pending on the source.
+	mustApply(t, f, cmdCreateVolumeReq("clone-2", &storpb.CreateVolumeRequest{
+		Name: "pvc-clone-2", SizeBytes: mib, ReplicaCount: 1,
+		ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-1"}},
+	}))
+	implicit := readSnapshot(t, f, ImplicitSnapshotID("clone-2"))
+	if implicit.ImplicitForVolumeId != "clone-2" || implicit.VolumeId != "vol-1" || len(implicit.Replicas) != 3 {
+		t.Fatalf("implicit snapshot: %v", implicit)
+	}
+	if v := readVolume(t, f, "vol-1"); !slices.Contains(v.PendingSnapshotIds, implicit.Id) {
+		t.Fatalf("source volume does not name the implicit snapshot pending: %v", v.PendingSnapshotIds)
+	}
+	if r := applyCommands(t, f, cmdDeleteVolume("vol-1"))[0]; !errors.Is(r.err, ErrFailedPrecondition) {
+		t.Fatalf("delete a source volume being copied: %v", r.err)
+	}
+	mustApply(t, f, cmdRecordCut(implicit.Id, 0, []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}, nil),
+		cmdRecordCloneCopied("clone-2", "clone-2-r1"))
+	if err := f.View(func(r *Reader) error { _, err := r.Snapshot(implicit.Id); return err }); !errors.Is(err, ErrNotFound) {
+		t.Errorf("implicit snapshot after the copy: %v", err)
+	}
+
+	// A copying clone that is deleted takes its implicit snapshot along.
+	mustApply(t, f, cmdCreateVolumeReq("clone-3", &storpb.CreateVolumeRequest{
+		Name: "pvc-clone-3", SizeBytes: mib, ReplicaCount: 1,
+		ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-1"}},
+	}), cmdDeleteVolume("clone-3"))
+	if v := readVolume(t, f, "vol-1"); len(v.PendingSnapshotIds) != 0 {
+		t.Errorf("source still names %v pending", v.PendingSnapshotIds)
+	}
+	mustApply(t, f, cmdDeleteVolume("vol-1"))
+}

@@ -1,0 +1,194 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
+)
+
+// Crash-consistent snapshots of an attached volume (DESIGN.md "Snapshots,
+// clones, expansion"). CreateSnapshot in the control plane names the
+// snapshot in the volume's pending_snapshot_ids, which reaches the engine
+// on its watch. The engine then, for each pending snapshot:
+//
+//  1. reads the snapshot's record for the replicas still PENDING;
+//  2. quiesces: takes quiesce exclusively, which waits for every write in
+//     flight (each holds it shared from beginWrite to endWrite) and holds
+//     new ones;
+//  3. cuts the layer on every pending replica that is healthy in its write
+//     set, in parallel (the ack rule applies: a replica that fails the cut
+//     is committed faulty first);
+//  4. resumes writes, and records the cut replicas as CUT and the others
+//     as MISSED (they were not healthy at the cut point, so they can never
+//     cut at it) with RecordSnapshotCut at its epoch.
+//
+// Every replica therefore cuts exactly the writes acknowledged before the
+// quiesce, none after. The layer is named replica.LayerName(snapshot,
+// epoch): a cut is idempotent per layer name, so a retry after a failed
+// record is harmless, and a layer a server cut at an older epoch (which the
+// control plane then refused) is never taken for this cut.
+
+// snapshotCutter is the ReplicaConn capability to cut a snapshot layer
+// (the wire client has it). A replica without it is recorded as missed.
+type snapshotCutter interface {
+	CreateSnapshot(ctx context.Context, o replica.Op, id string) error
+}
+
+// cutSnapshots starts cutting v's pending snapshots unless a cut is
+// already running (which then looks at the latest state again when done).
+func (e *Engine) cutSnapshots(v *storpb.Volume) {
+	if len(v.PendingSnapshotIds) == 0 {
+		return
+	}
+	if e.cfg.Control.Snapshots == nil {
+		e.logger.Warn("snapshots pending but the engine has no snapshot client; they stay pending", "snapshots", v.PendingSnapshotIds)
+		return
+	}
+	e.mu.Lock()
+	if e.cutting {
+		e.cutAgain = true
+		e.mu.Unlock()
+		return
+	}
+	e.cutting = true
+	e.mu.Unlock()
+	e.wg.Add(1)
+	go func() {
+		defer e.wg.Done()
+		for {
+			e.mu.Lock()
+			ids := slices.Clone(e.last.GetPendingSnapshotIds())
+			e.mu.Unlock()
+			failed := false
+			for _, id := range ids {
+				if err := e.cutSnapshot(id); err != nil && e.ctx.Err() == nil {
+					failed = true
+					e.logger.Warn("snapshot cut failed; will retry", "snapshot", id, "err", err)
+				}
+			}
+			if failed && !e.fenced.Load() {
+				select {
+				case <-e.ctx.Done():
+				case <-time.After(time.Second):
+				}
+			}
+			e.mu.Lock()
+			if (!failed && !e.cutAgain) || e.ctx.Err() != nil || e.fenced.Load() {
+				e.cutting = false
+				e.mu.Unlock()
+				return
+			}
+			e.cutAgain = false
+			e.mu.Unlock()
+		}
+	}()
+}
+
+// cutSnapshot runs the protocol in the file comment for snapshot id.
+func (e *Engine) cutSnapshot(id string) error {
+	if err := e.usable(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(e.ctx, 3*e.cfg.IOTimeout)
+	defer cancel()
+	resp, err := e.cfg.Control.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+	if status.Code(err) == codes.NotFound {
+		return nil // deleted meanwhile
+	} else if err != nil {
+		return fmt.Errorf("get snapshot: %w", err)
+	}
+	s := resp.Snapshot
+	var pending []string
+	anyCut := false
+	for _, r := range s.Replicas {
+		switch r.State {
+		case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING:
+			pending = append(pending, r.ReplicaId)
+		case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT:
+			anyCut = true
+		}
+	}
+	if len(pending) == 0 {
+		return nil
+	}
+	req := &storpb.RecordSnapshotCutRequest{SnapshotId: id, Epoch: e.epoch}
+	if anyCut && s.CutEpoch != e.epoch {
+		// Other replicas cut before this attach; the volume may have been
+		// written since, so these can no longer cut at their point.
+		req.MissedReplicaIds = pending
+		req.Reason = fmt.Sprintf("the other replicas cut at epoch %d, before the attach at epoch %d", s.CutEpoch, e.epoch)
+	} else {
+		req.CutReplicaIds, err = e.quiesceAndCut(ctx, id, pending)
+		if err != nil {
+			return err
+		}
+		for _, r := range pending {
+			if !slices.Contains(req.CutReplicaIds, r) {
+				req.MissedReplicaIds = append(req.MissedReplicaIds, r)
+			}
+		}
+		req.Reason = "not healthy in the attached engine's write set when it cut"
+	}
+	rec, err := e.cfg.Control.Snapshots.RecordSnapshotCut(ctx, req)
+	if status.Code(err) == codes.Aborted {
+		e.fence("the control plane refused our epoch when recording a snapshot cut")
+		return err
+	} else if err != nil {
+		return fmt.Errorf("record cut: %w", err)
+	}
+	e.logger.Info("snapshot cut", "snapshot", s.Name, "cut", req.CutReplicaIds, "missed", req.MissedReplicaIds,
+		"ready", rec.Snapshot.ReadyToUse)
+	return nil
+}
+
+// quiesceAndCut holds writes, cuts snapshot id on the pending replicas
+// that are healthy in the write set, resumes writes, and returns the
+// replicas that cut.
+func (e *Engine) quiesceAndCut(ctx context.Context, id string, pending []string) ([]string, error) {
+	e.quiesce.Lock()
+	defer e.quiesce.Unlock()
+	var set []*member
+	for _, m := range e.writeSet() {
+		_, can := m.conn.(snapshotCutter)
+		if can && m.info.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && slices.Contains(pending, m.info.Id) {
+			set = append(set, m)
+		}
+	}
+	if len(set) == 0 {
+		return nil, nil
+	}
+	var mu sync.Mutex
+	var cut []string
+	start := time.Now()
+	err := e.fanOut(ctx, set, func(ctx context.Context, m *member) error {
+		if err := m.conn.(snapshotCutter).CreateSnapshot(ctx, e.op(false), replica.LayerName(id, e.epoch)); err != nil {
+			return err
+		}
+		mu.Lock()
+		if !slices.Contains(cut, m.info.Id) {
+			cut = append(cut, m.info.Id)
+		}
+		mu.Unlock()
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	// A replica that failed was committed faulty by fanOut; only those
+	// still in the write set as healthy count as cut.
+	healthy := map[string]bool{}
+	for _, m := range e.writeSet() {
+		healthy[m.info.Id] = m.info.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	}
+	cut = slices.DeleteFunc(cut, func(id string) bool { return !healthy[id] })
+	e.logger.Info("writes held for a snapshot cut", "snapshot", id, "held", time.Since(start).Round(time.Microsecond))
+	return cut, nil
+}
