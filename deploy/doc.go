@@ -13,8 +13,12 @@
 //	kubernetes/examples              a PVC and pod, a snapshot and restore,
 //	                                 a raw block PVC
 //	images/                          Dockerfiles over the static binaries of
-//	                                 make image-binaries, and node-zone (the
-//	                                 init container that reads a node's zone)
+//	                                 make image-binaries; node-zone (the init
+//	                                 container that reads a node's zone) and
+//	                                 bootstrap-guard (refuses to start
+//	                                 stor-server-0 on an empty disk when the
+//	                                 cluster exists: it would bootstrap a
+//	                                 second one)
 //
 // The tests render the base and every overlay with kustomize's krusty (no
 // kubectl needed), decode every object strictly into the Kubernetes types
@@ -25,6 +29,7 @@
 // registration path, environment variables used in arguments, volumes
 // mounted, probe ports, the storage servers' --join list against the
 // StatefulSet's size, and the flags passed to stor-server against its
-// flag set. A second test feeds deliberately broken copies through the same
+// flag set. Other tests run node-zone against a fake API server and
+// bootstrap-guard against a real in-process cluster. A second test feeds deliberately broken copies through the same
 // checks and asserts each is caught with the expected message.
 package deploy
