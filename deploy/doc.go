@@ -29,7 +29,8 @@
 // registration path, environment variables used in arguments, volumes
 // mounted, probe ports, the storage servers' --join list against the
 // StatefulSet's size, and the flags passed to stor-server against its
-// flag set. Other tests run node-zone against a fake API server and
-// bootstrap-guard against a real in-process cluster. A second test feeds deliberately broken copies through the same
-// checks and asserts each is caught with the expected message.
+// flag set. Another test feeds deliberately broken copies through the
+// same checks and asserts each is caught with the expected message; others
+// run node-zone against a fake API server and bootstrap-guard against a
+// real in-process cluster.
 package deploy
