@@ -6,6 +6,7 @@ PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 
 .PHONY: build test test-short e2e lint proto verify-proto cluster bench clean
 .PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd
+.PHONY: image-binaries test-deploy
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -110,6 +111,20 @@ install-vm-tools:
 	$(SUDO) apt-get update
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(VM_TOOLS)
 	./internal/vmtest/install-kernel.sh
+
+# The static linux/amd64 binaries the container images copy
+# (deploy/images/*/Dockerfile): every command under cmd/ into bin/image/.
+# No docker here: build the images with docker build from the repo root.
+IMAGE_BIN ?= $(BIN)/image
+IMAGE_GOARCH ?= amd64
+image-binaries:
+	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_GOARCH) $(GO) build -trimpath -ldflags '-s -w' -o $(IMAGE_BIN)/ ./cmd/...
+	@ls -l $(IMAGE_BIN)
+
+# The manifests under deploy/kubernetes rendered with kustomize and decoded
+# strictly into Kubernetes types, with their cross-references checked.
+test-deploy:
+	$(GO) test -count=1 -v ./deploy/
 
 clean:
 	rm -rf $(BIN)

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -25,11 +26,12 @@ const forwardedKey = "stor-forwarded-by"
 // localMethods are answered by whichever server receives them.
 var localMethods = map[string]bool{
 	storpb.ClusterService_Status_FullMethodName: true,
+	healthpb.Health_Check_FullMethodName:        true,
 }
 
 // forwarder sends unary calls that reach a follower to the leader. Writes
 // must be proposed on the leader, and linearizable reads are served there,
-// so every unary call but Status is forwarded.
+// so every unary call but Status and the health check is forwarded.
 type forwarder struct {
 	s *Server
 

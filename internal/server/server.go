@@ -17,6 +17,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
@@ -102,6 +103,7 @@ func (s *Server) start() error {
 	storpb.RegisterClusterServiceServer(s.grpc, &clusterService{s: s})
 	storpb.RegisterVolumeServiceServer(s.grpc, &volumeService{s: s})
 	storpb.RegisterSnapshotServiceServer(s.grpc, &snapshotService{s: s})
+	healthpb.RegisterHealthServer(s.grpc, &healthService{s: s})
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()

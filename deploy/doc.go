@@ -1,0 +1,36 @@
+// Package deploy holds what a cluster operator applies to run stor on
+// Kubernetes, and the test that keeps it honest. It has no Go API: the
+// package exists for its tests.
+//
+//	kubernetes/base                  kustomize base: namespace stor-system, the
+//	                                 stor-server StatefulSet (3) with its Services
+//	                                 and PodDisruptionBudget, the CSI controller
+//	                                 Deployment and node DaemonSet with their
+//	                                 sidecars, CSIDriver, StorageClass,
+//	                                 VolumeSnapshotClass, RBAC per sidecar
+//	kubernetes/overlays/multi-zone   5 servers, 5 voters, hard zone spread
+//	kubernetes/overlays/hostpath-data  the servers' data in a host directory
+//	kubernetes/examples              a PVC and pod, a snapshot and restore,
+//	                                 a raw block PVC
+//	images/                          Dockerfiles over the static binaries of
+//	                                 make image-binaries; node-zone (the init
+//	                                 container that reads a node's zone) and
+//	                                 bootstrap-guard (refuses to start
+//	                                 stor-server-0 on an empty disk when the
+//	                                 cluster exists: it would bootstrap a
+//	                                 second one)
+//
+// The tests render the base and every overlay with kustomize's krusty (no
+// kubectl needed), decode every object strictly into the Kubernetes types
+// of k8s.io/client-go's scheme and the VolumeSnapshot v1 types (an unknown
+// field or kind fails), and check the cross-references a typo would break:
+// the driver name everywhere, service accounts and roles that exist, the
+// CSI socket shared by the driver and each sidecar, the kubelet
+// registration path, environment variables used in arguments, volumes
+// mounted, probe ports, the storage servers' --join list against the
+// StatefulSet's size, and the flags passed to stor-server against its
+// flag set. Another test feeds deliberately broken copies through the
+// same checks and asserts each is caught with the expected message; others
+// run node-zone against a fake API server and bootstrap-guard against a
+// real in-process cluster.
+package deploy
