@@ -16,6 +16,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 var (
@@ -499,15 +500,68 @@ func (e *Engine) WriteAt(ctx context.Context, p []byte, off int64, fua bool) err
 	defer e.endWrite(w)
 	for _, c := range chunks(off, int64(len(p))) {
 		buf := p[c.Off-off : c.Off-off+c.Len]
-		err := e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
-			return m.conn.WriteAt(ctx, e.op(fua), buf, c.Off)
-		})
-		if err != nil {
+		if err := e.writeAll(ctx, e.writeSet(), buf, c.Off, fua); err != nil {
 			return err
 		}
 	}
 	return nil
 }
+
+// asyncWriter is a replica connection that can send a write and wait for
+// its answer separately (wire handles can). When every replica's
+// connection can, a write is sent to all of them from the calling
+// goroutine and then waited for, instead of running a goroutine per
+// replica, and the payload's checksum is computed once rather than once
+// per replica (see docs/BENCHMARKS.md, "NBD end to end").
+type asyncWriter interface {
+	StartWriteAt(o replica.Op, p []byte, crc uint32, off int64) (wire.Pending, error)
+}
+
+// writeAll is fanOut for a write, with the same ack rule.
+func (e *Engine) writeAll(ctx context.Context, set []*member, p []byte, off int64, fua bool) error {
+	ctx = context.WithoutCancel(ctx)
+	if len(set) == 0 || len(set) > maxAsyncSet {
+		return e.fanOut(ctx, set, func(ctx context.Context, m *member) error {
+			return m.conn.WriteAt(ctx, e.op(fua), p, off)
+		})
+	}
+	var aw [maxAsyncSet]asyncWriter
+	for i, m := range set {
+		a, ok := m.conn.(asyncWriter)
+		if !ok {
+			return e.fanOut(ctx, set, func(ctx context.Context, m *member) error {
+				return m.conn.WriteAt(ctx, e.op(fua), p, off)
+			})
+		}
+		aw[i] = a
+	}
+	// The op is taken afresh on every round: after a fault the write is
+	// applied again at the new generation (see settle).
+	o := e.op(fua)
+	var pend [maxAsyncSet]wire.Pending
+	var errBuf [maxAsyncSet]error
+	errs := errBuf[:len(set)]
+	// One IOTimeout bounds every replica's answer, as in fanOut, where
+	// the replicas run in parallel, each bounded by its own.
+	wctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
+	crc := wire.Checksum(p) // once for every replica
+	for i := range set {
+		pend[i], errs[i] = aw[i].StartWriteAt(o, p, crc, off)
+	}
+	for i := range set {
+		if errs[i] == nil {
+			errs[i] = pend[i].Wait(wctx)
+		}
+	}
+	cancel()
+	return e.settle(ctx, set, errs, func(ok []*member) error {
+		return e.writeAll(ctx, ok, p, off, fua)
+	})
+}
+
+// maxAsyncSet is the largest replica set writeAll sends to without a
+// goroutine per replica (its per-write state lives on the stack).
+const maxAsyncSet = 8
 
 // WriteZeroes makes a range read as zeroes on every replica.
 func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error {
@@ -588,7 +642,16 @@ func (e *Engine) fanOut(ctx context.Context, set []*member, req func(context.Con
 	}
 	errs[0] = e.call(ctx, func(ctx context.Context) error { return req(ctx, set[0]) })
 	wg.Wait()
+	return e.settle(ctx, set, errs, func(ok []*member) error { return e.fanOut(ctx, ok, req) })
+}
 
+// settle applies the ack rule to the answers errs of the replicas in set
+// to one request; again repeats the request on the replicas that applied
+// it, after a fault was recorded.
+func (e *Engine) settle(ctx context.Context, set []*member, errs []error, again func(ok []*member) error) error {
+	if !slices.ContainsFunc(errs, func(err error) bool { return err != nil }) {
+		return nil
+	}
 	var ok []*member
 	failed := false
 	for i, err := range errs {
@@ -612,7 +675,7 @@ func (e *Engine) fanOut(ctx context.Context, set []*member, req func(context.Con
 		// after the fault's generation. Apply it again, at the new
 		// generation, so the history names it. (Idempotent: the same
 		// request, not yet acknowledged.)
-		return e.fanOut(ctx, ok, req)
+		return again(ok)
 	}
 	return nil
 }

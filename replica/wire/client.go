@@ -180,18 +180,40 @@ func (c *Conn) roundTrip(ctx context.Context, h *RequestHeader, payload, dst []b
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	p, err := c.start(h, payload, Checksum(payload), dst, maxReply)
+	if err != nil {
+		return nil, err
+	}
+	return p.wait(ctx)
+}
+
+// Pending is a request that has been sent and whose reply has not yet
+// been collected. Exactly one Wait must follow; the Pending must not be
+// used after it.
+type Pending struct {
+	c  *Conn
+	cl *call
+	id uint64
+	op Opcode
+}
+
+// start registers and sends one request without waiting for its reply.
+// crc is Checksum(payload). The payload is not retained once start
+// returns. An error means the request was not sent (the connection is
+// broken).
+func (c *Conn) start(h *RequestHeader, payload []byte, crc uint32, dst []byte, maxReply int) (Pending, error) {
 	cl := callPool.Get().(*call)
 	cl.op, cl.dst, cl.maxReply = h.Op, dst, maxReply
 	h.ID = c.nextID.Add(1)
 	h.PayloadLen = uint32(len(payload))
-	h.PayloadCRC = Checksum(payload)
+	h.PayloadCRC = crc
 
 	c.mu.Lock()
 	if c.pending == nil {
 		err := c.err
 		c.mu.Unlock()
 		putCall(cl)
-		return nil, err
+		return Pending{}, err
 	}
 	c.pending[h.ID] = cl // before sending: the reply may beat us back
 	c.mu.Unlock()
@@ -199,11 +221,23 @@ func (c *Conn) roundTrip(ctx context.Context, h *RequestHeader, payload, dst []b
 	if err := c.send(h, payload); err != nil {
 		c.fail(err) // completes cl, unless the reader already has
 	}
+	return Pending{c: c, cl: cl, id: h.ID, op: h.Op}, nil
+}
 
+// Wait waits for the reply of a request sent by a Start method and
+// returns its result. A cancelled ctx abandons the wait (the server may
+// still apply the request), as for the blocking methods.
+func (p Pending) Wait(ctx context.Context) error {
+	_, err := p.wait(ctx)
+	return err
+}
+
+func (p Pending) wait(ctx context.Context) ([]byte, error) {
+	c, cl := p.c, p.cl
 	select {
 	case <-cl.done:
 	case <-ctx.Done():
-		if c.abandon(h.ID) {
+		if c.abandon(p.id) {
 			putCall(cl)
 			return nil, ctx.Err()
 		}
@@ -214,7 +248,7 @@ func (c *Conn) roundTrip(ctx context.Context, h *RequestHeader, payload, dst []b
 		case <-cl.done:
 			t.Stop()
 		case <-t.C:
-			c.fail(fmt.Errorf("reply to %v %d stalled", h.Op, h.ID))
+			c.fail(fmt.Errorf("reply to %v %d stalled", p.op, p.id))
 			<-cl.done
 		}
 	}

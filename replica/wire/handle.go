@@ -49,6 +49,11 @@ func (h *Handle) do(ctx context.Context, op Opcode, o replica.Op, off, n uint64,
 	if h.closed.Load() {
 		return nil, fmt.Errorf("wire: %v on closed handle for %s: %w", op, h.replicaID, replica.ErrClosed)
 	}
+	rh := h.header(op, o, off, n)
+	return h.c.roundTrip(ctx, &rh, payload, dst, maxReply)
+}
+
+func (h *Handle) header(op Opcode, o replica.Op, off, n uint64) RequestHeader {
 	rh := RequestHeader{
 		Op:         op,
 		Handle:     h.id,
@@ -60,7 +65,7 @@ func (h *Handle) do(ctx context.Context, op Opcode, o replica.Op, off, n uint64,
 	if o.FUA {
 		rh.Flags |= FlagFUA
 	}
-	return h.c.roundTrip(ctx, &rh, payload, dst, maxReply)
+	return rh
 }
 
 func checkIO(op Opcode, n int, off int64) error {
@@ -103,6 +108,23 @@ func (h *Handle) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64)
 	}
 	_, err := h.do(ctx, OpWrite, o, uint64(off), uint64(len(p)), p, nil, 0)
 	return err
+}
+
+// StartWriteAt sends a write of p at off and returns without waiting for
+// its reply; p may be reused as soon as it returns. The caller must Wait
+// on the result. This lets one goroutine send a write to several replicas
+// and then wait for all of them, instead of a goroutine per replica. crc
+// must be Checksum(p) (computed once for all replicas; a wrong one makes
+// the server refuse the write with a checksum error).
+func (h *Handle) StartWriteAt(o replica.Op, p []byte, crc uint32, off int64) (Pending, error) {
+	if err := checkIO(OpWrite, len(p), off); err != nil {
+		return Pending{}, err
+	}
+	if h.closed.Load() {
+		return Pending{}, fmt.Errorf("wire: %v on closed handle for %s: %w", OpWrite, h.replicaID, replica.ErrClosed)
+	}
+	rh := h.header(OpWrite, o, uint64(off), uint64(len(p)))
+	return h.c.start(&rh, p, crc, nil, 0)
 }
 
 // WriteZeroes zeroes n bytes at off.

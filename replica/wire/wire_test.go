@@ -911,3 +911,77 @@ func TestMaxHandles(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestStartWriteAtThenWait sends writes to two replicas from one goroutine
+// before waiting for either (what the engine's fan-out does), reads them
+// back, and checks that a wrong checksum is refused and that a broken
+// connection fails a started write.
+func TestStartWriteAtThenWait(t *testing.T) {
+	h := newHarness(t, ServerConfig{}, newFakeReplica("a", testSize), newFakeReplica("b", testSize))
+	ctx := context.Background()
+	o := replica.Op{Epoch: 1}
+	_, ha := h.open("a", 1)
+	var k killableDial
+	cb := h.dial(ClientConfig{Dial: k.dial})
+	hb, err := cb.Open(ctx, "b", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 16
+	var pend []Pending
+	for i := range n {
+		p := pattern(uint64(i), 4096)
+		for _, hd := range []*Handle{ha, hb} {
+			pd, err := hd.StartWriteAt(o, p, Checksum(p), int64(i)*4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pend = append(pend, pd)
+		}
+		clear(p) // not retained once StartWriteAt returned
+	}
+	for _, pd := range pend {
+		if err := pd.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := make([]byte, 4096)
+	for i := range n {
+		for _, hd := range []*Handle{ha, hb} {
+			if err := hd.ReadAt(ctx, o, got, int64(i)*4096); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, pattern(uint64(i), 4096)) {
+				t.Fatalf("replica %s block %d: not what was written", hd.ReplicaID(), i)
+			}
+		}
+	}
+
+	p := pattern(99, 4096)
+	pd, err := ha.StartWriteAt(o, p, Checksum(p)+1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pd.Wait(ctx); !errors.Is(err, ErrChecksum) {
+		t.Fatalf("write with a wrong checksum: %v, want ErrChecksum", err)
+	}
+	if err := ha.ReadAt(ctx, o, got, 0); err != nil || !bytes.Equal(got, pattern(0, 4096)) {
+		t.Fatalf("block 0 after the refused write: err %v, changed %v", err, !bytes.Equal(got, pattern(0, 4096)))
+	}
+
+	g := newGate()
+	defer close(g.open)
+	h.backend["b"].setHook(g.hook(func(op string, _ int64) bool { return op == "WriteAt" }))
+	pd, err = hb.StartWriteAt(o, p, Checksum(p), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.wait(t, 1)
+	k.kill()
+	if err := pd.Wait(ctx); !errors.Is(err, ErrDisconnected) {
+		t.Fatalf("started write on a broken connection: %v, want ErrDisconnected", err)
+	}
+	if _, err := hb.StartWriteAt(o, p, Checksum(p), 0); !errors.Is(err, ErrDisconnected) {
+		t.Fatalf("StartWriteAt after the break: %v, want ErrDisconnected", err)
+	}
+}
