@@ -31,6 +31,13 @@ const (
 // replica store's directory, and lost+found (a fresh ext4 filesystem's).
 var ourEntries = map[string]bool{identityFile: true, raftDBFile: true, metaDBFile: true, snapshotsDir: true, "lost+found": true, "replicas": true}
 
+// Initialized reports whether dir has been used as a stor data directory
+// (it holds an identity), without changing it.
+func Initialized(dir string) bool {
+	_, err := os.Stat(filepath.Join(dir, identityFile))
+	return err == nil
+}
+
 // loadIdentity checks that dir is either new (created, or empty) or belongs
 // to server id, and returns its identity.
 func loadIdentity(dir, id string) (identity, error) {

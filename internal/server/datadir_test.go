@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/internal/servertest"
 	"github.com/stor-io/stor/raftstore"
 )
 
@@ -149,4 +150,36 @@ func TestRestartResumesWithoutRebootstrap(t *testing.T) {
 	if string(again) != string(ident) || !strings.Contains(string(ident), `"member": true`) || !strings.Contains(string(ident), `"cluster_id"`) {
 		t.Fatalf("identity changed across restart:\n%s\n%s", ident, again)
 	}
+}
+
+// Ordinal 0 of a StatefulSet bootstraps when it has no state, which is how
+// the first cluster is made. If its disk is lost while the cluster lives on,
+// bootstrapping again would make a second cluster under the same name: the
+// start is refused when a seed answers with a cluster id, and goes ahead
+// when no seed answers (a first install, the others still starting).
+func TestOrdinalZeroWithoutStateRefusesASecondCluster(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	c.Leader(10 * time.Second)
+
+	cfg := loopbackConfig(t, "stor-server-0", t.TempDir())
+	cfg.Join = []string{"127.0.0.1:1", c.Nodes[1].Addr} // one seed down, one in the cluster
+	srv, err := server.Start(cfg)
+	if err == nil {
+		srv.Kill()
+		t.Fatal("ordinal 0 without state bootstrapped beside a live cluster")
+	}
+	if !errors.Is(err, server.ErrSecondCluster) || !strings.Contains(err.Error(), "stor-ctl server remove stor-server-0") {
+		t.Fatalf("refusal: %v, want ErrSecondCluster naming the way out", err)
+	}
+	if entries, _ := os.ReadDir(cfg.DataDir); len(entries) != 0 {
+		t.Fatalf("a refused start wrote %d entries into the data dir (%s first)", len(entries), entries[0].Name())
+	}
+
+	cfg = loopbackConfig(t, "stor-server-0", t.TempDir())
+	cfg.Join = []string{"127.0.0.1:1"} // nobody answers: a first install
+	srv, err = server.Start(cfg)
+	if err != nil {
+		t.Fatalf("ordinal 0 with no seed answering: %v", err)
+	}
+	srv.Kill()
 }

@@ -55,6 +55,9 @@ func Start(cfg Config) (*Server, error) {
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.start(); err != nil {
 		s.cancel()
+		if s.fwd != nil {
+			s.fwd.close()
+		}
 		if s.lis != nil {
 			s.lis.Close()
 		}
@@ -87,6 +90,19 @@ func (s *Server) start() error {
 		}
 	}
 
+	// A server that would bootstrap with seeds first makes sure the seeds
+	// have no cluster yet; on a data dir never used, before it writes
+	// anything there, so a refused start leaves the directory as it was.
+	s.fwd = &forwarder{s: s}
+	bootstrap := len(cfg.Join) > 0 && ShouldBootstrap(cfg.ID, cfg.Join)
+	guarded := false
+	if bootstrap && !raftstore.Initialized(cfg.DataDir) {
+		if err := s.refuseSecondCluster(); err != nil {
+			return err
+		}
+		guarded = true
+	}
+
 	rc := cfg.Raft
 	rc.ID, rc.Dir = cfg.ID, cfg.DataDir
 	rc.RaftBind, rc.RaftListener, rc.RaftAdvertise = cfg.RaftListen, cfg.RaftListener, cfg.RaftAdvertise
@@ -98,7 +114,6 @@ func (s *Server) start() error {
 		return err
 	}
 
-	s.fwd = &forwarder{s: s}
 	s.grpc = grpc.NewServer(grpc.ChainUnaryInterceptor(s.logCalls, s.fwd.intercept))
 	storpb.RegisterClusterServiceServer(s.grpc, &clusterService{s: s})
 	storpb.RegisterVolumeServiceServer(s.grpc, &volumeService{s: s})
@@ -116,6 +131,11 @@ func (s *Server) start() error {
 	case s.store.HadState():
 		s.logger.Info("resuming with existing state", "data_dir", cfg.DataDir)
 	case ShouldBootstrap(cfg.ID, cfg.Join):
+		if bootstrap && !guarded {
+			if err := s.refuseSecondCluster(); err != nil {
+				return err
+			}
+		}
 		if err := s.store.Bootstrap(); err != nil {
 			return err
 		}
@@ -160,6 +180,38 @@ func (s *Server) self() *storpb.Server {
 		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
 		CapacityBytes: s.cfg.Capacity,
 	}
+}
+
+// ErrSecondCluster is returned by Start when this server would bootstrap a
+// new cluster although one of its seeds already belongs to one.
+var ErrSecondCluster = errors.New("server: would bootstrap a second cluster")
+
+// refuseSecondCluster guards the one case where bootstrapping with seeds is
+// dangerous: ordinal 0 of a StatefulSet that has no state because its data
+// disk was lost or replaced while the cluster lived on. Bootstrapping there
+// would make a second one-member cluster under the same name, and clients
+// would see two histories. So before it bootstraps, a server with seeds asks
+// each other seed for its status; one that answers with a cluster id means
+// the cluster exists and the start is refused, naming the way out (remove
+// the server from the cluster, then start it to join afresh). Seeds that do
+// not answer within a few seconds cannot vouch for a cluster: at a first
+// install they are starting too, and ordinal 0 bootstraps as before.
+func (s *Server) refuseSecondCluster() error {
+	for _, seed := range s.cfg.Join {
+		if seed == s.cfg.Advertise || seed == s.lis.Addr().String() {
+			continue
+		}
+		st, err := callPeerTimeout(s, seed, 3*time.Second, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.StatusResponse, error) {
+			return c.Status(ctx, &storpb.StatusRequest{})
+		})
+		if err != nil || st.ClusterId == "" || st.ServerId == s.cfg.ID {
+			continue
+		}
+		return fmt.Errorf("%w: %s has no state in %s, but seed %s (server %s) belongs to cluster %s; "+
+			"if this server's data was lost, remove it from the cluster (stor-ctl server remove %s) and start it again to join",
+			ErrSecondCluster, s.cfg.ID, s.cfg.DataDir, seed, st.ServerId, st.ClusterId, s.cfg.ID)
+	}
+	return nil
 }
 
 // joinLoop asks the seeds, in turn, to admit this server until one does.
@@ -241,12 +293,17 @@ func (s *Server) heartbeat() error {
 // callPeer calls another server's ClusterService with a short timeout,
 // reusing the forwarder's connection cache.
 func callPeer[T any](s *Server, addr string, call func(context.Context, storpb.ClusterServiceClient) (T, error)) (T, error) {
+	return callPeerTimeout(s, addr, 5*time.Second, call)
+}
+
+// callPeerTimeout is callPeer with a timeout of its own.
+func callPeerTimeout[T any](s *Server, addr string, timeout time.Duration, call func(context.Context, storpb.ClusterServiceClient) (T, error)) (T, error) {
 	var zero T
 	conn, err := s.fwd.conn(addr)
 	if err != nil {
 		return zero, err
 	}
-	ctx, cancel := context.WithTimeout(s.ctx, 5*time.Second)
+	ctx, cancel := context.WithTimeout(s.ctx, timeout)
 	defer cancel()
 	return call(ctx, storpb.NewClusterServiceClient(conn))
 }
