@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/internal/server"
 	"github.com/stor-io/stor/internal/servertest"
 	"github.com/stor-io/stor/raftstore"
@@ -154,32 +156,92 @@ func TestRestartResumesWithoutRebootstrap(t *testing.T) {
 
 // Ordinal 0 of a StatefulSet bootstraps when it has no state, which is how
 // the first cluster is made. If its disk is lost while the cluster lives on,
-// bootstrapping again would make a second cluster under the same name: the
-// start is refused when a seed answers with a cluster id, and goes ahead
-// when no seed answers (a first install, the others still starting).
-func TestOrdinalZeroWithoutStateRefusesASecondCluster(t *testing.T) {
+// bootstrapping again would make a second cluster under the same name. So
+// with seeds answering: a stateless ordinal 0 that is not a member joins; one
+// the cluster still counts as a member is refused, writing nothing, with the
+// way out named; after "server remove" it joins afresh. With no seed
+// answering (a first install, the others still starting) it bootstraps.
+func TestOrdinalZeroWithoutStateNeverMakesASecondCluster(t *testing.T) {
 	c := servertest.NewCluster(t, servertest.Options{})
 	c.Leader(10 * time.Second)
+	cl := c.Dial()
+	clusterID := func(addr string) string {
+		t.Helper()
+		one, err := client.Dial([]string{addr})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer one.Close()
+		st, err := one.Cluster.Status(ctxT(t, 5*time.Second), &storpb.StatusRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.ClusterId
+	}
+	want := clusterID(c.Nodes[0].Addr)
+	seeds := []string{"127.0.0.1:1", c.Nodes[1].Addr} // one seed down, one in the cluster
+	startZero := func() (*server.Server, string, error) {
+		cfg := loopbackConfig(t, "stor-server-0", t.TempDir())
+		cfg.Join = seeds
+		srv, err := server.Start(cfg)
+		return srv, cfg.DataDir, err
+	}
+	joined := func(srv *server.Server) {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for clusterID(srv.Addr()) != want {
+			if time.Now().After(deadline) {
+				t.Fatalf("stor-server-0 did not join cluster %s (it reports %q)", want, clusterID(srv.Addr()))
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
 
-	cfg := loopbackConfig(t, "stor-server-0", t.TempDir())
-	cfg.Join = []string{"127.0.0.1:1", c.Nodes[1].Addr} // one seed down, one in the cluster
-	srv, err := server.Start(cfg)
+	// Not a member: joins the existing cluster, does not bootstrap its own.
+	srv, _, err := startZero()
+	if err != nil {
+		t.Fatalf("ordinal 0, not a member: %v", err)
+	}
+	joined(srv)
+	srv.Kill()
+
+	// Its disk is lost; the cluster still has it as a member: refused.
+	srv, dir, err := startZero()
 	if err == nil {
 		srv.Kill()
-		t.Fatal("ordinal 0 without state bootstrapped beside a live cluster")
+		t.Fatal("ordinal 0 without state started although the cluster still has it as a member")
 	}
 	if !errors.Is(err, server.ErrSecondCluster) || !strings.Contains(err.Error(), "stor-ctl server remove stor-server-0") {
 		t.Fatalf("refusal: %v, want ErrSecondCluster naming the way out", err)
 	}
-	if entries, _ := os.ReadDir(cfg.DataDir); len(entries) != 0 {
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		t.Fatalf("a refused start wrote %d entries into the data dir (%s first)", len(entries), entries[0].Name())
 	}
 
-	cfg = loopbackConfig(t, "stor-server-0", t.TempDir())
-	cfg.Join = []string{"127.0.0.1:1"} // nobody answers: a first install
+	// The operator removes it; it joins afresh.
+	if _, err := cl.Cluster.Leave(ctxT(t, 10*time.Second), &storpb.LeaveRequest{ServerId: "stor-server-0"}); err != nil {
+		t.Fatal(err)
+	}
+	srv, _, err = startZero()
+	if err != nil {
+		t.Fatalf("ordinal 0 after server remove: %v", err)
+	}
+	joined(srv)
+	srv.Kill()
+
+	// Nobody answers: a first install bootstraps.
+	cfg := loopbackConfig(t, "stor-server-0", t.TempDir())
+	cfg.Join = []string{"127.0.0.1:1"}
 	srv, err = server.Start(cfg)
 	if err != nil {
 		t.Fatalf("ordinal 0 with no seed answering: %v", err)
 	}
-	srv.Kill()
+	defer srv.Kill()
+	deadline := time.Now().Add(20 * time.Second)
+	for got := clusterID(srv.Addr()); got == "" || got == want; got = clusterID(srv.Addr()) {
+		if time.Now().After(deadline) {
+			t.Fatalf("ordinal 0 alone did not bootstrap a cluster of its own (it reports %q)", got)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }

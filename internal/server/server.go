@@ -90,17 +90,18 @@ func (s *Server) start() error {
 		}
 	}
 
-	// A server that would bootstrap with seeds first makes sure the seeds
-	// have no cluster yet; on a data dir never used, before it writes
+	// A server that would bootstrap with seeds first asks them whether a
+	// cluster exists already; on a data dir never used, before it writes
 	// anything there, so a refused start leaves the directory as it was.
 	s.fwd = &forwarder{s: s}
-	bootstrap := len(cfg.Join) > 0 && ShouldBootstrap(cfg.ID, cfg.Join)
-	guarded := false
-	if bootstrap && !raftstore.Initialized(cfg.DataDir) {
-		if err := s.refuseSecondCluster(); err != nil {
+	bootstrap := ShouldBootstrap(cfg.ID, cfg.Join)
+	asked := false
+	if bootstrap && len(cfg.Join) > 0 && !raftstore.Initialized(cfg.DataDir) {
+		existing, err := s.existingCluster()
+		if err != nil {
 			return err
 		}
-		guarded = true
+		bootstrap, asked = !existing, true
 	}
 
 	rc := cfg.Raft
@@ -130,21 +131,24 @@ func (s *Server) start() error {
 	switch {
 	case s.store.HadState():
 		s.logger.Info("resuming with existing state", "data_dir", cfg.DataDir)
-	case ShouldBootstrap(cfg.ID, cfg.Join):
-		if bootstrap && !guarded {
-			if err := s.refuseSecondCluster(); err != nil {
+	case bootstrap:
+		if len(cfg.Join) > 0 && !asked {
+			// A used data dir without Raft state: a start that stopped
+			// between writing its identity and bootstrapping.
+			existing, err := s.existingCluster()
+			if err != nil {
 				return err
+			}
+			if existing {
+				s.startJoining()
+				break
 			}
 		}
 		if err := s.store.Bootstrap(); err != nil {
 			return err
 		}
 	default:
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.joinLoop()
-		}()
+		s.startJoining()
 	}
 	s.wg.Add(1)
 	go func() {
@@ -182,21 +186,24 @@ func (s *Server) self() *storpb.Server {
 	}
 }
 
-// ErrSecondCluster is returned by Start when this server would bootstrap a
-// new cluster although one of its seeds already belongs to one.
+// ErrSecondCluster is returned by Start when this server, with no state,
+// would bootstrap a new cluster although its seeds' cluster still has it as
+// a member.
 var ErrSecondCluster = errors.New("server: would bootstrap a second cluster")
 
-// refuseSecondCluster guards the one case where bootstrapping with seeds is
+// existingCluster guards the one case where bootstrapping with seeds is
 // dangerous: ordinal 0 of a StatefulSet that has no state because its data
 // disk was lost or replaced while the cluster lived on. Bootstrapping there
 // would make a second one-member cluster under the same name, and clients
 // would see two histories. So before it bootstraps, a server with seeds asks
-// each other seed for its status; one that answers with a cluster id means
-// the cluster exists and the start is refused, naming the way out (remove
-// the server from the cluster, then start it to join afresh). Seeds that do
-// not answer within a few seconds cannot vouch for a cluster: at a first
-// install they are starting too, and ordinal 0 bootstraps as before.
-func (s *Server) refuseSecondCluster() error {
+// each other seed for its status. A seed that answers with a cluster id
+// means the cluster exists: if this server is still one of its members (its
+// state is gone, the cluster's record of it is not), the start is refused,
+// naming the way out (remove the server from the cluster); if it is not a
+// member, it joins like any other ordinal (true, nil). Seeds that do not
+// answer within a few seconds cannot vouch for a cluster: at a first
+// install they are starting too, and ordinal 0 bootstraps (false, nil).
+func (s *Server) existingCluster() (bool, error) {
 	for _, seed := range s.cfg.Join {
 		if seed == s.cfg.Advertise || seed == s.lis.Addr().String() {
 			continue
@@ -207,11 +214,26 @@ func (s *Server) refuseSecondCluster() error {
 		if err != nil || st.ClusterId == "" || st.ServerId == s.cfg.ID {
 			continue
 		}
-		return fmt.Errorf("%w: %s has no state in %s, but seed %s (server %s) belongs to cluster %s; "+
-			"if this server's data was lost, remove it from the cluster (stor-ctl server remove %s) and start it again to join",
-			ErrSecondCluster, s.cfg.ID, s.cfg.DataDir, seed, st.ServerId, st.ClusterId, s.cfg.ID)
+		for _, m := range st.Members {
+			if m.Id == s.cfg.ID {
+				return true, fmt.Errorf("%w: %s has no state in %s, but seed %s (server %s) has it as a member of cluster %s; "+
+					"if this server's data was lost, remove it from the cluster (stor-ctl server remove %s) and start it again to join afresh",
+					ErrSecondCluster, s.cfg.ID, s.cfg.DataDir, seed, st.ServerId, st.ClusterId, s.cfg.ID)
+			}
+		}
+		s.logger.Info("a cluster exists already: joining it instead of bootstrapping", "seed", seed, "cluster", st.ClusterId)
+		return true, nil
 	}
-	return nil
+	return false, nil
+}
+
+// startJoining runs joinLoop in the background.
+func (s *Server) startJoining() {
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.joinLoop()
+	}()
 }
 
 // joinLoop asks the seeds, in turn, to admit this server until one does.
