@@ -14,11 +14,7 @@
 //	                                 a raw block PVC
 //	images/                          Dockerfiles over the static binaries of
 //	                                 make image-binaries; node-zone (the init
-//	                                 container that reads a node's zone) and
-//	                                 bootstrap-guard (refuses to start
-//	                                 stor-server-0 on an empty disk when the
-//	                                 cluster exists: it would bootstrap a
-//	                                 second one)
+//	                                 container that reads a node's zone)
 //
 // The tests render the base and every overlay with kustomize's krusty (no
 // kubectl needed), decode every object strictly into the Kubernetes types
@@ -30,7 +26,6 @@
 // mounted, probe ports, the storage servers' --join list against the
 // StatefulSet's size, and the flags passed to stor-server against its
 // flag set. Another test feeds deliberately broken copies through the
-// same checks and asserts each is caught with the expected message; others
-// run node-zone against a fake API server and bootstrap-guard against a
-// real in-process cluster.
+// same checks and asserts each is caught with the expected message; another
+// runs node-zone against a fake API server.
 package deploy

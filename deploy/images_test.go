@@ -17,9 +17,6 @@ import (
 	"time"
 
 	"sigs.k8s.io/kustomize/kyaml/filesys"
-
-	"github.com/stor-io/stor/internal/server"
-	"github.com/stor-io/stor/internal/servertest"
 )
 
 // imageBinDir is where make image-binaries writes the static binaries the
@@ -178,76 +175,5 @@ func TestNodeZoneScript(t *testing.T) {
 	writeToken("wrong-token")
 	if zone, err := run("zoned"); err == nil {
 		t.Errorf("rejected token: zone %q and no error, want a failure", zone)
-	}
-}
-
-// TestBootstrapGuard runs images/bootstrap-guard with a real stor-ctl
-// against a real 3-server cluster (in-process, on loopback).
-func TestBootstrapGuard(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds stor-ctl and starts a cluster")
-	}
-	for _, tool := range []string{"sh", "jq"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("bootstrap-guard needs %s: %v", tool, err)
-		}
-	}
-	bin := t.TempDir()
-	build := exec.Command("go", "build", "-o", bin, "../cmd/stor-ctl")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build stor-ctl: %v\n%s", err, out)
-	}
-	c := servertest.NewCluster(t, servertest.Options{})
-	clusterID := c.Nodes[0].Server().Store().Status().ClusterID
-	if clusterID == "" {
-		t.Fatal("the cluster has no id")
-	}
-	members := c.Nodes[1].Addr + "," + c.Nodes[2].Addr
-	unreachable := "127.0.0.1:1" // nothing listens on port 1
-
-	run := func(pod, dataDir, join string) (string, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "images/bootstrap-guard", dataDir)
-		cmd.Env = append(os.Environ(), "PATH="+bin+string(os.PathListSeparator)+os.Getenv("PATH"),
-			"POD_NAME="+pod, "STOR_JOIN="+join, "GUARD_TIMEOUT=2s")
-		out, err := cmd.CombinedOutput()
-		return string(out), err
-	}
-	// A server that is up but has not joined anything, as stor-server-1 is
-	// while stor-server-0 first bootstraps.
-	cfg := servertest.TestConfig()
-	cfg.ID, cfg.DataDir, cfg.Join = "stor-server-1", t.TempDir(), []string{unreachable}
-	cfg.Listen, cfg.RaftListen, cfg.DataListen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
-	fresh, err := server.Start(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(fresh.Kill)
-	used := t.TempDir()
-	if err := os.WriteFile(filepath.Join(used, "identity.json"), []byte(`{}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct {
-		name, pod, dir, join string
-		refuse               bool
-	}{
-		{"ordinal 0, empty disk, cluster exists", "stor-server-0", t.TempDir(), unreachable + "," + members, true},
-		{"ordinal 0, used data dir", "stor-server-0", used, members, false},
-		{"ordinal 1 always joins", "stor-server-1", t.TempDir(), members, false},
-		{"first install: no peer has a cluster", "stor-server-0", t.TempDir(), unreachable + "," + fresh.Addr(), false},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			out, err := run(tc.pod, tc.dir, tc.join)
-			switch {
-			case tc.refuse && err == nil:
-				t.Fatalf("started; want a refusal. Output: %s", out)
-			case tc.refuse && !strings.Contains(out, "belongs to cluster "+clusterID):
-				t.Fatalf("refused without naming cluster %s: %v: %s", clusterID, err, out)
-			case !tc.refuse && err != nil:
-				t.Fatalf("refused: %v: %s", err, out)
-			}
-			t.Logf("exit %v %s", err, strings.TrimSpace(out))
-		})
 	}
 }

@@ -519,10 +519,6 @@ func checkServerPod(p podTemplate, objs []object, fail func(string, ...any)) {
 			fail("%s: stor-server %s probe asks for health service %q, want %q", p.owner, what, deref(pr.GRPC.Service), service)
 		}
 	}
-	dataDir, _ := flagValue(args, "data-dir")
-	if guard := "/usr/local/bin/bootstrap-guard " + dataDir + " &&"; !strings.Contains(strings.Join(c.Command, " "), guard) {
-		fail("%s: stor-server does not start with %q: a stor-server-0 that lost its disk would bootstrap a second cluster", p.owner, guard)
-	}
 	probe("readiness", c.ReadinessProbe, server.HealthReadiness)
 	probe("liveness", c.LivenessProbe, server.HealthLiveness)
 
