@@ -589,4 +589,3 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csipb.NodeExpand
 	}
 	return &csipb.NodeExpandVolumeResponse{CapacityBytes: int64(want)}, nil
 }
-

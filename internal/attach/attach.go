@@ -53,6 +53,8 @@ var (
 	// exclusively) and left it connected, without a server, for a later
 	// Open of the same volume to resume.
 	ErrInUse = errors.New("attach: device in use")
+	// ErrAbandoned: Abandon stopped Run.
+	ErrAbandoned = errors.New("attach: abandoned")
 )
 
 // Config is what Open attaches with.
@@ -263,6 +265,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	at := &Attachment{
 		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(),
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,
+		abandon: make(chan struct{}), runDone: make(chan struct{}),
 		log: log.With("volume", eng.Name()),
 	}
 	at.serveCtx, at.stopServing = context.WithCancel(context.Background())
@@ -386,6 +389,10 @@ type Attachment struct {
 	// device (it was disconnected or reconfigured elsewhere).
 	gone     chan struct{}
 	goneOnce sync.Once
+	// abandon is closed by Abandon; runDone when Run returns.
+	abandon     chan struct{}
+	abandonOnce sync.Once
+	runDone     chan struct{}
 }
 
 func socketPairs(n int) ([]*os.File, []net.Conn, error) {
@@ -465,6 +472,7 @@ const (
 	stopRequested stopReason = iota
 	stopFenced
 	stopGone
+	stopAbandoned
 )
 
 // Run serves until ctx ends, the engine is fenced, or the device is
@@ -482,6 +490,7 @@ const (
 // Run follows the volume's size: an expansion the engine learns of is
 // given to the kernel device.
 func (at *Attachment) Run(ctx context.Context) error {
+	defer close(at.runDone)
 	defer at.release()
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
@@ -495,6 +504,9 @@ wait:
 		case <-at.gone:
 			why = stopGone
 			break wait
+		case <-at.abandon:
+			why = stopAbandoned
+			break wait
 		case <-tick.C:
 			if at.eng.Fenced() {
 				why = stopFenced
@@ -504,6 +516,10 @@ wait:
 		}
 	}
 	switch why {
+	case stopAbandoned:
+		at.drain()
+		closeEngine(at.cfg, at.eng, false)
+		return fmt.Errorf("%w: %s is left connected for a new server", ErrAbandoned, kernel.Path(at.index))
 	case stopFenced:
 		at.drain()
 		closeEngine(at.cfg, at.eng, false)
@@ -520,15 +536,16 @@ wait:
 	return at.detach()
 }
 
-// Abandon stops serving without touching the device or the cluster, as if
-// the process had died: requests in flight are answered, the engine is
+// Abandon makes a running Run stop as if the process had died, and
+// returns when it has: requests in flight are answered, the engine is
 // closed without a detach, the device stays connected (its I/O waits for
-// a new server) and the record stays, for a later Open to resume. It is
-// what a test uses to simulate a crash of the serving process.
+// a new server) and the record stays, for a later Open to resume. Run
+// then returns ErrAbandoned. It is how a plugin that stops for a restart
+// or an upgrade leaves its devices. Abandon must only be called once Run
+// has been started.
 func (at *Attachment) Abandon() {
-	defer at.release()
-	at.drain()
-	closeEngine(at.cfg, at.eng, false)
+	at.abandonOnce.Do(func() { close(at.abandon) })
+	<-at.runDone
 }
 
 func (at *Attachment) release() {
