@@ -774,3 +774,29 @@ func TestReplicaCommands(t *testing.T) {
 		t.Fatalf("remove without a replica id: exit %d", r.code)
 	}
 }
+
+func TestVolumeCreateClone(t *testing.T) {
+	f := newFake(t)
+	mustRun(t, "--server", f.addr, "volume", "create", "restore", "--from-snapshot", "nightly")
+	mustRun(t, "--server", f.addr, "volume", "create", "copy", "--from-volume", "db", "--size", "20GiB", "-o", "json")
+	if len(f.volumes.creates) != 2 {
+		t.Fatalf("server saw %d CreateVolume calls, want 2", len(f.volumes.creates))
+	}
+	want := []*storpb.CreateVolumeRequest{
+		{Name: "restore", SizeBytes: 10 << 30,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}}},
+		{Name: "copy", SizeBytes: 20 << 30,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-1"}}},
+	}
+	for i, w := range want {
+		if got := f.volumes.creates[i]; !proto.Equal(got, w) {
+			t.Errorf("CreateVolume request %d =\n%v\nwant\n%v", i, got, w)
+		}
+	}
+	if r := run(t, "--server", f.addr, "volume", "create", "x", "--from-snapshot", "nightly", "--from-volume", "db"); r.code != 2 {
+		t.Errorf("both sources: exit %d, want 2 (%s)", r.code, r.stderr)
+	}
+	if r := run(t, "--server", f.addr, "volume", "create", "x", "--from-snapshot", "nope"); r.code != 1 || len(f.volumes.creates) != 2 {
+		t.Errorf("unknown snapshot: exit %d, %d creates (%s)", r.code, len(f.volumes.creates), r.stderr)
+	}
+}

@@ -8,6 +8,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/bytesize"
 	"github.com/stor-io/stor/internal/client"
@@ -45,26 +48,40 @@ func newVolumeCreateCommand(a *app) *cobra.Command {
 		params   []string
 		zones    []string
 		node     string
+		fromSnap string
+		fromVol  string
 	)
 	cmd := &cobra.Command{
-		Use:   "create NAME --size SIZE",
+		Use:   "create NAME --size SIZE | --from-snapshot SNAP | --from-volume SRC",
 		Short: "Create a volume (idempotent by name)",
 		Long: `Create a volume. Creating an existing name with the same parameters returns
 the existing volume.
 
 SIZE is bytes or a number with a unit: B, KiB, MiB, GiB, TiB, PiB (binary) or
 KB, MB, GB, TB (decimal), e.g. 10GiB or 1.5TiB. The server rounds it up to a
-multiple of 4096.`,
+multiple of 4096.
+
+--from-snapshot SNAP (a snapshot name, or id) or --from-volume SRC (a volume
+name, or id) creates a clone: the new volume is filled from the source and is
+not attachable until the copy is done. Without --size it is the source's size.`,
 		Example: `  stor-ctl volume create db --size 10GiB
-  stor-ctl volume create logs --size 500GB --replicas 2 --zone a --zone b --param fs=xfs`,
+  stor-ctl volume create logs --size 500GB --replicas 2 --zone a --zone b --param fs=xfs
+  stor-ctl volume create db-restore --from-snapshot db-nightly
+  stor-ctl volume create db-copy --from-volume db -o json`,
 		Args: exactArgs("NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if !cmd.Flags().Changed("size") {
+			if fromSnap != "" && fromVol != "" {
+				return usageErrorf("volume create: give --from-snapshot or --from-volume, not both")
+			}
+			if !cmd.Flags().Changed("size") && fromSnap == "" && fromVol == "" {
 				return usageErrorf("volume create: --size is required")
 			}
-			sizeBytes, err := bytesize.Parse(size)
-			if err != nil {
-				return usageErrorf("--size: %v", err)
+			var sizeBytes uint64
+			if cmd.Flags().Changed("size") {
+				var err error
+				if sizeBytes, err = bytesize.Parse(size); err != nil {
+					return usageErrorf("--size: %v", err)
+				}
 			}
 			parameters, err := parseParams(params)
 			if err != nil {
@@ -78,6 +95,9 @@ multiple of 4096.`,
 				Accessibility: topology(zones, node),
 			}
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				if err := resolveSource(ctx, c, req, fromSnap, fromVol); err != nil {
+					return err
+				}
 				resp, err := c.Volumes.CreateVolume(ctx, req)
 				if err != nil {
 					return err
@@ -87,12 +107,49 @@ multiple of 4096.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&size, "size", "", "volume size, e.g. 10GiB (required)")
+	f.StringVar(&size, "size", "", "volume size, e.g. 10GiB (required without a source)")
+	f.StringVar(&fromSnap, "from-snapshot", "", "clone this snapshot (name or id)")
+	f.StringVar(&fromVol, "from-volume", "", "clone this volume (name or id)")
 	f.Uint32Var(&replicas, "replicas", 0, "number of replicas (default: the server's default, 3)")
 	f.StringArrayVar(&params, "param", nil, "volume parameter key=value (repeatable)")
 	f.StringArrayVar(&zones, "zone", nil, "place replicas only in this zone (repeatable: any of them)")
 	f.StringVar(&node, "node", "", "preferred server for the first replica (data locality)")
 	return cmd
+}
+
+// resolveSource sets req's content source from a snapshot or volume name
+// (or id), and its size from the source's when none was given.
+func resolveSource(ctx context.Context, c *client.Client, req *storpb.CreateVolumeRequest, snap, vol string) error {
+	var id string
+	var size uint64
+	switch {
+	case snap != "":
+		resp, err := c.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Name: snap}})
+		if status.Code(err) == codes.NotFound {
+			resp, err = c.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: snap}})
+		}
+		if err != nil {
+			return err
+		}
+		id, size = resp.GetSnapshot().GetId(), resp.GetSnapshot().GetSizeBytes()
+		req.ContentSource = &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: id}}
+	case vol != "":
+		resp, err := c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: vol}})
+		if status.Code(err) == codes.NotFound {
+			resp, err = c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: vol}})
+		}
+		if err != nil {
+			return err
+		}
+		id, size = resp.GetVolume().GetId(), resp.GetVolume().GetSizeBytes()
+		req.ContentSource = &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: id}}
+	default:
+		return nil
+	}
+	if req.SizeBytes == 0 {
+		req.SizeBytes = size
+	}
+	return nil
 }
 
 // parseParams turns repeated key=value flags into a map.
