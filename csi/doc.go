@@ -47,7 +47,8 @@
 // ControllerPublishVolume attaches the volume to the node in the cluster
 // (a Raft write that increments the volume's epoch); a volume attached
 // to another node is FAILED_PRECONDITION (RWO and RWOP both mean one
-// node here). ControllerPublish to the node that already holds the volume
+// node here; RWOP also allows one publication on that node), a node
+// with MaxVolumesPerNode volumes published is RESOURCE_EXHAUSTED. ControllerPublish to the node that already holds the volume
 // with the same read-only flag is idempotent: it returns the same
 // publish_context and does NOT attach again (no epoch bump that would
 // fence the node's live engine); with the other read-only flag it is
