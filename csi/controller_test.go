@@ -247,7 +247,7 @@ func TestNodeRestartRecovers(t *testing.T) {
 	host2, _, _ := fakeHost(att2)
 	d2, err := New(Config{
 		Mode: ModeNode, NodeID: c.Nodes[0].ID, StateDir: d1.cfg.StateDir,
-		Cluster: Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
+		Cluster:  Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
 		Attacher: att2, Host: host2, Logger: testLogger(t),
 	})
 	if err != nil {
