@@ -631,7 +631,11 @@ func (at *Attachment) detach() error {
 	if derr != nil {
 		return fmt.Errorf("volume %q is flushed and detached, but disconnecting %s failed: %w", at.export, dev, derr)
 	}
-	at.log.Info("device disconnected; volume flushed and closed", "detached", !at.cfg.KeepAttachment)
+	if at.cfg.KeepAttachment {
+		at.log.Info("device disconnected; volume flushed and closed (still attached in the cluster)")
+	} else {
+		at.log.Info("device disconnected; volume flushed and detached")
+	}
 	return nil
 }
 
