@@ -95,7 +95,7 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	go func() {
 		defer close(s.done)
 		s.err = at.Run(runCtx)
-		if s.err != nil && runCtx.Err() == nil {
+		if s.err != nil && runCtx.Err() == nil && !errors.Is(s.err, attach.ErrAbandoned) {
 			k.cfg.Logger.Error("a staged volume stopped being served", "volume", volumeID, "err", s.err)
 		}
 	}()
