@@ -136,7 +136,6 @@ func TestExternalSanity(t *testing.T) {
 		c.TestVolumeSize = 64 << 20
 		c.TestVolumeExpandSize = 96 << 20
 		c.IdempotentCount = 2
-		c.TestNodeVolumeAttachLimit = false // 16 volumes of 64 MiB is too slow under emulation
 	}
 	Describe("access type mount", func() { sanity.GinkgoTest(mountCfg) })
 	Describe("access type block", func() { sanity.GinkgoTest(blockCfg) })

@@ -651,3 +651,71 @@ func TestNBDAttachFlags(t *testing.T) {
 		}
 	}
 }
+
+// Package attach as the CSI node uses it: KeepAttachment leaves the
+// volume attached in the cluster on a clean stop; Abandon (a plugin
+// stopping for a restart) leaves the device connected and recorded, and
+// the next Open resumes it at a newer epoch with the data intact.
+func TestAttachKeepAttachmentAndAbandon(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kkeep", 16*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	cl := c.Dial()
+	cfg := attach.Config{
+		VolumeID: vol.Id, NodeID: "csi-node", KeepAttachment: true, StateDir: dir,
+		Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Timeout: 20 * time.Second, Logger: attachTestLogger(t), Kernel: k.ops(),
+	}
+	at, err := attach.Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- at.Run(context.Background()) }()
+	p := testPattern(8192, 9)
+	kwrite(t, k.sock(0, 0), 0, p)
+	kflush(t, k.sock(0, 0))
+	epoch1 := at.Epoch()
+
+	at.Abandon()
+	if err := <-done; !errors.Is(err, attach.ErrAbandoned) {
+		t.Fatalf("Run after Abandon: %v, want ErrAbandoned", err)
+	}
+	if !k.device(0).connected {
+		t.Fatal("Abandon disconnected the device")
+	}
+	if rec, _ := attach.LoadRecord(dir, vol.Id); rec == nil {
+		t.Fatal("Abandon removed the record")
+	}
+	if v := getVolume(t, c, vol.Id); v.GetAttachment().GetNodeId() != "csi-node" {
+		t.Fatalf("after Abandon the volume is attached to %v, want csi-node", v.GetAttachment())
+	}
+
+	at2, err := attach.Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !at2.Resumed() || at2.Device() != "/dev/nbd0" || at2.Epoch() <= epoch1 {
+		t.Fatalf("second Open: resumed %v, device %s, epoch %d (first %d)", at2.Resumed(), at2.Device(), at2.Epoch(), epoch1)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { done <- at2.Run(ctx) }()
+	if got := kread(t, k.sock(0, k.nsocks(0)-1), 0, 8192); !bytes.Equal(got, p) {
+		t.Fatal("the resumed device reads back other data")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("clean stop: %v", err)
+	}
+	if got := k.callLog(); got[len(got)-1] != "disconnect 0" {
+		t.Fatalf("kernel calls %q: the clean stop did not disconnect", got)
+	}
+	if rec, _ := attach.LoadRecord(dir, vol.Id); rec != nil {
+		t.Fatal("the record is left after a clean stop")
+	}
+	if v := getVolume(t, c, vol.Id); v.GetAttachment().GetNodeId() != "csi-node" {
+		t.Fatalf("KeepAttachment: after the clean stop the volume is attached to %v, want csi-node", v.GetAttachment())
+	}
+}

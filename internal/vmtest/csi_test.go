@@ -73,10 +73,11 @@ func csiScenario(t *testing.T, name, test, focus string, expect []string, timeou
 	}
 }
 
-// csi-sanity's node tests (and the rest) against stor-csi with the real
-// kernel NBD attach and real mounts, mount and block access types.
+// csi-sanity, every spec, against stor-csi (controller and node in one
+// process) with the real kernel NBD attach and real mounts, for the mount
+// and block access types.
 func TestVMCSISanity(t *testing.T) {
-	csiScenario(t, "csi-sanity", "TestExternalSanity", "Node Service", []string{"SUCCESS!"}, 10*time.Minute)
+	csiScenario(t, "csi-sanity", "TestExternalSanity", "", []string{"SUCCESS!"}, 10*time.Minute)
 }
 
 // Kubelet's order through the CSI socket, with an online expansion.
