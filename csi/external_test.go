@@ -10,6 +10,8 @@ package csi
 //	STOR_SERVER=a:7400,b:7410,... the cluster
 //	STOR_CSI_NODE_ID=s1           the node id (a stor-server id)
 //	STOR_CSI_DIR=/tmp/csi         socket, state dir, mount points
+//	STOR_CSI_MAX_VOLUMES=4        the plugin's --max-volumes (csi-sanity's
+//	                              attach-limit test creates that many + 1)
 
 import (
 	"bytes"
@@ -78,8 +80,12 @@ func (e *external) start() {
 		e.t.Fatal(err)
 	}
 	e.logf = f
-	e.cmd = exec.Command(e.bin, "--mode=all", "--endpoint", e.endpoint, "--servers", e.servers,
-		"--node-id", e.node, "--state-dir", e.stateD)
+	args := []string{"--mode=all", "--endpoint", e.endpoint, "--servers", e.servers,
+		"--node-id", e.node, "--state-dir", e.stateD}
+	if m := os.Getenv("STOR_CSI_MAX_VOLUMES"); m != "" {
+		args = append(args, "--max-volumes", m)
+	}
+	e.cmd = exec.Command(e.bin, args...)
 	e.cmd.Stdout, e.cmd.Stderr = f, f
 	if err := e.cmd.Start(); err != nil {
 		e.t.Fatal(err)
