@@ -7,6 +7,7 @@ PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 .PHONY: build test test-short e2e lint proto verify-proto cluster bench clean
 .PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd
 .PHONY: image-binaries test-deploy
+.PHONY: test-csi vm-csi bench-csi
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -128,3 +129,21 @@ test-deploy:
 
 clean:
 	rm -rf $(BIN)
+
+# The CSI driver's tests: csi-sanity (mount and block) against an
+# in-process 3-server cluster with an injected attacher and mount-utils'
+# fake mounter, fencing, restart recovery. Also part of make test.
+test-csi:
+	$(GO) test -race -count=1 -v -run 'TestSanity|TestPublishFencing|TestNodeRestart' ./csi/
+
+# The CSI VM scenarios only (make vm runs them with the rest): csi-sanity's
+# node tests with the real kernel NBD, kubelet's order with an online
+# expansion, kill -9 of the node plugin under a writer, snapshot and clone.
+vm-csi:
+	$(MAKE) vm VM_RUN='TestVMCSI'
+
+# CreateVolume, CreateSnapshot and ControllerExpandVolume latency through
+# the CSI socket on 3 in-process servers, p50/p99, beside the direct
+# cluster calls (docs/BENCHMARKS.md). STOR_CSI_BENCH_N calls each.
+bench-csi:
+	STOR_CSI_BENCH=1 $(GO) test -count=1 -v -run TestCSILatency ./csi/

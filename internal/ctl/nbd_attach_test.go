@@ -26,6 +26,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/attach"
 	"github.com/stor-io/stor/internal/servertest"
 	"github.com/stor-io/stor/nbd/kernel"
 	"github.com/stor-io/stor/replica/engine"
@@ -54,10 +55,10 @@ type fakeKernel struct {
 
 func newFakeKernel(t *testing.T) *fakeKernel { return &fakeKernel{t: t, devs: map[int]*fakeDevice{}} }
 
-func (k *fakeKernel) ops() *kernelOps {
-	return &kernelOps{
-		dial: func() (nbdKernel, error) { return k, nil },
-		backend: func(i int) (string, error) {
+func (k *fakeKernel) ops() *attach.Kernel {
+	return &attach.Kernel{
+		Dial: func() (attach.KernelConn, error) { return k, nil },
+		Backend: func(i int) (string, error) {
 			k.mu.Lock()
 			defer k.mu.Unlock()
 			if d := k.devs[i]; d != nil && d.connected {
@@ -65,7 +66,7 @@ func (k *fakeKernel) ops() *kernelOps {
 			}
 			return "", nil
 		},
-		openExclusive: func(i int) (syncCloser, error) {
+		OpenExclusive: func(i int) (attach.SyncCloser, error) {
 			k.mu.Lock()
 			defer k.mu.Unlock()
 			if d := k.devs[i]; d != nil && d.busy {
@@ -378,11 +379,11 @@ func TestNBDAttachAndStop(t *testing.T) {
 	if d.flags != wantFlags {
 		t.Fatalf("server flags %#x, want %#x", d.flags, wantFlags)
 	}
-	rec, err := loadRecord(dir, vol.Id)
+	rec, err := attach.LoadRecord(dir, vol.Id)
 	if err != nil || rec == nil || rec.Index != 0 || rec.Backend != "stor:"+vol.Id || rec.Connections != 2 || rec.PID != os.Getpid() {
 		t.Fatalf("record %+v %v", rec, err)
 	}
-	if locked, _ := volumeLocked(dir, vol.Id); !locked {
+	if locked, _ := attach.VolumeLocked(dir, vol.Id); !locked {
 		t.Fatal("the volume's lock is not held while serving")
 	}
 
@@ -409,7 +410,7 @@ func TestNBDAttachAndStop(t *testing.T) {
 	if k.syncs == 0 {
 		t.Fatal("the stop did not flush the device before disconnecting it")
 	}
-	if rec, _ := loadRecord(dir, vol.Id); rec != nil {
+	if rec, _ := attach.LoadRecord(dir, vol.Id); rec != nil {
 		t.Fatalf("record left after a clean stop: %+v", rec)
 	}
 	if v := getVolume(t, c, vol.Id); v.Attachment != nil {
@@ -434,9 +435,9 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	if err := old.WriteAt(context.Background(), p, 0, true); err != nil {
 		t.Fatal(err)
 	}
-	backend := backendID(vol.Id)
+	backend := attach.BackendID(vol.Id)
 	k.devs[3] = &fakeDevice{backend: backend, size: 16 * mib, connected: true}
-	if err := saveRecord(dir, &attachRecord{Volume: "kresume", VolumeID: vol.Id, Device: "/dev/nbd3", Index: 3,
+	if err := attach.SaveRecord(dir, &attach.Record{Volume: "kresume", VolumeID: vol.Id, Device: "/dev/nbd3", Index: 3,
 		Backend: backend, Connections: 3, Node: "test-node", PID: 999999}); err != nil {
 		t.Fatal(err)
 	}
@@ -464,7 +465,7 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	if got := kread(t, k.sock(3, 2), 8192, 4096); !bytes.Equal(got, q) {
 		t.Fatal("data written after the restart differs")
 	}
-	rec, _ := loadRecord(dir, vol.Id)
+	rec, _ := attach.LoadRecord(dir, vol.Id)
 	if rec == nil || rec.PID != os.Getpid() || rec.Index != 3 {
 		t.Fatalf("record after the restart: %+v", rec)
 	}
@@ -481,7 +482,7 @@ func TestNBDAttachStaleRecord(t *testing.T) {
 	k := newFakeKernel(t)
 	dir := t.TempDir()
 	k.devs[0] = &fakeDevice{backend: "stor:someone-else", connected: true}
-	saveRecord(dir, &attachRecord{Volume: "kstale", VolumeID: vol.Id, Device: "/dev/nbd0", Index: 0, Backend: backendID(vol.Id), Connections: 2})
+	attach.SaveRecord(dir, &attach.Record{Volume: "kstale", VolumeID: vol.Id, Device: "/dev/nbd0", Index: 0, Backend: attach.BackendID(vol.Id), Connections: 2})
 	r := startAttach(t, attachConfig(t, c, k, dir, "kstale"))
 	if r.dev != "/dev/nbd1" {
 		t.Fatalf("printed %q, want a new device /dev/nbd1", r.dev)
@@ -508,7 +509,7 @@ func TestNBDAttachReplacesConnectionsAndFollowsSize(t *testing.T) {
 		t.Fatal("I/O on the replacement socket failed")
 	}
 	last := k.reconfs[0]
-	if len(last.Sockets) != 1 || last.Backend != backendID(vol.Id) {
+	if len(last.Sockets) != 1 || last.Backend != attach.BackendID(vol.Id) {
 		t.Fatalf("replacement reconfigure %+v", last)
 	}
 
@@ -545,7 +546,7 @@ func TestNBDAttachStopLeavesBusyDevice(t *testing.T) {
 			t.Fatalf("a device in use was disconnected: %q", k.callLog())
 		}
 	}
-	if rec, _ := loadRecord(dir, vol.Id); rec == nil {
+	if rec, _ := attach.LoadRecord(dir, vol.Id); rec == nil {
 		t.Fatal("the record of a device left connected was removed")
 	}
 	if v := getVolume(t, c, vol.Id); v.Attachment == nil {
@@ -562,7 +563,7 @@ func TestNBDDetach(t *testing.T) {
 	k.devs[0] = &fakeDevice{backend: "stor:vol-a", connected: true}
 	k.devs[1] = &fakeDevice{backend: "other", connected: true}
 	k.devs[2] = &fakeDevice{backend: "stor:vol-c", connected: true, busy: true}
-	saveRecord(dir, &attachRecord{Volume: "a", VolumeID: "vol-a", Device: "/dev/nbd0", Index: 0, Backend: "stor:vol-a", Node: "n1", PID: 4242})
+	attach.SaveRecord(dir, &attach.Record{Volume: "a", VolumeID: "vol-a", Device: "/dev/nbd0", Index: 0, Backend: "stor:vol-a", Node: "n1", PID: 4242})
 	var detached []string
 	cfg := func(i int) nbdDetachConfig {
 		return nbdDetachConfig{Index: i, StateDir: dir, kernel: k.ops(), Wait: 5 * time.Second,
@@ -584,7 +585,7 @@ func TestNBDDetach(t *testing.T) {
 
 	// A live attach process (it holds the lock): detach signals it and
 	// waits for it to stop.
-	lock, err := lockVolume(dir, "vol-a")
+	lock, err := attach.LockVolume(dir, "vol-a")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -595,7 +596,7 @@ func TestNBDDetach(t *testing.T) {
 		}
 		go func() { // the process stops cleanly
 			time.Sleep(100 * time.Millisecond)
-			removeRecord(dir, "vol-a")
+			attach.RemoveRecord(dir, "vol-a")
 			lock.Close()
 		}()
 		return nil
@@ -609,14 +610,14 @@ func TestNBDDetach(t *testing.T) {
 
 	// No live process: detach disconnects, removes the record and
 	// detaches the volume.
-	saveRecord(dir, &attachRecord{Volume: "a", VolumeID: "vol-a", Device: "/dev/nbd0", Index: 0, Backend: "stor:vol-a", Node: "n1", PID: 4242})
+	attach.SaveRecord(dir, &attach.Record{Volume: "a", VolumeID: "vol-a", Device: "/dev/nbd0", Index: 0, Backend: "stor:vol-a", Node: "n1", PID: 4242})
 	if err := runNBDDetach(ctx, cfg(0)); err != nil {
 		t.Fatalf("detach without a live process: %v", err)
 	}
 	if got := k.callLog(); len(got) != 1 || got[0] != "disconnect 0" {
 		t.Fatalf("kernel calls %q", got)
 	}
-	if rec, _ := loadRecord(dir, "vol-a"); rec != nil {
+	if rec, _ := attach.LoadRecord(dir, "vol-a"); rec != nil {
 		t.Fatal("record left")
 	}
 	if len(detached) != 1 || detached[0] != "vol-a@n1" {
@@ -648,5 +649,73 @@ func TestNBDAttachFlags(t *testing.T) {
 		if code := Execute(args, &out, &errb); code != 2 {
 			t.Errorf("%q: exit %d, want 2 (%s)", args, code, errb.String())
 		}
+	}
+}
+
+// Package attach as the CSI node uses it: KeepAttachment leaves the
+// volume attached in the cluster on a clean stop; Abandon (a plugin
+// stopping for a restart) leaves the device connected and recorded, and
+// the next Open resumes it at a newer epoch with the data intact.
+func TestAttachKeepAttachmentAndAbandon(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kkeep", 16*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	cl := c.Dial()
+	cfg := attach.Config{
+		VolumeID: vol.Id, NodeID: "csi-node", KeepAttachment: true, StateDir: dir,
+		Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Timeout: 20 * time.Second, Logger: attachTestLogger(t), Kernel: k.ops(),
+	}
+	at, err := attach.Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- at.Run(context.Background()) }()
+	p := testPattern(8192, 9)
+	kwrite(t, k.sock(0, 0), 0, p)
+	kflush(t, k.sock(0, 0))
+	epoch1 := at.Epoch()
+
+	at.Abandon()
+	if err := <-done; !errors.Is(err, attach.ErrAbandoned) {
+		t.Fatalf("Run after Abandon: %v, want ErrAbandoned", err)
+	}
+	if !k.device(0).connected {
+		t.Fatal("Abandon disconnected the device")
+	}
+	if rec, _ := attach.LoadRecord(dir, vol.Id); rec == nil {
+		t.Fatal("Abandon removed the record")
+	}
+	if v := getVolume(t, c, vol.Id); v.GetAttachment().GetNodeId() != "csi-node" {
+		t.Fatalf("after Abandon the volume is attached to %v, want csi-node", v.GetAttachment())
+	}
+
+	at2, err := attach.Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !at2.Resumed() || at2.Device() != "/dev/nbd0" || at2.Epoch() <= epoch1 {
+		t.Fatalf("second Open: resumed %v, device %s, epoch %d (first %d)", at2.Resumed(), at2.Device(), at2.Epoch(), epoch1)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { done <- at2.Run(ctx) }()
+	if got := kread(t, k.sock(0, k.nsocks(0)-1), 0, 8192); !bytes.Equal(got, p) {
+		t.Fatal("the resumed device reads back other data")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("clean stop: %v", err)
+	}
+	if got := k.callLog(); got[len(got)-1] != "disconnect 0" {
+		t.Fatalf("kernel calls %q: the clean stop did not disconnect", got)
+	}
+	if rec, _ := attach.LoadRecord(dir, vol.Id); rec != nil {
+		t.Fatal("the record is left after a clean stop")
+	}
+	if v := getVolume(t, c, vol.Id); v.GetAttachment().GetNodeId() != "csi-node" {
+		t.Fatalf("KeepAttachment: after the clean stop the volume is attached to %v, want csi-node", v.GetAttachment())
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/attach"
 	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/nbd/kernel"
 )
@@ -74,7 +75,7 @@ errors.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&cfg.StateDir, "state-dir", defaultNBDStateDir, "directory where nbd attach records attached devices")
+	f.StringVar(&cfg.StateDir, "state-dir", attach.DefaultStateDir, "directory where nbd attach records attached devices")
 	f.BoolVar(&cfg.Force, "force", false, "disconnect even a device in use (its filesystem sees I/O errors)")
 	return cmd
 }
@@ -90,7 +91,7 @@ type nbdDetachConfig struct {
 	Wait           time.Duration
 	Stdout, Stderr io.Writer
 
-	kernel *kernelOps
+	kernel *attach.Kernel
 	// detachVolume detaches the volume in the cluster (when no attach
 	// process is left to do it).
 	detachVolume func(ctx context.Context, volumeID, node string) error
@@ -100,10 +101,10 @@ type nbdDetachConfig struct {
 
 func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 	if cfg.kernel == nil {
-		cfg.kernel = realKernel()
+		cfg.kernel = attach.RealKernel()
 	}
 	if cfg.StateDir == "" {
-		cfg.StateDir = defaultNBDStateDir
+		cfg.StateDir = attach.DefaultStateDir
 	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = defaultTimeout
@@ -122,8 +123,8 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 	}
 	dev := kernel.Path(cfg.Index)
 
-	var rec *attachRecord
-	recs, rerr := records(cfg.StateDir)
+	var rec *attach.Record
+	recs, rerr := attach.Records(cfg.StateDir)
 	for _, r := range recs {
 		if r.Index == cfg.Index {
 			rec = r
@@ -133,7 +134,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 		return fmt.Errorf("nbd detach: %w", rerr)
 	}
 
-	k, err := cfg.kernel.dial()
+	k, err := cfg.kernel.Dial()
 	if err != nil {
 		return fmt.Errorf("nbd detach: %w", err)
 	}
@@ -144,7 +145,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 	if err != nil {
 		return fmt.Errorf("nbd detach: %w", err)
 	}
-	backend, _ := cfg.kernel.backend(cfg.Index)
+	backend, _ := cfg.kernel.Backend(cfg.Index)
 
 	if rec == nil {
 		if !st.Connected {
@@ -154,12 +155,12 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 			return fmt.Errorf("%s was not attached by stor-ctl nbd attach (backend %q, no record in %s): pass --force to disconnect it anyway", dev, backend, cfg.StateDir)
 		}
 	} else if st.Connected && backend != "" && backend != rec.Backend {
-		return fmt.Errorf("%s now serves %q, not volume %q as %s records; refusing (remove the stale record if it is)", dev, backend, rec.Volume, recordPath(cfg.StateDir, rec.VolumeID))
+		return fmt.Errorf("%s now serves %q, not volume %q as %s records; refusing (remove the stale record if it is)", dev, backend, rec.Volume, attach.RecordPath(cfg.StateDir, rec.VolumeID))
 	}
 
 	// A device in use is refused unless forced.
 	if st.Connected && !cfg.Force {
-		f, err := cfg.kernel.openExclusive(cfg.Index)
+		f, err := cfg.kernel.OpenExclusive(cfg.Index)
 		if errors.Is(err, kernel.ErrBusy) {
 			return fmt.Errorf("%s is in use (mounted, or open exclusively): unmount it first, or pass --force (its filesystem then sees I/O errors)", dev)
 		}
@@ -170,7 +171,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 
 	live := false
 	if rec != nil {
-		if live, err = volumeLocked(cfg.StateDir, rec.VolumeID); err != nil {
+		if live, err = attach.VolumeLocked(cfg.StateDir, rec.VolumeID); err != nil {
 			return fmt.Errorf("nbd detach: %w", err)
 		}
 	}
@@ -189,7 +190,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 		if err := waitUnlocked(ctx, cfg.StateDir, rec.VolumeID, cfg.Wait); err != nil {
 			return err
 		}
-		if left, _ := loadRecord(cfg.StateDir, rec.VolumeID); left != nil && left.Index == cfg.Index {
+		if left, _ := attach.LoadRecord(cfg.StateDir, rec.VolumeID); left != nil && left.Index == cfg.Index {
 			return fmt.Errorf("the attach process stopped but left %s connected (it was in use when it stopped): unmount it and detach again", dev)
 		}
 		fmt.Fprintf(cfg.Stdout, "detached %s (volume %q)\n", dev, rec.Volume)
@@ -207,7 +208,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 		fmt.Fprintf(cfg.Stdout, "disconnected %s\n", dev)
 		return nil
 	}
-	if err := removeRecord(cfg.StateDir, rec.VolumeID); err != nil {
+	if err := attach.RemoveRecord(cfg.StateDir, rec.VolumeID); err != nil {
 		return fmt.Errorf("nbd detach: %w", err)
 	}
 	if cfg.detachVolume != nil {
@@ -222,7 +223,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 	return nil
 }
 
-func disconnect(ctx context.Context, cfg nbdDetachConfig, k nbdKernel) error {
+func disconnect(ctx context.Context, cfg nbdDetachConfig, k attach.KernelConn) error {
 	nlCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	defer cancel()
 	if err := k.Disconnect(nlCtx, cfg.Index); err != nil {
@@ -235,7 +236,7 @@ func disconnect(ctx context.Context, cfg nbdDetachConfig, k nbdKernel) error {
 func waitUnlocked(ctx context.Context, dir, volumeID string, limit time.Duration) error {
 	deadline := time.Now().Add(limit)
 	for {
-		locked, err := volumeLocked(dir, volumeID)
+		locked, err := attach.VolumeLocked(dir, volumeID)
 		if err != nil {
 			return err
 		}

@@ -1,0 +1,83 @@
+// Command stor-csi is stor's CSI driver (package csi): the controller
+// beside the CSI sidecars, the node plugin in a DaemonSet, or both.
+//
+//	stor-csi --mode=controller --endpoint unix:///csi/csi.sock --servers stor-0.stor:7400,stor-1.stor:7400
+//	stor-csi --mode=node --endpoint unix:///csi/csi.sock --servers ... --node-id $(NODE_NAME) --zone a --state-dir /var/lib/stor-csi
+//
+// The node id must be the id of the stor-server on the same node. The
+// node plugin resumes every volume it had staged (recorded in
+// --state-dir) before Probe reports ready; on SIGTERM it stops serving
+// without detaching, so the next start resumes the devices.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/stor-io/stor/csi"
+	"github.com/stor-io/stor/internal/client"
+)
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintf(os.Stderr, "stor-csi: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	cfg := csi.DefaultConfig()
+	fs := flag.NewFlagSet("stor-csi", flag.ContinueOnError)
+	mode := fs.String("mode", "all", "controller, node or all")
+	fs.StringVar(&cfg.Endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (a unix socket)")
+	servers := fs.String("servers", "127.0.0.1:7400", "comma-separated stor-server control addresses")
+	fs.StringVar(&cfg.NodeID, "node-id", "", "this node's id: the id of the stor-server on this node (node mode; default: the host name)")
+	fs.StringVar(&cfg.DriverName, "driver-name", cfg.DriverName, "CSI driver name (and topology key suffix)")
+	fs.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "node: where staged volumes are recorded, for restart recovery")
+	fs.StringVar(&cfg.Zone, "zone", "", "node: this node's zone (topology segment topology.<driver-name>/zone)")
+	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", cfg.MaxVolumesPerNode, "node: volumes this node may stage (the nbd module's device count)")
+	fs.StringVar(&cfg.Version, "version", cfg.Version, "vendor version reported by GetPluginInfo")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	cfg.Mode = csi.Mode(*mode)
+	if cfg.NodeID == "" && cfg.Mode != csi.ModeController {
+		host, err := os.Hostname()
+		if err != nil {
+			return fmt.Errorf("no --node-id and no host name: %w", err)
+		}
+		cfg.NodeID = host
+	}
+	c, err := client.Dial(strings.Split(*servers, ","))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	cfg.Cluster = csi.Cluster{Cluster: c.Cluster, Volumes: c.Volumes, Snapshots: c.Snapshots}
+	d, err := csi.New(cfg)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return d.Run(ctx)
+}

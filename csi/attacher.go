@@ -1,0 +1,161 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	"github.com/stor-io/stor/internal/attach"
+	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// Attacher serves volumes to kernel block devices on this node. The real
+// one is package internal/attach (NewKernelAttacher); csi-sanity on a
+// host without the nbd module injects a fake.
+type Attacher interface {
+	// Attach serves the volume on a kernel block device at a new epoch and
+	// returns the device path. A device recorded by an earlier instance of
+	// the plugin and still connected is resumed (RECONFIGURE), fencing
+	// that instance. Attaching a volume this Attacher serves returns its
+	// device.
+	Attach(ctx context.Context, volumeID string, readOnly bool) (device string, err error)
+	// Detach flushes the device, disconnects it and closes the engine
+	// (flushing every replica); the cluster attachment stays. A volume not
+	// served is success.
+	Detach(ctx context.Context, volumeID string) error
+	// Served reports the device of a served volume, its current size in
+	// bytes, and false if the volume is not served (never attached, or
+	// its engine was fenced and stopped).
+	Served(volumeID string) (device string, size uint64, ok bool)
+	// Close stops serving every volume without detaching anything: the
+	// devices stay connected for the next instance to resume.
+	Close()
+}
+
+// KernelAttacherConfig configures NewKernelAttacher.
+type KernelAttacherConfig struct {
+	// StateDir holds internal/attach's device records.
+	StateDir string
+	// NodeID is the node volumes are attached to.
+	NodeID  string
+	Cluster Cluster
+	// Kernel is the kernel's side; nil: the real one.
+	Kernel *attach.Kernel
+	Logger *slog.Logger
+}
+
+// NewKernelAttacher serves volumes with package internal/attach.
+func NewKernelAttacher(cfg KernelAttacherConfig) Attacher {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &kernelAttacher{cfg: cfg, served: map[string]*served{}}
+}
+
+type kernelAttacher struct {
+	cfg KernelAttacherConfig
+
+	mu     sync.Mutex
+	served map[string]*served // guarded by mu
+}
+
+type served struct {
+	at     *attach.Attachment
+	cancel context.CancelFunc
+	done   chan struct{}
+	err    error // Run's result, after done
+}
+
+func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly bool) (string, error) {
+	k.mu.Lock()
+	if s := k.served[volumeID]; s != nil {
+		select {
+		case <-s.done:
+			delete(k.served, volumeID) // stopped (fenced or gone): attach anew
+		default:
+			k.mu.Unlock()
+			return s.at.Device(), nil
+		}
+	}
+	k.mu.Unlock()
+	at, err := attach.Open(ctx, attach.Config{
+		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true,
+		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger,
+		Control: engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
+		Connect: engine.WireConnector(wire.ClientConfig{}),
+	})
+	if err != nil {
+		return "", err
+	}
+	runCtx, cancel := context.WithCancel(context.Background())
+	s := &served{at: at, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		s.err = at.Run(runCtx)
+		if s.err != nil && runCtx.Err() == nil && !errors.Is(s.err, attach.ErrAbandoned) {
+			k.cfg.Logger.Error("a staged volume stopped being served", "volume", volumeID, "err", s.err)
+		}
+	}()
+	k.mu.Lock()
+	k.served[volumeID] = s
+	k.mu.Unlock()
+	return at.Device(), nil
+}
+
+func (k *kernelAttacher) Detach(ctx context.Context, volumeID string) error {
+	k.mu.Lock()
+	s := k.served[volumeID]
+	k.mu.Unlock()
+	if s == nil {
+		return nil
+	}
+	s.cancel()
+	select {
+	case <-s.done:
+	case <-ctx.Done():
+		return fmt.Errorf("detach %s: %w", volumeID, ctx.Err())
+	}
+	k.mu.Lock()
+	if k.served[volumeID] == s {
+		delete(k.served, volumeID)
+	}
+	k.mu.Unlock()
+	if errors.Is(s.err, attach.ErrFenced) {
+		return nil // nothing of ours left to flush
+	}
+	return s.err
+}
+
+func (k *kernelAttacher) Served(volumeID string) (string, uint64, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	s := k.served[volumeID]
+	if s == nil {
+		return "", 0, false
+	}
+	select {
+	case <-s.done:
+		return "", 0, false
+	default:
+	}
+	return s.at.Device(), s.at.DeviceSize(), true
+}
+
+func (k *kernelAttacher) Close() {
+	k.mu.Lock()
+	all := k.served
+	k.served = map[string]*served{}
+	k.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, s := range all {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.at.Abandon()
+		}()
+	}
+	wg.Wait()
+}

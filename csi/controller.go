@@ -1,0 +1,658 @@
+package csi
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strconv"
+	"time"
+
+	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// publish_context keys.
+const (
+	ctxNode     = "stor.io/node"
+	ctxReadOnly = "stor.io/read-only"
+)
+
+type controllerServer struct {
+	d *Driver
+	csipb.UnimplementedControllerServer
+}
+
+var controllerCaps = []csipb.ControllerServiceCapability_RPC_Type{
+	csipb.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+	csipb.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+	csipb.ControllerServiceCapability_RPC_LIST_VOLUMES,
+	csipb.ControllerServiceCapability_RPC_GET_CAPACITY,
+	csipb.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+	csipb.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+	csipb.ControllerServiceCapability_RPC_CLONE_VOLUME,
+	csipb.ControllerServiceCapability_RPC_PUBLISH_READONLY,
+	csipb.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+	csipb.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+	csipb.ControllerServiceCapability_RPC_GET_VOLUME_HEALTH,
+	csipb.ControllerServiceCapability_RPC_LIST_VOLUME_HEALTH,
+	csipb.ControllerServiceCapability_RPC_GET_VOLUME,
+	csipb.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	csipb.ControllerServiceCapability_RPC_GET_SNAPSHOT,
+}
+
+func (c *controllerServer) ControllerGetCapabilities(context.Context, *csipb.ControllerGetCapabilitiesRequest) (*csipb.ControllerGetCapabilitiesResponse, error) {
+	var out []*csipb.ControllerServiceCapability
+	for _, t := range controllerCaps {
+		out = append(out, &csipb.ControllerServiceCapability{Type: &csipb.ControllerServiceCapability_Rpc{
+			Rpc: &csipb.ControllerServiceCapability_RPC{Type: t}}})
+	}
+	return &csipb.ControllerGetCapabilitiesResponse{Capabilities: out}, nil
+}
+
+func (c *controllerServer) getVolume(ctx context.Context, id string) (*storpb.Volume, error) {
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	resp, err := c.d.cfg.Cluster.Volumes.GetVolume(cctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+	if err != nil {
+		if clusterCode(err) == codes.NotFound {
+			return nil, notFoundf("volume %q", id)
+		}
+		return nil, err
+	}
+	return resp.GetVolume(), nil
+}
+
+func (c *controllerServer) csiVolume(v *storpb.Volume, accessible []*csipb.Topology) *csipb.Volume {
+	out := &csipb.Volume{
+		VolumeId: v.GetId(), CapacityBytes: int64(v.GetSizeBytes()),
+		AccessibleTopology: accessible,
+	}
+	if fs := v.GetParameters()[ParamFSType]; fs != "" {
+		out.VolumeContext = map[string]string{ParamFSType: fs}
+	}
+	switch s := v.GetContentSource().GetSource().(type) {
+	case *storpb.ContentSource_SnapshotId:
+		out.ContentSource = &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Snapshot{
+			Snapshot: &csipb.VolumeContentSource_SnapshotSource{SnapshotId: s.SnapshotId}}}
+	case *storpb.ContentSource_VolumeId:
+		out.ContentSource = &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Volume{
+			Volume: &csipb.VolumeContentSource_VolumeSource{VolumeId: s.VolumeId}}}
+	}
+	return out
+}
+
+// CreateVolume creates (or returns, by name) a volume. The accessible
+// topology it returns is the request's requisite topology (a stor volume
+// can be attached from any node that reaches the cluster; the requisite
+// is what the CO asked the volume to be usable from), or none.
+func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVolumeRequest) (*csipb.CreateVolumeResponse, error) {
+	if req.GetName() == "" {
+		return nil, invalidf("CreateVolume: no name")
+	}
+	if err := checkCaps(req.GetVolumeCapabilities()); err != nil {
+		return nil, err
+	}
+	params, err := parseParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	size, err := roundSize(req.GetCapacityRange())
+	if err != nil {
+		return nil, err
+	}
+	requisite, preferred, err := c.d.placement(req.GetAccessibilityRequirements())
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := c.d.locks.lock("name/" + req.GetName())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	creq := &storpb.CreateVolumeRequest{
+		Name: req.GetName(), SizeBytes: size, ReplicaCount: params.replicas, Parameters: params.stored(),
+	}
+	if len(requisite)+len(preferred) > 0 {
+		creq.Accessibility = &storpb.TopologyRequirement{Requisite: requisite, Preferred: preferred}
+	}
+	switch s := req.GetVolumeContentSource().GetType().(type) {
+	case nil:
+	case *csipb.VolumeContentSource_Snapshot:
+		id := s.Snapshot.GetSnapshotId()
+		cctx, cancel := c.d.call(ctx)
+		snap, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+		cancel()
+		switch {
+		case clusterCode(err) == codes.NotFound || id == "":
+			return nil, notFoundf("source snapshot %q", id)
+		case err != nil:
+			return nil, err
+		case snap.GetSnapshot().GetSizeBytes() > size:
+			return nil, fmt.Errorf("%w: the source snapshot is %d bytes, more than the %d requested", ErrOutOfRange, snap.GetSnapshot().GetSizeBytes(), size)
+		}
+		creq.ContentSource = &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: id}}
+	case *csipb.VolumeContentSource_Volume:
+		id := s.Volume.GetVolumeId()
+		src, err := c.getVolume(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		if src.GetSizeBytes() > size {
+			return nil, fmt.Errorf("%w: the source volume is %d bytes, more than the %d requested", ErrOutOfRange, src.GetSizeBytes(), size)
+		}
+		creq.ContentSource = &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: id}}
+	default:
+		return nil, invalidf("unknown volume content source")
+	}
+	cctx, cancel := c.d.call(ctx)
+	resp, err := c.d.cfg.Cluster.Volumes.CreateVolume(cctx, creq)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume(), req.GetAccessibilityRequirements().GetRequisite())}, nil
+}
+
+// DeleteVolume deletes a volume; an unknown one is success.
+func (c *controllerServer) DeleteVolume(ctx context.Context, req *csipb.DeleteVolumeRequest) (*csipb.DeleteVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalidf("DeleteVolume: no volume id")
+	}
+	unlock, err := c.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	_, err = c.d.cfg.Cluster.Volumes.DeleteVolume(cctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+	if clusterCode(err) == codes.NotFound {
+		return &csipb.DeleteVolumeResponse{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.DeleteVolumeResponse{}, nil
+}
+
+// knownNode reports whether a node id is a registered stor server.
+func (c *controllerServer) knownNode(ctx context.Context, node string) (bool, error) {
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	resp, err := c.d.cfg.Cluster.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
+	if err != nil {
+		return false, err
+	}
+	for _, s := range resp.GetServers() {
+		if s.GetId() == node {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// ControllerPublishVolume attaches the volume to the node (a new epoch);
+// see the package documentation for idempotency and fencing.
+func (c *controllerServer) ControllerPublishVolume(ctx context.Context, req *csipb.ControllerPublishVolumeRequest) (*csipb.ControllerPublishVolumeResponse, error) {
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	switch {
+	case id == "":
+		return nil, invalidf("ControllerPublishVolume: no volume id")
+	case node == "":
+		return nil, invalidf("ControllerPublishVolume: no node id")
+	case req.GetVolumeCapability() == nil:
+		return nil, invalidf("ControllerPublishVolume: no volume capability")
+	}
+	if err := checkCap(req.GetVolumeCapability()); err != nil {
+		return nil, err
+	}
+	readOnly := req.GetReadonly() ||
+		req.GetVolumeCapability().GetAccessMode().GetMode() == csipb.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
+	unlock, err := c.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := c.getVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if ok, err := c.knownNode(ctx, node); err != nil {
+		return nil, err
+	} else if !ok {
+		return nil, notFoundf("node %q is not a stor server", node)
+	}
+	mode := storpb.AccessMode_ACCESS_MODE_READ_WRITE
+	if readOnly {
+		mode = storpb.AccessMode_ACCESS_MODE_READ_ONLY
+	}
+	pubCtx := map[string]string{ctxNode: node, ctxReadOnly: strconv.FormatBool(readOnly)}
+	if at := v.GetAttachment(); at != nil {
+		switch {
+		case at.GetNodeId() != node:
+			return nil, preconditionf("volume %q is published to node %q; unpublish it there first", id, at.GetNodeId())
+		case at.GetMode() != mode:
+			return nil, fmt.Errorf("%w: volume %q is published to node %q with mode %v, not %v", ErrAlreadyExists, id, node, at.GetMode(), mode)
+		}
+		// Already published here: no new attach, no new epoch.
+		return &csipb.ControllerPublishVolumeResponse{PublishContext: pubCtx}, nil
+	}
+	if lim := c.d.cfg.MaxVolumesPerNode; lim > 0 {
+		vols, err := c.allVolumes(ctx)
+		if err != nil {
+			return nil, err
+		}
+		var n int64
+		for _, v := range vols {
+			if v.GetAttachment().GetNodeId() == node {
+				n++
+			}
+		}
+		if n >= lim {
+			return nil, fmt.Errorf("%w: node %q has %d volumes published, its limit", ErrTooMany, node, n)
+		}
+	}
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	_, err = c.d.cfg.Cluster.Volumes.AttachVolume(cctx, &storpb.AttachVolumeRequest{
+		Volume: &storpb.VolumeRef{Id: id}, NodeId: node, Mode: mode,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.ControllerPublishVolumeResponse{PublishContext: pubCtx}, nil
+}
+
+// ControllerUnpublishVolume detaches the volume from the node; a volume
+// that is unknown or not attached there is success.
+func (c *controllerServer) ControllerUnpublishVolume(ctx context.Context, req *csipb.ControllerUnpublishVolumeRequest) (*csipb.ControllerUnpublishVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalidf("ControllerUnpublishVolume: no volume id")
+	}
+	unlock, err := c.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	_, err = c.d.cfg.Cluster.Volumes.DetachVolume(cctx, &storpb.DetachVolumeRequest{
+		Volume: &storpb.VolumeRef{Id: id}, NodeId: req.GetNodeId(),
+	})
+	if err != nil && clusterCode(err) != codes.NotFound {
+		return nil, err
+	}
+	return &csipb.ControllerUnpublishVolumeResponse{}, nil
+}
+
+func (c *controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *csipb.ValidateVolumeCapabilitiesRequest) (*csipb.ValidateVolumeCapabilitiesResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalidf("ValidateVolumeCapabilities: no volume id")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, invalidf("ValidateVolumeCapabilities: no volume capabilities")
+	}
+	if _, err := c.getVolume(ctx, id); err != nil {
+		return nil, err
+	}
+	if _, err := parseParams(req.GetParameters()); err != nil {
+		return &csipb.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil
+	}
+	if err := checkCaps(req.GetVolumeCapabilities()); err != nil {
+		return &csipb.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil
+	}
+	return &csipb.ValidateVolumeCapabilitiesResponse{Confirmed: &csipb.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext: req.GetVolumeContext(), VolumeCapabilities: req.GetVolumeCapabilities(), Parameters: req.GetParameters(),
+	}}, nil
+}
+
+// allVolumes lists every volume, sorted by id.
+func (c *controllerServer) allVolumes(ctx context.Context) ([]*storpb.Volume, error) {
+	var out []*storpb.Volume
+	token := ""
+	for {
+		cctx, cancel := c.d.call(ctx)
+		resp, err := c.d.cfg.Cluster.Volumes.ListVolumes(cctx, &storpb.ListVolumesRequest{PageSize: 500, PageToken: token})
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, resp.GetVolumes()...)
+		if token = resp.GetNextPageToken(); token == "" {
+			break
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].GetId() < out[j].GetId() })
+	return out, nil
+}
+
+// page cuts entries [start, start+max) with the token of the next page.
+// The token is the decimal offset of the next entry; a token that is not
+// one is ABORTED, as the spec asks.
+func page(n int, token string, max int32) (start, end int, next string, err error) {
+	if token != "" {
+		s, perr := strconv.Atoi(token)
+		if perr != nil || s < 0 || s > n {
+			return 0, 0, "", fmt.Errorf("%w: starting token %q is not one this driver gave", ErrBusy, token)
+		}
+		start = s
+	}
+	if max < 0 {
+		return 0, 0, "", invalidf("max_entries %d is negative", max)
+	}
+	end = n
+	if max > 0 && start+int(max) < n {
+		end = start + int(max)
+		next = strconv.Itoa(end)
+	}
+	return start, end, next, nil
+}
+
+func (c *controllerServer) ListVolumes(ctx context.Context, req *csipb.ListVolumesRequest) (*csipb.ListVolumesResponse, error) {
+	vols, err := c.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	start, end, next, err := page(len(vols), req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csipb.ListVolumesResponse{NextToken: next}
+	for _, v := range vols[start:end] {
+		resp.Entries = append(resp.Entries, &csipb.ListVolumesResponse_Entry{
+			Volume: c.csiVolume(v, c.d.fromStorTopology(v.GetAccessibility().GetRequisite())),
+			Status: &csipb.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
+		})
+	}
+	return resp, nil
+}
+
+func publishedNodes(v *storpb.Volume) []string {
+	if at := v.GetAttachment(); at != nil {
+		return []string{at.GetNodeId()}
+	}
+	return nil
+}
+
+func (c *controllerServer) ControllerGetVolume(ctx context.Context, req *csipb.ControllerGetVolumeRequest) (*csipb.ControllerGetVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, invalidf("ControllerGetVolume: no volume id")
+	}
+	v, err := c.getVolume(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.ControllerGetVolumeResponse{
+		Volume: c.csiVolume(v, c.d.fromStorTopology(v.GetAccessibility().GetRequisite())),
+		Status: &csipb.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
+	}, nil
+}
+
+// ControllerGetVolumeHealth reports the replica set's health.
+func (c *controllerServer) ControllerGetVolumeHealth(ctx context.Context, req *csipb.ControllerGetVolumeHealthRequest) (*csipb.ControllerGetVolumeHealthResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, invalidf("ControllerGetVolumeHealth: no volume id")
+	}
+	v, err := c.getVolume(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.ControllerGetVolumeHealthResponse{VolumeHealth: health(v)}, nil
+}
+
+// ControllerListVolumeHealth lists the abnormal volumes, paged like
+// ListVolumes over the abnormal ones.
+func (c *controllerServer) ControllerListVolumeHealth(ctx context.Context, req *csipb.ControllerListVolumeHealthRequest) (*csipb.ControllerListVolumeHealthResponse, error) {
+	vols, err := c.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var bad []*csipb.VolumeHealth
+	for _, v := range vols {
+		if h := health(v); len(h.GetHealthStatuses()) > 0 {
+			bad = append(bad, h)
+		}
+	}
+	start, end, next, err := page(len(bad), req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.ControllerListVolumeHealthResponse{Entries: bad[start:end], NextToken: next}, nil
+}
+
+// GetCapacity: available_capacity is the free bytes of the up servers in
+// the topology divided by the replica count (every byte of a volume is
+// stored that many times); maximum_volume_size is the largest volume
+// placement can fit there: the replica-count-th largest free space among
+// those servers (replicas go to distinct servers).
+func (c *controllerServer) GetCapacity(ctx context.Context, req *csipb.GetCapacityRequest) (*csipb.GetCapacityResponse, error) {
+	if len(req.GetVolumeCapabilities()) > 0 {
+		if err := checkCaps(req.GetVolumeCapabilities()); err != nil {
+			return &csipb.GetCapacityResponse{}, nil
+		}
+	}
+	params, err := parseParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	var topo []*storpb.Topology
+	if req.GetAccessibleTopology() != nil {
+		if topo, err = c.d.toStorTopology([]*csipb.Topology{req.GetAccessibleTopology()}); err != nil {
+			return nil, err
+		}
+	}
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	resp, err := c.d.cfg.Cluster.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
+	if err != nil {
+		return nil, err
+	}
+	var free []uint64
+	var total uint64
+	for _, s := range resp.GetServers() {
+		if s.GetState() != storpb.ServerState_SERVER_STATE_UP || !serverMatches(s, topo) {
+			continue
+		}
+		f := s.GetCapacityBytes() - min(s.GetCapacityBytes(), s.GetAllocatedBytes())
+		free = append(free, f)
+		total += f
+	}
+	sort.Slice(free, func(i, j int) bool { return free[i] > free[j] })
+	var maxSize uint64
+	if len(free) >= int(params.replicas) {
+		maxSize = min(free[params.replicas-1], MaxVolumeSize) / BlockSize * BlockSize
+	}
+	avail := total / uint64(params.replicas) / BlockSize * BlockSize
+	return &csipb.GetCapacityResponse{
+		AvailableCapacity: int64(avail),
+		MaximumVolumeSize: wrapperspb.Int64(int64(maxSize)),
+	}, nil
+}
+
+func (c *controllerServer) ControllerExpandVolume(ctx context.Context, req *csipb.ControllerExpandVolumeRequest) (*csipb.ControllerExpandVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalidf("ControllerExpandVolume: no volume id")
+	}
+	if req.GetCapacityRange() == nil {
+		return nil, invalidf("ControllerExpandVolume: no capacity range")
+	}
+	if req.GetVolumeCapability() != nil {
+		if err := checkCap(req.GetVolumeCapability()); err != nil {
+			return nil, err
+		}
+	}
+	size, err := roundSize(req.GetCapacityRange())
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := c.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := c.getVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if size < v.GetSizeBytes() {
+		// Never shrink: a smaller request is satisfied by the current size
+		// if the range allows it.
+		if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && uint64(lim) < v.GetSizeBytes() {
+			return nil, fmt.Errorf("%w: volume %q is %d bytes; it cannot shrink to the limit %d", ErrOutOfRange, id, v.GetSizeBytes(), lim)
+		}
+		size = v.GetSizeBytes()
+	}
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	resp, err := c.d.cfg.Cluster.Volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, SizeBytes: size})
+	if err != nil {
+		return nil, err
+	}
+	_, block := req.GetVolumeCapability().GetAccessType().(*csipb.VolumeCapability_Block)
+	return &csipb.ControllerExpandVolumeResponse{
+		CapacityBytes:         int64(resp.GetVolume().GetSizeBytes()),
+		NodeExpansionRequired: !block,
+	}, nil
+}
+
+func csiSnapshot(s *storpb.Snapshot) *csipb.Snapshot {
+	return &csipb.Snapshot{
+		SnapshotId: s.GetId(), SourceVolumeId: s.GetVolumeId(), SizeBytes: int64(s.GetSizeBytes()),
+		CreationTime: timestamppb.New(time.Unix(0, s.GetCreatedUnixNano())), ReadyToUse: s.GetReadyToUse(),
+	}
+}
+
+// CreateSnapshot asks the cluster for a snapshot; of an attached volume
+// the cluster has the engine cut every replica at one point
+// (crash-consistent). ready_to_use is the cluster's word.
+func (c *controllerServer) CreateSnapshot(ctx context.Context, req *csipb.CreateSnapshotRequest) (*csipb.CreateSnapshotResponse, error) {
+	switch {
+	case req.GetName() == "":
+		return nil, invalidf("CreateSnapshot: no name")
+	case req.GetSourceVolumeId() == "":
+		return nil, invalidf("CreateSnapshot: no source volume id")
+	}
+	unlock, err := c.d.locks.lock("snapname/" + req.GetName())
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	// An existing name for another volume is ALREADY_EXISTS even when
+	// the named source does not exist.
+	cctx, cancel := c.d.call(ctx)
+	got, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Name: req.GetName()}})
+	cancel()
+	switch {
+	case err == nil && got.GetSnapshot().GetVolumeId() != req.GetSourceVolumeId():
+		return nil, fmt.Errorf("%w: snapshot %q exists for volume %q", ErrAlreadyExists, req.GetName(), got.GetSnapshot().GetVolumeId())
+	case err == nil:
+		return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(got.GetSnapshot())}, nil
+	case clusterCode(err) != codes.NotFound:
+		return nil, err
+	}
+	if _, err := c.getVolume(ctx, req.GetSourceVolumeId()); err != nil {
+		return nil, err
+	}
+	cctx, cancel = c.d.call(ctx)
+	defer cancel()
+	resp, err := c.d.cfg.Cluster.Snapshots.CreateSnapshot(cctx, &storpb.CreateSnapshotRequest{
+		VolumeId: req.GetSourceVolumeId(), Name: req.GetName(),
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(resp.GetSnapshot())}, nil
+}
+
+func (c *controllerServer) DeleteSnapshot(ctx context.Context, req *csipb.DeleteSnapshotRequest) (*csipb.DeleteSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, invalidf("DeleteSnapshot: no snapshot id")
+	}
+	unlock, err := c.d.locks.lock("snap/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	_, err = c.d.cfg.Cluster.Snapshots.DeleteSnapshot(cctx, &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+	if err != nil && clusterCode(err) != codes.NotFound {
+		return nil, err
+	}
+	return &csipb.DeleteSnapshotResponse{}, nil
+}
+
+func (c *controllerServer) GetSnapshot(ctx context.Context, req *csipb.GetSnapshotRequest) (*csipb.GetSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, invalidf("GetSnapshot: no snapshot id")
+	}
+	cctx, cancel := c.d.call(ctx)
+	defer cancel()
+	resp, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+	if clusterCode(err) == codes.NotFound {
+		return nil, notFoundf("snapshot %q", id)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.GetSnapshotResponse{Snapshot: csiSnapshot(resp.GetSnapshot())}, nil
+}
+
+// ListSnapshots lists snapshots, filtered by snapshot id or source
+// volume, sorted by id, paged like ListVolumes. An unknown snapshot id or
+// source volume gives an empty list, as the spec asks.
+func (c *controllerServer) ListSnapshots(ctx context.Context, req *csipb.ListSnapshotsRequest) (*csipb.ListSnapshotsResponse, error) {
+	var snaps []*storpb.Snapshot
+	if id := req.GetSnapshotId(); id != "" {
+		cctx, cancel := c.d.call(ctx)
+		resp, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+		cancel()
+		switch {
+		case clusterCode(err) == codes.NotFound:
+		case err != nil:
+			return nil, err
+		case req.GetSourceVolumeId() == "" || resp.GetSnapshot().GetVolumeId() == req.GetSourceVolumeId():
+			snaps = append(snaps, resp.GetSnapshot())
+		}
+	} else {
+		token := ""
+		for {
+			cctx, cancel := c.d.call(ctx)
+			resp, err := c.d.cfg.Cluster.Snapshots.ListSnapshots(cctx, &storpb.ListSnapshotsRequest{
+				VolumeId: req.GetSourceVolumeId(), PageSize: 500, PageToken: token,
+			})
+			cancel()
+			if clusterCode(err) == codes.NotFound {
+				break
+			}
+			if err != nil {
+				return nil, err
+			}
+			snaps = append(snaps, resp.GetSnapshots()...)
+			if token = resp.GetNextPageToken(); token == "" {
+				break
+			}
+		}
+	}
+	sort.Slice(snaps, func(i, j int) bool { return snaps[i].GetId() < snaps[j].GetId() })
+	start, end, next, err := page(len(snaps), req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csipb.ListSnapshotsResponse{NextToken: next}
+	for _, s := range snaps[start:end] {
+		resp.Entries = append(resp.Entries, &csipb.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
+	}
+	return resp, nil
+}

@@ -1,0 +1,274 @@
+package csi
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"maps"
+	"path/filepath"
+	"testing"
+	"time"
+
+	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+func TestRoundSize(t *testing.T) {
+	for _, tc := range []struct {
+		req, lim int64
+		want     uint64
+		code     codes.Code
+	}{
+		{0, 0, DefaultVolumeSize, codes.OK},
+		{1, 0, 4096, codes.OK},
+		{4096, 0, 4096, codes.OK},
+		{4097, 0, 8192, codes.OK},
+		{10 << 30, 0, 10 << 30, codes.OK},
+		{4097, 8192, 8192, codes.OK},
+		{4097, 5000, 0, codes.OutOfRange},
+		{0, 100, 0, codes.OutOfRange},
+		{0, 1 << 20, 1 << 20, codes.OK},
+		{10, 5, 0, codes.InvalidArgument},
+		{-1, 0, 0, codes.InvalidArgument},
+		{MaxVolumeSize + 1, 0, 0, codes.OutOfRange},
+	} {
+		got, err := roundSize(&csipb.CapacityRange{RequiredBytes: tc.req, LimitBytes: tc.lim})
+		if code := status.Code(toStatus(err)); code != tc.code || (err == nil && got != tc.want) {
+			t.Errorf("roundSize(%d, %d) = %d, %v; want %d, %v", tc.req, tc.lim, got, err, tc.want, tc.code)
+		}
+	}
+}
+
+func TestParseParams(t *testing.T) {
+	for _, tc := range []struct {
+		in       map[string]string
+		replicas uint32
+		fs       string
+		ok       bool
+	}{
+		{nil, DefaultReplicas, "", true},
+		{map[string]string{"replicas": "1"}, 1, "", true},
+		{map[string]string{"replicas": "7", "fsType": "XFS"}, 7, "xfs", true},
+		{map[string]string{"csi.storage.k8s.io/pvc/name": "x"}, DefaultReplicas, "", true},
+		{map[string]string{"replicas": "0"}, 0, "", false},
+		{map[string]string{"replicas": "8"}, 0, "", false},
+		{map[string]string{"replicas": "two"}, 0, "", false},
+		{map[string]string{"fsType": "btrfs"}, 0, "", false},
+		{map[string]string{"tier": "fast"}, 0, "", false},
+	} {
+		p, err := parseParams(tc.in)
+		if tc.ok != (err == nil) || (err == nil && (p.replicas != tc.replicas || p.fsType != tc.fs)) {
+			t.Errorf("parseParams(%v) = %+v, %v; want replicas %d fs %q ok %v", tc.in, p, err, tc.replicas, tc.fs, tc.ok)
+		}
+		if err != nil && status.Code(toStatus(err)) != codes.InvalidArgument {
+			t.Errorf("parseParams(%v): code %v, want InvalidArgument", tc.in, status.Code(toStatus(err)))
+		}
+	}
+}
+
+func TestSanitizeStripsSecrets(t *testing.T) {
+	got := sanitize(&csipb.NodeStageVolumeRequest{VolumeId: "v1", Secrets: map[string]string{"password": "hunter2"}})
+	if bytes.Contains([]byte(got), []byte("hunter2")) || !bytes.Contains([]byte(got), []byte("v1")) {
+		t.Fatalf("sanitized request %s", got)
+	}
+}
+
+// dialCSI connects to a driver's endpoint.
+func dialCSI(t *testing.T, endpoint string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+func clusterClient(t *testing.T, c *servertest.Cluster) *client.Client {
+	t.Helper()
+	var addrs []string
+	for _, n := range c.Nodes {
+		addrs = append(addrs, n.Addr)
+	}
+	cl, err := client.Dial(addrs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	return cl
+}
+
+func rwoCap() *csipb.VolumeCapability {
+	return &csipb.VolumeCapability{
+		AccessType: &csipb.VolumeCapability_Block{Block: &csipb.VolumeCapability_BlockVolume{}},
+		AccessMode: &csipb.VolumeCapability_AccessMode{Mode: csipb.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// Fencing through CSI: ControllerPublish to B of a volume published to A
+// is FAILED_PRECONDITION; a repeated publish to A returns the same
+// context without a new epoch; after Unpublish from A and Publish to B
+// (and B's engine open, as NodeStage does), A's engine can no longer
+// write, and B's can.
+func TestPublishFencing(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	cl := clusterClient(t, c)
+	endpoint, _ := startDriver(t, c, t.TempDir(), newFakeAttacher(cl.Volumes), nil)
+	ctrl := csipb.NewControllerClient(dialCSI(t, endpoint))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	nodeA, nodeB := c.Nodes[0].ID, c.Nodes[1].ID
+
+	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+		Name: "fence", CapacityRange: &csipb.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.GetVolume().GetVolumeId()
+	pubA, err := ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: nodeA, VolumeCapability: rwoCap()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	open := func(node string) *engine.Engine {
+		t.Helper()
+		e, err := engine.Open(ctx, engine.Config{
+			Volume: id, VolumeIsID: true, NodeID: node,
+			Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+			Connect: engine.WireConnector(wire.ClientConfig{}), Logger: testLogger(t),
+		})
+		if err != nil {
+			t.Fatalf("engine open on %s: %v", node, err)
+		}
+		t.Cleanup(func() { e.Close(context.Background(), false) })
+		return e
+	}
+	epoch := func() uint64 {
+		v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v.GetVolume().GetEpoch()
+	}
+	engA := open(nodeA) // NodeStage on A
+	p := bytes.Repeat([]byte{0xa5}, 4096)
+	if err := engA.WriteAt(ctx, p, 0, true); err != nil {
+		t.Fatalf("A writes: %v", err)
+	}
+
+	_, err = ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: nodeB, VolumeCapability: rwoCap()})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("publish to B while published to A: %v, want FailedPrecondition", err)
+	}
+	before := epoch()
+	again, err := ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: nodeA, VolumeCapability: rwoCap()})
+	if err != nil || !maps.Equal(again.GetPublishContext(), pubA.GetPublishContext()) {
+		t.Fatalf("publish to A again: %v, context %v, want %v", err, again.GetPublishContext(), pubA.GetPublishContext())
+	}
+	if after := epoch(); after != before {
+		t.Fatalf("a repeated publish to the same node moved the epoch from %d to %d", before, after)
+	}
+	if err := engA.WriteAt(ctx, p, 4096, true); err != nil {
+		t.Fatalf("A writes after a repeated publish: %v", err)
+	}
+	_, err = ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{
+		VolumeId: id, NodeId: "no-such-node", VolumeCapability: rwoCap()})
+	if status.Code(err) != codes.NotFound {
+		t.Fatalf("publish to an unknown node: %v, want NotFound", err)
+	}
+
+	if _, err := ctrl.ControllerUnpublishVolume(ctx, &csipb.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: nodeA}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: nodeB, VolumeCapability: rwoCap()}); err != nil {
+		t.Fatalf("publish to B after unpublish from A: %v", err)
+	}
+	engB := open(nodeB)
+	q := bytes.Repeat([]byte{0x5a}, 4096)
+	if err := engB.WriteAt(ctx, q, 0, true); err != nil {
+		t.Fatalf("B writes: %v", err)
+	}
+	err = engA.WriteAt(ctx, p, 0, true)
+	if !errors.Is(err, engine.ErrFenced) {
+		t.Fatalf("A writes after B's publish: %v, want engine.ErrFenced", err)
+	}
+	got := make([]byte, 4096)
+	if err := engB.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, q) {
+		t.Fatalf("B reads back: %v, equal %v", err, bytes.Equal(got, q))
+	}
+	// Deleting a published volume is refused.
+	if _, err := ctrl.DeleteVolume(ctx, &csipb.DeleteVolumeRequest{VolumeId: id}); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("delete while published: %v, want FailedPrecondition", err)
+	}
+}
+
+// A node plugin restart recovers every staged volume from its state dir
+// before Probe says ready: the new instance's attacher is asked to attach
+// each (internal/attach then resumes the kernel device), and the volume
+// can be unstaged by the new instance.
+func TestNodeRestartRecovers(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	cl := clusterClient(t, c)
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	att1 := newFakeAttacher(cl.Volumes)
+	host1, _, _ := fakeHost(att1)
+	endpoint, d1 := startDriver(t, c, filepath.Join(dir, "run1"), att1, host1)
+	conn := dialCSI(t, endpoint)
+	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
+	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+		Name: "restart", CapacityRange: &csipb.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.GetVolume().GetVolumeId()
+	staging := filepath.Join(dir, "staging")
+	if _, err := node.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: rwoCap()}); err != nil {
+		t.Fatal(err)
+	}
+	d1.Close() // as a SIGTERM'd plugin leaves things: nothing detached
+
+	// The second instance shares the first's state dir.
+	att2 := newFakeAttacher(cl.Volumes)
+	host2, _, _ := fakeHost(att2)
+	d2, err := New(Config{
+		Mode: ModeNode, NodeID: c.Nodes[0].ID, StateDir: d1.cfg.StateDir,
+		Cluster:  Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
+		Attacher: att2, Host: host2, Logger: testLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := d2.Probe(ctx, &csipb.ProbeRequest{}); r.GetReady().GetValue() {
+		t.Fatal("Probe is ready before recovery")
+	}
+	if err := d2.Recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := d2.Probe(ctx, &csipb.ProbeRequest{}); !r.GetReady().GetValue() {
+		t.Fatal("Probe is not ready after recovery")
+	}
+	if _, _, ok := att2.Served(id); !ok || att2.attachN != 1 {
+		t.Fatalf("the restarted plugin did not reattach the staged volume (served %v, attaches %d)", ok, att2.attachN)
+	}
+	if _, err := d2.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := att2.Served(id); ok {
+		t.Fatal("unstage left the volume served")
+	}
+}

@@ -1,0 +1,78 @@
+// Package csi is stor's CSI driver (CSI spec v1.13): the Identity,
+// Controller and Node services behind cmd/stor-csi. It is the only
+// place that chooses CSI error codes (errors.go holds the table).
+//
+// # Modes
+//
+// A Driver runs in one of three modes: "controller" (Identity +
+// Controller, a client of the cluster API, run beside the CSI sidecars),
+// "node" (Identity + Node, one per Kubernetes node: a volume engine and an
+// NBD server per staged volume, the kernel NBD attachment) or "all" (both,
+// for tests and single-host use).
+//
+// # Names, ids, sizes
+//
+// The driver name defaults to "stor.csi.k8s.io". A CSI volume id is the
+// stor volume id; a CSI snapshot id is the stor snapshot id; a CSI volume
+// name is the stor volume name (CreateVolume is idempotent by name, as
+// the cluster is).
+//
+// Capacity rounding: a requested capacity is rounded UP to a multiple of
+// 4 KiB (4096 bytes, the cluster's and the kernel device's block size).
+// No capacity range gives DefaultVolumeSize (1 GiB). A rounded size above
+// limit_bytes is OUT_OF_RANGE; the largest volume is 1 PiB. csi-sanity's
+// test size (10 GiB, expanded to 11 GiB) is a multiple of 4 KiB.
+//
+// StorageClass parameters (anything else is INVALID_ARGUMENT; keys with
+// the prefix "csi.storage.k8s.io/" are the sidecars' and are ignored):
+//
+//	replicas   replica count, 1..7 (default 3)
+//	fsType     ext4 (default) or xfs; the volume capability's fs_type wins
+//
+// # Topology
+//
+// Segments are "topology.<driver name>/node" (the node id) and
+// "topology.<driver name>/zone" (the node's zone, when it has one).
+// The CSI node id of a node plugin must be the id of the stor-server that
+// runs on the same node (the hyperconverged layout of deploy/): it is the
+// "node" the cluster's placement understands, so a CreateVolume whose
+// preferred topology names a node puts a replica there (data locality),
+// and ControllerPublish to a node id that is no registered server is
+// NOT_FOUND. Requisite topologies must hold (placement refuses
+// otherwise, RESOURCE_EXHAUSTED or FAILED_PRECONDITION); preferred ones
+// are tried first, in order.
+//
+// # Attach, epochs, fencing
+//
+// ControllerPublishVolume attaches the volume to the node in the cluster
+// (a Raft write that increments the volume's epoch); a volume attached
+// to another node is FAILED_PRECONDITION (RWO and RWOP both mean one
+// node here; RWOP also allows one publication on that node), a node
+// with MaxVolumesPerNode volumes published is RESOURCE_EXHAUSTED. ControllerPublish to the node that already holds the volume
+// with the same read-only flag is idempotent: it returns the same
+// publish_context and does NOT attach again (no epoch bump that would
+// fence the node's live engine); with the other read-only flag it is
+// ALREADY_EXISTS. NodeStageVolume opens the volume engine, which attaches
+// again from the same node (allowed, a new epoch: it fences any earlier
+// engine of this node), serves it on socket pairs and connects a kernel
+// /dev/nbdN (package internal/attach). NodeUnstageVolume flushes, detaches
+// the device and closes the engine but leaves the cluster attachment;
+// ControllerUnpublishVolume removes it. After ControllerUnpublish from A
+// and ControllerPublish to B, B's epoch is higher: A's engine, if still
+// running, can no longer write to any replica.
+//
+// Restart recovery: the node plugin records every staged volume in
+// --state-dir (staged/<volume id>.json, beside internal/attach's device
+// records in nbd/). On start it resumes every recorded device before it
+// reports ready (Probe): it reopens the engine at a new epoch (fencing the
+// dead instance) and RECONFIGUREs the kernel device with new sockets, so
+// mounted filesystems see a pause, not an error.
+//
+// # Concurrency
+//
+// Every RPC that names a volume (or a snapshot, or a volume name in
+// CreateVolume) takes that key's operation lock without waiting: a
+// concurrent operation on the same key is ABORTED, as the spec allows,
+// and the CO retries. Every RPC is logged with its method, volume and
+// duration; fields the CSI spec marks csi_secret are never logged.
+package csi

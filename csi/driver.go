@@ -1,0 +1,338 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// Defaults of Config.
+const (
+	DefaultDriverName = "stor.csi.k8s.io"
+	DefaultStateDir   = "/var/lib/stor-csi"
+	// DefaultVolumeSize is the size of a volume created without a
+	// capacity range.
+	DefaultVolumeSize = 1 << 30
+	// BlockSize is what capacities are rounded up to.
+	BlockSize = 4096
+	// MaxVolumeSize is the cluster's limit (1 PiB).
+	MaxVolumeSize = 1 << 50
+	// DefaultReplicas is the replica count without a "replicas" parameter.
+	DefaultReplicas = 3
+	// MaxReplicas is the cluster's limit.
+	MaxReplicas = 7
+	// DefaultMaxVolumesPerNode is NodeGetInfo's max_volumes_per_node: the
+	// kernel's nbd module has 16 devices unless loaded with nbds_max.
+	DefaultMaxVolumesPerNode = 16
+	// DefaultCallTimeout bounds one cluster call.
+	DefaultCallTimeout = 30 * time.Second
+)
+
+// Mode says which services a Driver serves.
+type Mode string
+
+const (
+	ModeController Mode = "controller"
+	ModeNode       Mode = "node"
+	ModeAll        Mode = "all"
+)
+
+func (m Mode) controller() bool { return m == ModeController || m == ModeAll }
+func (m Mode) node() bool       { return m == ModeNode || m == ModeAll }
+
+// Cluster is what the driver needs of the cluster API (*client.Client's
+// service clients).
+type Cluster struct {
+	Cluster   storpb.ClusterServiceClient
+	Volumes   storpb.VolumeServiceClient
+	Snapshots storpb.SnapshotServiceClient
+}
+
+// Config configures a Driver.
+type Config struct {
+	// Mode is controller, node or all; required.
+	Mode Mode
+	// Endpoint is where the CSI gRPC server listens: "unix:///path" or a
+	// plain path (a unix socket); required by Run.
+	Endpoint string
+	// DriverName is GetPluginInfo's name and the topology keys' suffix.
+	// Default DefaultDriverName.
+	DriverName string
+	// Version is GetPluginInfo's vendor_version. Default "dev".
+	Version string
+	// NodeID is this node's id (node mode): the id of the stor-server on
+	// this node.
+	NodeID string
+	// Zone is this node's zone for the topology segment; "" for none.
+	Zone string
+	// MaxVolumesPerNode is NodeGetInfo's limit, and the controller's:
+	// ControllerPublish to a node with that many volumes published is
+	// RESOURCE_EXHAUSTED. Default DefaultMaxVolumesPerNode.
+	MaxVolumesPerNode int64
+	// StateDir is where the node records what it staged. Default
+	// DefaultStateDir.
+	StateDir string
+	// Cluster reaches the stor cluster; required.
+	Cluster Cluster
+	// CallTimeout bounds one cluster call. Default DefaultCallTimeout.
+	CallTimeout time.Duration
+	// Attacher serves volumes to kernel block devices (node mode).
+	// Default: package internal/attach on the real kernel (NewKernelAttacher).
+	Attacher Attacher
+	// Host is the node's mount, format, resize and stats operations
+	// (node mode). Default: mount-utils on the real host (NewHost).
+	Host *Host
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// DefaultConfig is a Config with every defaulted field set.
+func DefaultConfig() Config {
+	return Config{
+		DriverName: DefaultDriverName, Version: "dev", StateDir: DefaultStateDir,
+		MaxVolumesPerNode: DefaultMaxVolumesPerNode, CallTimeout: DefaultCallTimeout,
+	}
+}
+
+// Validate checks the config.
+func (c *Config) Validate() error {
+	switch c.Mode {
+	case ModeController, ModeNode, ModeAll:
+	default:
+		return fmt.Errorf("csi: mode %q: want controller, node or all", c.Mode)
+	}
+	if c.Cluster.Volumes == nil || c.Cluster.Cluster == nil || c.Cluster.Snapshots == nil {
+		return errors.New("csi: no cluster client")
+	}
+	if c.Mode.node() && c.NodeID == "" {
+		return errors.New("csi: node mode needs a node id")
+	}
+	if strings.ContainsAny(c.DriverName, " /") {
+		return fmt.Errorf("csi: driver name %q must not contain spaces or slashes", c.DriverName)
+	}
+	return nil
+}
+
+func (c *Config) defaults() {
+	d := DefaultConfig()
+	if c.DriverName == "" {
+		c.DriverName = d.DriverName
+	}
+	if c.Version == "" {
+		c.Version = d.Version
+	}
+	if c.StateDir == "" {
+		c.StateDir = d.StateDir
+	}
+	if c.MaxVolumesPerNode == 0 {
+		c.MaxVolumesPerNode = d.MaxVolumesPerNode
+	}
+	if c.CallTimeout == 0 {
+		c.CallTimeout = d.CallTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Driver is the CSI plugin. Create it with New, serve it with Run or
+// Serve.
+type Driver struct {
+	cfg Config
+	log *slog.Logger
+
+	locks opLocks
+	node  *nodeServer // nil in controller mode
+
+	csipb.UnimplementedIdentityServer
+}
+
+// New checks cfg and builds the driver. In node mode it does not yet
+// recover staged volumes: Run (or Recover) does.
+func New(cfg Config) (*Driver, error) {
+	cfg.defaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	d := &Driver{cfg: cfg, log: cfg.Logger}
+	d.locks.held = map[string]bool{}
+	if cfg.Mode.node() {
+		n, err := newNodeServer(d)
+		if err != nil {
+			return nil, err
+		}
+		d.node = n
+	}
+	return d, nil
+}
+
+// Register adds the driver's services to a gRPC server.
+func (d *Driver) Register(s *grpc.Server) {
+	csipb.RegisterIdentityServer(s, d)
+	if d.cfg.Mode.controller() {
+		csipb.RegisterControllerServer(s, &controllerServer{d: d})
+	}
+	if d.node != nil {
+		csipb.RegisterNodeServer(s, d.node)
+	}
+}
+
+// Recover resumes every volume the node recorded as staged (node mode;
+// a no-op otherwise). Probe reports ready once it has run.
+func (d *Driver) Recover(ctx context.Context) error {
+	if d.node == nil {
+		return nil
+	}
+	return d.node.recover(ctx)
+}
+
+// Close stops serving the node's volumes without detaching them: the
+// kernel devices stay connected for the next start to resume (a plugin
+// restart or upgrade).
+func (d *Driver) Close() {
+	if d.node != nil {
+		d.node.close()
+	}
+}
+
+// NewGRPCServer is a gRPC server with the driver's logging interceptor.
+func (d *Driver) NewGRPCServer() *grpc.Server {
+	return grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls))
+}
+
+// Run listens on the endpoint, recovers (node mode) and serves until ctx
+// ends; then it stops the gRPC server and Closes the driver.
+func (d *Driver) Run(ctx context.Context) error {
+	lis, err := Listen(d.cfg.Endpoint)
+	if err != nil {
+		return err
+	}
+	s := d.NewGRPCServer()
+	d.Register(s)
+	errc := make(chan error, 1)
+	go func() { errc <- s.Serve(lis) }()
+	d.log.Info("serving CSI", "endpoint", d.cfg.Endpoint, "mode", d.cfg.Mode, "driver", d.cfg.DriverName, "node", d.cfg.NodeID)
+	if err := d.Recover(ctx); err != nil {
+		d.log.Error("recovering staged volumes failed; Probe reports not ready", "err", err)
+	}
+	select {
+	case <-ctx.Done():
+	case err := <-errc:
+		d.Close()
+		return err
+	}
+	stopped := make(chan struct{})
+	go func() { s.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		s.Stop()
+	}
+	d.Close()
+	return nil
+}
+
+// Listen opens the unix socket an endpoint names, removing a stale socket
+// file first.
+func Listen(endpoint string) (net.Listener, error) {
+	path := endpoint
+	if strings.Contains(endpoint, "://") {
+		u, err := url.Parse(endpoint)
+		if err != nil {
+			return nil, fmt.Errorf("csi: endpoint %q: %w", endpoint, err)
+		}
+		if u.Scheme != "unix" {
+			return nil, fmt.Errorf("csi: endpoint %q: only unix sockets are served", endpoint)
+		}
+		path = u.Host + u.Path
+	} else if after, ok := strings.CutPrefix(endpoint, "unix:"); ok {
+		path = after
+	}
+	if path == "" {
+		return nil, fmt.Errorf("csi: endpoint %q names no socket path", endpoint)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("csi: remove stale socket: %w", err)
+	}
+	return net.Listen("unix", path)
+}
+
+// logCalls logs every call with its method, volume and duration, and
+// turns the driver's errors into CSI codes.
+func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	start := time.Now()
+	resp, err := handler(ctx, req)
+	err = toStatus(err)
+	method := info.FullMethod[strings.LastIndex(info.FullMethod, "/")+1:]
+	attrs := []any{"method", method, "duration", time.Since(start).Round(time.Microsecond)}
+	if v, ok := req.(interface{ GetVolumeId() string }); ok && v.GetVolumeId() != "" {
+		attrs = append(attrs, "volume", v.GetVolumeId())
+	}
+	if v, ok := req.(interface{ GetName() string }); ok && v.GetName() != "" {
+		attrs = append(attrs, "name", v.GetName())
+	}
+	if v, ok := req.(interface{ GetSnapshotId() string }); ok && v.GetSnapshotId() != "" {
+		attrs = append(attrs, "snapshot", v.GetSnapshotId())
+	}
+	switch {
+	case err != nil:
+		st, _ := status.FromError(err)
+		attrs = append(attrs, "code", st.Code().String(), "err", st.Message(), "request", sanitize(req))
+		d.log.Warn("csi call failed", attrs...)
+	case strings.HasPrefix(method, "Probe") || strings.HasPrefix(method, "Get") && strings.HasSuffix(method, "Capabilities"):
+		d.log.Debug("csi call", attrs...)
+	default:
+		d.log.Info("csi call", attrs...)
+	}
+	return resp, err
+}
+
+// opLocks serializes operations per key without waiting.
+type opLocks struct {
+	mu   sync.Mutex
+	held map[string]bool // guarded by mu
+}
+
+// lock takes key's lock or fails with ErrBusy; the returned func
+// releases it.
+func (l *opLocks) lock(keys ...string) (func(), error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, k := range keys {
+		if l.held[k] {
+			return nil, fmt.Errorf("%w on %s", ErrBusy, k)
+		}
+	}
+	for _, k := range keys {
+		l.held[k] = true
+	}
+	return func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for _, k := range keys {
+			delete(l.held, k)
+		}
+	}, nil
+}
+
+// call bounds one cluster call.
+func (d *Driver) call(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d.cfg.CallTimeout)
+}

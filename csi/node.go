@@ -1,0 +1,591 @@
+package csi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	mount "k8s.io/mount-utils"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/attach"
+)
+
+// expandWait bounds how long NodeExpandVolume waits for the kernel device
+// to reach the volume's new size (the engine learns of an expansion
+// through its watch stream; the device follows within a second).
+const expandWait = 30 * time.Second
+
+// stagedRecord is what the node keeps about a staged volume, in
+// <state-dir>/staged/<volume id>.json.
+type stagedRecord struct {
+	VolumeID    string `json:"volume_id"`
+	StagingPath string `json:"staging_path"`
+	Device      string `json:"device"`
+	Block       bool   `json:"block"`
+	FSType      string `json:"fs_type,omitempty"`
+	ReadOnly    bool   `json:"read_only"`
+	// Targets are the paths the volume is published at.
+	Targets []string `json:"targets,omitempty"`
+}
+
+type nodeServer struct {
+	d         *Driver
+	attacher  Attacher
+	host      *Host
+	dir       string // staged records
+	recovered atomic.Bool
+
+	csipb.UnimplementedNodeServer
+}
+
+func newNodeServer(d *Driver) (*nodeServer, error) {
+	n := &nodeServer{d: d, attacher: d.cfg.Attacher, host: d.cfg.Host, dir: filepath.Join(d.cfg.StateDir, "staged")}
+	if n.attacher == nil {
+		n.attacher = NewKernelAttacher(KernelAttacherConfig{
+			StateDir: filepath.Join(d.cfg.StateDir, "nbd"), NodeID: d.cfg.NodeID,
+			Cluster: d.cfg.Cluster, Logger: d.log,
+		})
+	}
+	if n.host == nil {
+		n.host = NewHost()
+	}
+	if err := os.MkdirAll(n.dir, 0o700); err != nil {
+		return nil, fmt.Errorf("csi: state dir: %w", err)
+	}
+	return n, nil
+}
+
+func (n *nodeServer) recordPath(id string) string { return filepath.Join(n.dir, id+".json") }
+
+func (n *nodeServer) load(id string) (*stagedRecord, error) {
+	if err := attach.ValidID(id); err != nil {
+		return nil, invalidf("%v", err)
+	}
+	b, err := os.ReadFile(n.recordPath(id))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var r stagedRecord
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("staged record %s: %w", n.recordPath(id), err)
+	}
+	return &r, nil
+}
+
+// save writes a record atomically and durably.
+func (n *nodeServer) save(r *stagedRecord) error {
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(n.dir, ".staged-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Sync(); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp.Name(), n.recordPath(r.VolumeID)); err != nil {
+		return err
+	}
+	return syncDir(n.dir)
+}
+
+func (n *nodeServer) remove(id string) error {
+	if err := os.Remove(n.recordPath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return syncDir(n.dir)
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// recover resumes every staged volume: the attacher reopens its engine at
+// a new epoch and reconnects the recorded kernel device.
+func (n *nodeServer) recover(ctx context.Context) error {
+	defer n.recovered.Store(true)
+	names, err := filepath.Glob(filepath.Join(n.dir, "*.json"))
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, name := range names {
+		id := strings.TrimSuffix(filepath.Base(name), ".json")
+		r, err := n.load(id)
+		if err != nil || r == nil {
+			errs = append(errs, err)
+			continue
+		}
+		dev, err := n.attacher.Attach(ctx, id, r.ReadOnly)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("volume %s: %w", id, err))
+			continue
+		}
+		if dev != r.Device {
+			n.d.log.Warn("a staged volume came back on another device; what was mounted from the old one is lost", "volume", id, "was", r.Device, "now", dev)
+			r.Device = dev
+			if err := n.save(r); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		n.d.log.Info("recovered a staged volume", "volume", id, "device", dev)
+	}
+	return errors.Join(errs...)
+}
+
+func (n *nodeServer) close() { n.attacher.Close() }
+
+var nodeCaps = []csipb.NodeServiceCapability_RPC_Type{
+	csipb.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+	csipb.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+	csipb.NodeServiceCapability_RPC_EXPAND_VOLUME,
+	csipb.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+	csipb.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+}
+
+func (n *nodeServer) NodeGetCapabilities(context.Context, *csipb.NodeGetCapabilitiesRequest) (*csipb.NodeGetCapabilitiesResponse, error) {
+	var out []*csipb.NodeServiceCapability
+	for _, t := range nodeCaps {
+		out = append(out, &csipb.NodeServiceCapability{Type: &csipb.NodeServiceCapability_Rpc{
+			Rpc: &csipb.NodeServiceCapability_RPC{Type: t}}})
+	}
+	return &csipb.NodeGetCapabilitiesResponse{Capabilities: out}, nil
+}
+
+func (n *nodeServer) NodeGetInfo(context.Context, *csipb.NodeGetInfoRequest) (*csipb.NodeGetInfoResponse, error) {
+	seg := map[string]string{n.d.nodeKey(): n.d.cfg.NodeID}
+	if n.d.cfg.Zone != "" {
+		seg[n.d.zoneKey()] = n.d.cfg.Zone
+	}
+	return &csipb.NodeGetInfoResponse{
+		NodeId: n.d.cfg.NodeID, MaxVolumesPerNode: n.d.cfg.MaxVolumesPerNode,
+		AccessibleTopology: &csipb.Topology{Segments: seg},
+	}, nil
+}
+
+func (n *nodeServer) getVolume(ctx context.Context, id string) (*storpb.Volume, error) {
+	cctx, cancel := n.d.call(ctx)
+	defer cancel()
+	resp, err := n.d.cfg.Cluster.Volumes.GetVolume(cctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+	if clusterCode(err) == codes.NotFound {
+		return nil, notFoundf("volume %q", id)
+	}
+	return resp.GetVolume(), err
+}
+
+func fsTypeOf(c *csipb.VolumeCapability, volCtx map[string]string) string {
+	if fs := strings.ToLower(c.GetMount().GetFsType()); fs != "" {
+		return fs
+	}
+	if fs := volCtx[ParamFSType]; fs != "" {
+		return fs
+	}
+	return DefaultFSType
+}
+
+// NodeStageVolume attaches the volume here (engine, NBD server, kernel
+// device) and, for a mount volume, formats it if blank and mounts it at
+// the staging path.
+func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVolumeRequest) (*csipb.NodeStageVolumeResponse, error) {
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	switch {
+	case id == "":
+		return nil, invalidf("NodeStageVolume: no volume id")
+	case staging == "":
+		return nil, invalidf("NodeStageVolume: no staging target path")
+	case req.GetVolumeCapability() == nil:
+		return nil, invalidf("NodeStageVolume: no volume capability")
+	}
+	if err := checkCap(req.GetVolumeCapability()); err != nil {
+		return nil, err
+	}
+	unlock, err := n.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	_, block := req.GetVolumeCapability().GetAccessType().(*csipb.VolumeCapability_Block)
+	fs := ""
+	if !block {
+		fs = fsTypeOf(req.GetVolumeCapability(), req.GetVolumeContext())
+	}
+	readOnly := req.GetPublishContext()[ctxReadOnly] == "true" ||
+		req.GetVolumeCapability().GetAccessMode().GetMode() == csipb.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
+
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec != nil {
+		if rec.StagingPath != staging || rec.Block != block || rec.FSType != fs || rec.ReadOnly != readOnly {
+			return nil, fmt.Errorf("%w: volume %q is staged at %s (block %v, fs %q, read-only %v)",
+				ErrAlreadyExists, id, rec.StagingPath, rec.Block, rec.FSType, rec.ReadOnly)
+		}
+		if _, _, ok := n.attacher.Served(id); ok {
+			return &csipb.NodeStageVolumeResponse{}, nil
+		}
+		// Recorded but not served (recovery failed): attach again below.
+	}
+	if _, err := n.getVolume(ctx, id); err != nil {
+		return nil, err
+	}
+	dev, err := n.attacher.Attach(ctx, id, readOnly)
+	if err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*csipb.NodeStageVolumeResponse, error) {
+		if derr := n.attacher.Detach(context.WithoutCancel(ctx), id); derr != nil {
+			n.d.log.Error("detaching after a failed stage", "volume", id, "err", derr)
+		}
+		return nil, err
+	}
+	if !block {
+		if err := os.MkdirAll(staging, 0o750); err != nil {
+			return fail(fmt.Errorf("staging path: %w", err))
+		}
+		mounted, err := n.host.Mounter.IsMountPoint(staging)
+		if err != nil {
+			return fail(fmt.Errorf("staging path: %w", err))
+		}
+		if !mounted {
+			opts := append([]string{}, req.GetVolumeCapability().GetMount().GetMountFlags()...)
+			if readOnly {
+				opts = append(opts, "ro")
+			}
+			if err := n.host.FormatAndMount(dev, staging, fs, opts); err != nil {
+				return fail(fmt.Errorf("format and mount %s on %s: %w", dev, staging, err))
+			}
+		}
+	}
+	if err := n.save(&stagedRecord{VolumeID: id, StagingPath: staging, Device: dev, Block: block, FSType: fs, ReadOnly: readOnly}); err != nil {
+		if !block {
+			n.host.Mounter.Unmount(staging)
+		}
+		return fail(fmt.Errorf("record the staged volume: %w", err))
+	}
+	return &csipb.NodeStageVolumeResponse{}, nil
+}
+
+// NodeUnstageVolume unmounts the staging path, flushes and disconnects
+// the device and closes the engine. The cluster attachment stays for
+// ControllerUnpublish.
+func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csipb.NodeUnstageVolumeRequest) (*csipb.NodeUnstageVolumeResponse, error) {
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	switch {
+	case id == "":
+		return nil, invalidf("NodeUnstageVolume: no volume id")
+	case staging == "":
+		return nil, invalidf("NodeUnstageVolume: no staging target path")
+	}
+	unlock, err := n.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec != nil && !rec.Block {
+		if mounted, err := n.host.Mounter.IsMountPoint(staging); err == nil && mounted {
+			if err := n.host.Mounter.Unmount(staging); err != nil {
+				return nil, fmt.Errorf("unmount %s: %w", staging, err)
+			}
+		} else if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("staging path: %w", err)
+		}
+	}
+	if err := n.attacher.Detach(ctx, id); err != nil {
+		return nil, err
+	}
+	if err := n.remove(id); err != nil {
+		return nil, err
+	}
+	return &csipb.NodeUnstageVolumeResponse{}, nil
+}
+
+// NodePublishVolume bind-mounts the staging path (mount) or the device
+// (block) at the target path, read-only if asked.
+func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePublishVolumeRequest) (*csipb.NodePublishVolumeResponse, error) {
+	id, target, staging := req.GetVolumeId(), req.GetTargetPath(), req.GetStagingTargetPath()
+	switch {
+	case id == "":
+		return nil, invalidf("NodePublishVolume: no volume id")
+	case target == "":
+		return nil, invalidf("NodePublishVolume: no target path")
+	case staging == "":
+		return nil, invalidf("NodePublishVolume: no staging target path")
+	case req.GetVolumeCapability() == nil:
+		return nil, invalidf("NodePublishVolume: no volume capability")
+	}
+	if err := checkCap(req.GetVolumeCapability()); err != nil {
+		return nil, err
+	}
+	unlock, err := n.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec == nil {
+		if _, err := n.getVolume(ctx, id); err != nil {
+			return nil, err
+		}
+		return nil, preconditionf("volume %q is not staged on this node", id)
+	}
+	if req.GetVolumeCapability().GetAccessMode().GetMode() == csipb.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		for _, t := range rec.Targets {
+			if t != target {
+				return nil, preconditionf("volume %q has single-writer access and is published at %s", id, t)
+			}
+		}
+	}
+	_, block := req.GetVolumeCapability().GetAccessType().(*csipb.VolumeCapability_Block)
+	if block != rec.Block {
+		return nil, invalidf("volume %q is staged with block access %v, published with %v", id, rec.Block, block)
+	}
+	opts := []string{"bind"}
+	if req.GetReadonly() || rec.ReadOnly {
+		opts = append(opts, "ro")
+	}
+	source := rec.StagingPath
+	if block {
+		source = rec.Device
+		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
+			return nil, fmt.Errorf("target path: %w", err)
+		}
+		f, err := os.OpenFile(target, os.O_CREATE, 0o640)
+		if err != nil {
+			return nil, fmt.Errorf("target path: %w", err)
+		}
+		f.Close()
+	} else {
+		if err := os.MkdirAll(target, 0o750); err != nil {
+			return nil, fmt.Errorf("target path: %w", err)
+		}
+		opts = append(opts, req.GetVolumeCapability().GetMount().GetMountFlags()...)
+	}
+	mounted, err := n.host.Mounter.IsMountPoint(target)
+	if err != nil {
+		return nil, fmt.Errorf("target path: %w", err)
+	}
+	if !mounted {
+		if err := n.host.Mounter.Mount(source, target, "", opts); err != nil {
+			return nil, fmt.Errorf("bind mount %s on %s: %w", source, target, err)
+		}
+	}
+	if !slices.Contains(rec.Targets, target) {
+		rec.Targets = append(rec.Targets, target)
+		if err := n.save(rec); err != nil {
+			return nil, fmt.Errorf("record the publication: %w", err)
+		}
+	}
+	return &csipb.NodePublishVolumeResponse{}, nil
+}
+
+// NodeUnpublishVolume unmounts the target path and removes it.
+func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csipb.NodeUnpublishVolumeRequest) (*csipb.NodeUnpublishVolumeResponse, error) {
+	id, target := req.GetVolumeId(), req.GetTargetPath()
+	switch {
+	case id == "":
+		return nil, invalidf("NodeUnpublishVolume: no volume id")
+	case target == "":
+		return nil, invalidf("NodeUnpublishVolume: no target path")
+	}
+	unlock, err := n.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := mount.CleanupMountPoint(target, n.host.Mounter, true); err != nil {
+		return nil, fmt.Errorf("unmount %s: %w", target, err)
+	}
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec != nil && slices.Contains(rec.Targets, target) {
+		rec.Targets = slices.DeleteFunc(rec.Targets, func(t string) bool { return t == target })
+		if err := n.save(rec); err != nil {
+			return nil, fmt.Errorf("record the unpublication: %w", err)
+		}
+	}
+	return &csipb.NodeUnpublishVolumeResponse{}, nil
+}
+
+// NodeGetVolumeStats reports bytes and inodes of a mounted volume, or a
+// block volume's size. (CSI 1.13 moved the volume condition to
+// NodeGetVolumeHealth.)
+func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csipb.NodeGetVolumeStatsRequest) (*csipb.NodeGetVolumeStatsResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	switch {
+	case id == "":
+		return nil, invalidf("NodeGetVolumeStats: no volume id")
+	case path == "":
+		return nil, invalidf("NodeGetVolumeStats: no volume path")
+	}
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec == nil {
+		return nil, notFoundf("volume %q is not staged on this node", id)
+	}
+	st, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, notFoundf("volume path %s", path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	resp := &csipb.NodeGetVolumeStatsResponse{}
+	if rec.Block || !st.IsDir() {
+		size, err := n.host.DeviceSize(rec.Device)
+		if err != nil {
+			return nil, err
+		}
+		resp.Usage = []*csipb.VolumeUsage{{Unit: csipb.VolumeUsage_BYTES, Total: size}}
+	} else {
+		var fs unix.Statfs_t
+		if err := unix.Statfs(path, &fs); err != nil {
+			return nil, fmt.Errorf("statfs %s: %w", path, err)
+		}
+		bs := int64(fs.Bsize)
+		resp.Usage = []*csipb.VolumeUsage{
+			{Unit: csipb.VolumeUsage_BYTES, Total: int64(fs.Blocks) * bs, Available: int64(fs.Bavail) * bs,
+				Used: int64(fs.Blocks-fs.Bfree) * bs},
+			{Unit: csipb.VolumeUsage_INODES, Total: int64(fs.Files), Available: int64(fs.Ffree),
+				Used: int64(fs.Files - fs.Ffree)},
+		}
+	}
+	return resp, nil
+}
+
+// NodeGetVolumeHealth: INACCESSIBLE when this node no longer serves a
+// staged volume (its engine was fenced by a newer attach, or recovery
+// failed), else the replica set's health from the cluster.
+func (n *nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csipb.NodeGetVolumeHealthRequest) (*csipb.NodeGetVolumeHealthResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalidf("NodeGetVolumeHealth: no volume id")
+	}
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec == nil {
+		return nil, notFoundf("volume %q is not staged on this node", id)
+	}
+	if _, _, ok := n.attacher.Served(id); !ok {
+		return &csipb.NodeGetVolumeHealthResponse{VolumeHealth: &csipb.VolumeHealth{VolumeId: id,
+			HealthStatuses: []*csipb.VolumeHealth_VolumeHealthEntry{{
+				Status: csipb.VolumeHealthErrorType_INACCESSIBLE, Reason: "NotServed",
+				Message: "this node no longer serves the volume: its engine was fenced by a newer attach, or recovery failed",
+			}}}}, nil
+	}
+	v, err := n.getVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &csipb.NodeGetVolumeHealthResponse{VolumeHealth: health(v)}, nil
+}
+
+// NodeExpandVolume waits for the kernel device to reach the volume's size
+// (the engine learns of ControllerExpandVolume from the cluster and grows
+// the device) and grows the filesystem (mount-utils ResizeFs).
+func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csipb.NodeExpandVolumeRequest) (*csipb.NodeExpandVolumeResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	switch {
+	case id == "":
+		return nil, invalidf("NodeExpandVolume: no volume id")
+	case path == "":
+		return nil, invalidf("NodeExpandVolume: no volume path")
+	}
+	if c := req.GetVolumeCapability(); c != nil {
+		if err := checkCap(c); err != nil {
+			return nil, err
+		}
+	}
+	unlock, err := n.d.locks.lock("vol/" + id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	rec, err := n.load(id)
+	if err != nil {
+		return nil, err
+	}
+	if rec == nil {
+		return nil, notFoundf("volume %q is not staged on this node", id)
+	}
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+		return nil, notFoundf("volume path %s", path)
+	}
+	v, err := n.getVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	want := v.GetSizeBytes()
+	if req := req.GetCapacityRange().GetRequiredBytes(); req > 0 && uint64(req) > want {
+		return nil, fmt.Errorf("%w: volume %q is %d bytes in the cluster, less than the %d asked: expand it with ControllerExpandVolume first",
+			ErrOutOfRange, id, want, req)
+	}
+	deadline := time.Now().Add(expandWait)
+	for {
+		_, size, ok := n.attacher.Served(id)
+		if !ok {
+			return nil, preconditionf("volume %q is not served on this node", id)
+		}
+		if size >= want/BlockSize*BlockSize {
+			break
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("%w: the device of volume %q is %d bytes, not yet %d after %v",
+				ErrNotReady, id, size, want, expandWait)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if !rec.Block {
+		if err := n.host.ResizeFS(rec.Device, rec.StagingPath); err != nil {
+			return nil, fmt.Errorf("grow the filesystem on %s: %w", rec.Device, err)
+		}
+	}
+	return &csipb.NodeExpandVolumeResponse{CapacityBytes: int64(want)}, nil
+}

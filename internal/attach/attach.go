@@ -1,0 +1,651 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/stor-io/stor/nbd"
+	"github.com/stor-io/stor/nbd/kernel"
+	"github.com/stor-io/stor/replica/engine"
+)
+
+// Defaults of Config.
+const (
+	// DefaultConnections is one: on Linux 6.1 (Debian 12) a device with
+	// several connections can have one connection's replies go unread for
+	// the whole request timeout, when the kernel's receive work runs on
+	// its workqueue's rescuer thread (package nbd/kernel, "Several
+	// connections on Linux 6.1").
+	DefaultConnections = 1
+	// BlockSize is the block size the kernel device gets; a volume's size
+	// is rounded down to a multiple of it.
+	BlockSize = 4096
+	// DefaultTimeout bounds attaching and the final flush and detach.
+	DefaultTimeout = 10 * time.Second
+	// DefaultDrainTimeout bounds how long a stop waits for requests in
+	// flight.
+	DefaultDrainTimeout = 30 * time.Second
+	// reconnectMax caps the wait between attempts to hand the kernel a new
+	// socket after one ended.
+	reconnectMax = 5 * time.Second
+)
+
+// Errors of Open and Run.
+var (
+	// ErrAlreadyServed: a live process (this one or another) serves the
+	// volume from the same state dir.
+	ErrAlreadyServed = errors.New("attach: volume already served by a live process")
+	// ErrFenced: the volume was attached again at a newer epoch; this
+	// server stopped and left the device to the new holder.
+	ErrFenced = errors.New("attach: fenced by a newer attach")
+	// ErrGone: the device was disconnected outside this package.
+	ErrGone = errors.New("attach: device disconnected elsewhere")
+	// ErrInUse: a clean stop found the device in use (mounted, or open
+	// exclusively) and left it connected, without a server, for a later
+	// Open of the same volume to resume.
+	ErrInUse = errors.New("attach: device in use")
+	// ErrAbandoned: Abandon stopped Run.
+	ErrAbandoned = errors.New("attach: abandoned")
+)
+
+// Config is what Open attaches with.
+type Config struct {
+	// VolumeID is the volume's id; required.
+	VolumeID string
+	// NodeID is the node the volume is attached to in the cluster; required.
+	NodeID string
+	// Takeover attaches even if the volume is attached to another node
+	// (which is fenced). A resumed device always takes over.
+	Takeover bool
+	// ReadOnly attaches read-only: the device is read-only.
+	ReadOnly bool
+	// KeepAttachment makes a clean stop leave the volume attached in the
+	// cluster (flushed and closed, but still recorded as attached to
+	// NodeID): the CSI node, where ControllerUnpublish detaches. Default
+	// false: a clean stop detaches the volume (stor-ctl nbd attach).
+	KeepAttachment bool
+	// Connections is the number of socket pairs for a new device; a
+	// resumed device keeps the recorded number. Default DefaultConnections.
+	Connections int
+	// StateDir holds the attach records and locks. Default DefaultStateDir.
+	StateDir string
+	// IOTimeout and DeadConnTimeout are the kernel's request and
+	// dead-connection timeouts. Defaults kernel.DefaultTimeout and
+	// kernel.DefaultDeadConnTimeout.
+	IOTimeout       time.Duration
+	DeadConnTimeout time.Duration
+
+	// Control reaches the cluster; required.
+	Control engine.ControlPlane
+	// Connect opens replicas; required.
+	Connect engine.Connector
+	// Timeout bounds attaching (engine.Open, netlink) and the final flush
+	// and detach. Default DefaultTimeout.
+	Timeout time.Duration
+	// DrainTimeout bounds how long a stop waits for requests in flight.
+	// Default DefaultDrainTimeout.
+	DrainTimeout time.Duration
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+	// Kernel is the kernel's side. Default RealKernel(); tests fake it.
+	Kernel *Kernel
+}
+
+// KernelConn is what an attachment needs of the kernel's nbd netlink
+// family (*kernel.Client).
+type KernelConn interface {
+	Connect(ctx context.Context, o kernel.Options) (int, error)
+	Reconfigure(ctx context.Context, index int, r kernel.Reconfig) error
+	Disconnect(ctx context.Context, index int) error
+	Status(ctx context.Context, index int) (kernel.Device, error)
+	Close() error
+}
+
+// Kernel reaches the kernel: netlink, sysfs and the device node.
+type Kernel struct {
+	Dial func() (KernelConn, error)
+	// Backend reads /sys/block/nbdN/backend.
+	Backend func(index int) (string, error)
+	// OpenExclusive opens /dev/nbdN with O_EXCL (kernel.ErrBusy when
+	// mounted).
+	OpenExclusive func(index int) (SyncCloser, error)
+}
+
+// SyncCloser is an open device node.
+type SyncCloser interface {
+	Sync() error
+	Close() error
+}
+
+// RealKernel is the running kernel's nbd driver.
+func RealKernel() *Kernel {
+	return &Kernel{
+		Dial:          func() (KernelConn, error) { return kernel.Dial() },
+		Backend:       kernel.Backend,
+		OpenExclusive: func(i int) (SyncCloser, error) { return kernel.OpenExclusive(i) },
+	}
+}
+
+func (cfg *Config) defaults() {
+	if cfg.Timeout == 0 {
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.DrainTimeout == 0 {
+		cfg.DrainTimeout = DefaultDrainTimeout
+	}
+	if cfg.StateDir == "" {
+		cfg.StateDir = DefaultStateDir
+	}
+	if cfg.Connections == 0 {
+		cfg.Connections = DefaultConnections
+	}
+	if cfg.IOTimeout == 0 {
+		cfg.IOTimeout = kernel.DefaultTimeout
+	}
+	if cfg.DeadConnTimeout == 0 {
+		cfg.DeadConnTimeout = kernel.DefaultDeadConnTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Kernel == nil {
+		cfg.Kernel = RealKernel()
+	}
+}
+
+// Open attaches the volume to a kernel device, or resumes the device a
+// record in the state dir names if the kernel still has it connected for
+// this volume, and starts serving it. The caller must call Run (which
+// ends the attachment) or Release.
+//
+// Open takes the volume's lock in the state dir for the attachment's
+// lifetime: a second Open of the same volume fails with ErrAlreadyServed.
+// An engine.Open error (a FailedPrecondition from the cluster when the
+// volume is attached to another node) is returned wrapped.
+func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
+	cfg.defaults()
+	log := cfg.Logger
+	id := cfg.VolumeID
+	if err := ValidID(id); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("attach: state dir: %w", err)
+	}
+	lock, err := LockVolume(cfg.StateDir, id)
+	if errors.Is(err, ErrLocked) {
+		msg := ""
+		if rec, _ := LoadRecord(cfg.StateDir, id); rec != nil {
+			msg = fmt.Sprintf(" (pid %d, %s)", rec.PID, rec.Device)
+		}
+		return nil, fmt.Errorf("%w: volume %s%s", ErrAlreadyServed, id, msg)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("attach: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			lock.Close()
+		}
+	}()
+	k, err := cfg.Kernel.Dial()
+	if err != nil {
+		return nil, fmt.Errorf("attach: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			k.Close()
+		}
+	}()
+
+	// A record means a previous attach died without detaching: resume
+	// its device if the kernel still has it connected for this volume.
+	rec, err := LoadRecord(cfg.StateDir, id)
+	if err != nil {
+		return nil, fmt.Errorf("attach: %w", err)
+	}
+	resume := false
+	if rec != nil {
+		st, serr := k.Status(ctx, rec.Index)
+		backend, berr := cfg.Kernel.Backend(rec.Index)
+		switch {
+		case serr == nil && berr == nil && st.Connected && backend == rec.Backend:
+			resume = true
+			log.Info("resuming a device whose server died: reconnecting it (RECONFIGURE)",
+				"device", rec.Device, "previous_pid", rec.PID, "connections", rec.Connections)
+		default:
+			log.Info("the recorded device is no longer connected to this volume; attaching a new one",
+				"device", rec.Device, "kernel_backend", backend, "status_err", serr, "backend_err", berr)
+			if err := RemoveRecord(cfg.StateDir, id); err != nil {
+				return nil, fmt.Errorf("attach: %w", err)
+			}
+			rec = nil
+		}
+	}
+
+	openCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	eng, err := engine.Open(openCtx, engine.Config{
+		Volume: id, VolumeIsID: true, NodeID: cfg.NodeID,
+		Takeover: cfg.Takeover || resume, ReadOnly: cfg.ReadOnly,
+		Control: cfg.Control, Connect: cfg.Connect, Logger: log,
+	})
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	srv, err := nbd.NewServer(nbd.Config{
+		Exports: []nbd.Export{{
+			Name:        eng.Name(),
+			Description: fmt.Sprintf("stor volume %s (id %s, epoch %d)", eng.Name(), eng.ID(), eng.Epoch()),
+			Device:      eng,
+			ReadOnly:    cfg.ReadOnly,
+		}},
+		Logger: log,
+	})
+	if err != nil {
+		closeEngine(cfg, eng, !cfg.KeepAttachment)
+		return nil, err
+	}
+	info, err := srv.ExportInfo(eng.Name())
+	if err != nil {
+		srv.Close()
+		closeEngine(cfg, eng, !cfg.KeepAttachment)
+		return nil, err
+	}
+
+	at := &Attachment{
+		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(),
+		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,
+		abandon: make(chan struct{}), runDone: make(chan struct{}),
+		log: log.With("volume", eng.Name()),
+	}
+	at.serveCtx, at.stopServing = context.WithCancel(context.Background())
+	at.deviceSize.Store(eng.Size() / BlockSize * BlockSize)
+	if at.deviceSize.Load() != eng.Size() {
+		log.Warn("the volume's size is not a multiple of the block size; the device is smaller",
+			"volume_size", eng.Size(), "device_size", at.deviceSize.Load(), "block_size", BlockSize)
+	}
+
+	n := cfg.Connections
+	if resume {
+		n = rec.Connections
+		if n != cfg.Connections {
+			log.Info("resuming with the recorded number of connections", "connections", n)
+		}
+	}
+	kernelEnds, serverEnds, err := socketPairs(n)
+	if err != nil {
+		at.stopServing()
+		srv.Close()
+		closeEngine(cfg, eng, !cfg.KeepAttachment)
+		return nil, err
+	}
+	// Serve before the kernel has the sockets: it may send at once.
+	for i, c := range serverEnds {
+		at.wg.Add(1)
+		go at.serveSlot(i, c)
+	}
+	nlCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	if resume {
+		at.index = rec.Index
+		err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{
+			Sockets: kernelEnds, Backend: at.backend, Size: at.deviceSize.Load(),
+			Timeout: cfg.IOTimeout, DeadConnTimeout: cfg.DeadConnTimeout,
+		})
+	} else {
+		flags := uint64(info.Flags)
+		at.index, err = k.Connect(nlCtx, kernel.Options{
+			Index: kernel.AnyIndex, Sockets: kernelEnds, Size: at.deviceSize.Load(), BlockSize: BlockSize,
+			Timeout: cfg.IOTimeout, DeadConnTimeout: cfg.DeadConnTimeout,
+			ServerFlags: flags, Backend: at.backend,
+		})
+	}
+	cancel()
+	for _, f := range kernelEnds {
+		f.Close() // the kernel holds its own references
+	}
+	if err != nil {
+		at.stopping.Store(true)
+		at.stopServing()
+		at.wg.Wait()
+		srv.Close()
+		// A resumed device stays recorded: a later attach may resume it.
+		closeEngine(cfg, eng, !resume && !cfg.KeepAttachment)
+		if resume {
+			return nil, fmt.Errorf("attach: reconnect %s: %w", rec.Device, err)
+		}
+		return nil, fmt.Errorf("attach: %w", err)
+	}
+
+	dev := kernel.Path(at.index)
+	at.log = at.log.With("device", dev)
+	if err := SaveRecord(cfg.StateDir, &Record{
+		Volume: eng.Name(), VolumeID: id, Device: dev, Index: at.index, Backend: at.backend,
+		Connections: n, Node: cfg.NodeID, PID: os.Getpid(), Epoch: eng.Epoch(), AttachedAt: time.Now().UTC(),
+	}); err != nil {
+		// Without a record a restart cannot find the device: say so, but
+		// keep serving.
+		at.log.Error("could not record the attachment; a restart will not resume this device", "err", err)
+	}
+	verb := "connected"
+	if resume {
+		verb = "reconnected"
+	}
+	at.log.Info("serving the volume as a kernel block device", "state", verb, "connections", n,
+		"size", at.deviceSize.Load(), "epoch", eng.Epoch(), "io_timeout", cfg.IOTimeout, "dead_conn_timeout", cfg.DeadConnTimeout)
+	return at, nil
+}
+
+// Device is the kernel device's path, /dev/nbdN.
+func (at *Attachment) Device() string { return kernel.Path(at.index) }
+
+// Resumed reports whether Open reconnected a recorded device.
+func (at *Attachment) Resumed() bool { return at.resumed }
+
+// Epoch is the epoch the engine serves at.
+func (at *Attachment) Epoch() uint64 { return at.eng.Epoch() }
+
+// VolumeSize is the volume's size as the engine last learnt it.
+func (at *Attachment) VolumeSize() uint64 { return at.eng.Size() }
+
+// DeviceSize is the kernel device's size, as last given to the kernel.
+func (at *Attachment) DeviceSize() uint64 { return at.deviceSize.Load() }
+
+// Fenced reports whether a newer attach fenced the engine.
+func (at *Attachment) Fenced() bool { return at.eng.Fenced() }
+
+// Attachment is one served kernel device. Its methods may be called
+// concurrently; Run and Release end it, once.
+type Attachment struct {
+	cfg     Config
+	k       KernelConn
+	lock    *os.File // the volume's lock in the state dir, held while serving
+	srv     *nbd.Server
+	eng     *engine.Engine
+	export  string
+	backend string
+	index   int
+	resumed bool
+	// deviceSize is the device's size, as last given to the kernel.
+	deviceSize atomic.Uint64
+	log        *slog.Logger
+
+	// serveCtx is every connection's context: ending it drains them.
+	serveCtx    context.Context
+	stopServing context.CancelFunc
+	// stopping: connections that end are not replaced.
+	stopping atomic.Bool
+	wg       sync.WaitGroup // serveSlot goroutines
+	// gone is closed when the kernel no longer takes sockets for the
+	// device (it was disconnected or reconfigured elsewhere).
+	gone     chan struct{}
+	goneOnce sync.Once
+	// abandon is closed by Abandon; runDone when Run returns.
+	abandon     chan struct{}
+	abandonOnce sync.Once
+	runDone     chan struct{}
+}
+
+func socketPairs(n int) ([]*os.File, []net.Conn, error) {
+	var ks []*os.File
+	var ss []net.Conn
+	for range n {
+		k, s, err := kernel.SocketPair()
+		if err != nil {
+			for i := range ks {
+				ks[i].Close()
+				ss[i].Close()
+			}
+			return nil, nil, err
+		}
+		ks, ss = append(ks, k), append(ss, s)
+	}
+	return ks, ss, nil
+}
+
+// serveSlot serves one kernel connection, and whenever it ends while the
+// attachment is not stopping, hands the kernel a new socket pair in its
+// place (RECONFIGURE), with backoff: the kernel drops a socket given when
+// none of its connections is dead, and the retry covers that too.
+func (at *Attachment) serveSlot(slot int, conn net.Conn) {
+	defer at.wg.Done()
+	backoff := 100 * time.Millisecond
+	for {
+		start := time.Now()
+		err := at.srv.ServeTransmission(at.serveCtx, conn, at.export)
+		if at.stopping.Load() || at.serveCtx.Err() != nil || errors.Is(err, nbd.ErrServerClosed) {
+			return
+		}
+		if time.Since(start) > 10*time.Second {
+			backoff = 100 * time.Millisecond
+		}
+		at.log.Warn("a kernel connection ended; handing the kernel a new socket", "slot", slot, "err", err, "after", backoff)
+		for {
+			select {
+			case <-at.serveCtx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, reconnectMax)
+			if at.stopping.Load() {
+				return
+			}
+			kend, sconn, err := kernel.SocketPair()
+			if err != nil {
+				at.log.Error("socket pair", "err", err)
+				continue
+			}
+			ctx, cancel := context.WithTimeout(at.serveCtx, 10*time.Second)
+			err = at.k.Reconfigure(ctx, at.index, kernel.Reconfig{Sockets: []*os.File{kend}, Backend: at.backend})
+			cancel()
+			kend.Close()
+			if err == nil {
+				conn = sconn
+				break
+			}
+			sconn.Close()
+			if errors.Is(err, unix.EINVAL) && !at.stopping.Load() {
+				// The device is not configured any more, or for
+				// another backend: it is not ours to serve.
+				at.log.Error("the kernel refuses new sockets for the device: it was disconnected or taken over elsewhere", "err", err)
+				at.goneOnce.Do(func() { close(at.gone) })
+				return
+			}
+			at.log.Warn("could not hand the kernel a new socket; retrying", "slot", slot, "err", err)
+		}
+	}
+}
+
+// stopReason is why Run stops.
+type stopReason int
+
+const (
+	stopRequested stopReason = iota
+	stopFenced
+	stopGone
+	stopAbandoned
+)
+
+// Run serves until ctx ends, the engine is fenced, or the device is
+// disconnected elsewhere, then tears down accordingly and releases the
+// volume's lock:
+//
+//   - ctx ends: the clean stop (detach): flush the device, disconnect it,
+//     drain, flush the replicas, detach the volume in the cluster (unless
+//     KeepAttachment), remove the record. A device in use is left
+//     connected, without a server, for a later Open to resume (ErrInUse).
+//   - fenced: drain, close the engine, leave device and record to the new
+//     holder (ErrFenced).
+//   - gone: drain, close and detach, remove the record (ErrGone).
+//
+// Run follows the volume's size: an expansion the engine learns of is
+// given to the kernel device.
+func (at *Attachment) Run(ctx context.Context) error {
+	defer close(at.runDone)
+	defer at.release()
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	var why stopReason
+wait:
+	for {
+		select {
+		case <-ctx.Done():
+			why = stopRequested
+			break wait
+		case <-at.gone:
+			why = stopGone
+			break wait
+		case <-at.abandon:
+			why = stopAbandoned
+			break wait
+		case <-tick.C:
+			if at.eng.Fenced() {
+				why = stopFenced
+				break wait
+			}
+			at.followSize()
+		}
+	}
+	switch why {
+	case stopAbandoned:
+		at.drain()
+		closeEngine(at.cfg, at.eng, false)
+		return fmt.Errorf("%w: %s is left connected for a new server", ErrAbandoned, kernel.Path(at.index))
+	case stopFenced:
+		at.drain()
+		closeEngine(at.cfg, at.eng, false)
+		// The record now belongs to whoever attached at the newer epoch
+		// (often a restart): leave it.
+		return fmt.Errorf("%w: volume %q was attached again at a newer epoch: this server has stopped; %s is left to the new holder",
+			ErrFenced, at.export, kernel.Path(at.index))
+	case stopGone:
+		at.drain()
+		err := closeEngine(at.cfg, at.eng, !at.cfg.KeepAttachment)
+		RemoveRecord(at.cfg.StateDir, at.eng.ID())
+		return errors.Join(fmt.Errorf("%w: %s; volume %q is closed", ErrGone, kernel.Path(at.index), at.export), err)
+	}
+	return at.detach()
+}
+
+// Abandon makes a running Run stop as if the process had died, and
+// returns when it has: requests in flight are answered, the engine is
+// closed without a detach, the device stays connected (its I/O waits for
+// a new server) and the record stays, for a later Open to resume. Run
+// then returns ErrAbandoned. It is how a plugin that stops for a restart
+// or an upgrade leaves its devices. Abandon must only be called once Run
+// has been started.
+func (at *Attachment) Abandon() {
+	at.abandonOnce.Do(func() { close(at.abandon) })
+	<-at.runDone
+}
+
+func (at *Attachment) release() {
+	at.stopServing()
+	at.srv.Close()
+	at.k.Close()
+	at.lock.Close()
+}
+
+// followSize gives the kernel the volume's new size when it changed (an
+// expansion the engine learnt of from the cluster).
+func (at *Attachment) followSize() {
+	size := at.eng.Size() / BlockSize * BlockSize
+	if size == at.deviceSize.Load() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(at.serveCtx, 10*time.Second)
+	defer cancel()
+	if err := at.k.Reconfigure(ctx, at.index, kernel.Reconfig{Backend: at.backend, Size: size}); err != nil {
+		at.log.Error("could not resize the device; retrying", "from", at.deviceSize.Load(), "to", size, "err", err)
+		return
+	}
+	at.log.Info("device resized", "from", at.deviceSize.Load(), "to", size)
+	at.deviceSize.Store(size)
+}
+
+// drain stops replacing connections, stops reading requests, answers
+// those in flight and closes the connections. Requests the kernel sent and
+// we did not read stay pending in the kernel, which resends them to the
+// next server.
+func (at *Attachment) drain() {
+	at.stopping.Store(true)
+	at.stopServing()
+	ctx, cancel := context.WithTimeout(context.Background(), at.cfg.DrainTimeout)
+	defer cancel()
+	if err := at.srv.Shutdown(ctx); err != nil {
+		at.log.Error("requests were still in flight when the drain timed out; they were cut off", "err", err)
+	}
+	at.wg.Wait()
+}
+
+// detach is the clean stop: flush the device, disconnect it, drain, flush
+// the replicas, detach the volume, remove the record. A device in use is
+// left connected for a later attach to resume.
+func (at *Attachment) detach() error {
+	dev := kernel.Path(at.index)
+	f, err := at.cfg.Kernel.OpenExclusive(at.index)
+	if errors.Is(err, kernel.ErrBusy) {
+		at.drain()
+		closeEngine(at.cfg, at.eng, false)
+		return fmt.Errorf("%w: %s is in use (mounted, or open exclusively): left connected without a server; its I/O waits up to %v for a new attach of volume %q to resume it",
+			ErrInUse, dev, at.cfg.DeadConnTimeout, at.export)
+	}
+	if err != nil {
+		at.log.Warn("could not open the device to flush it; disconnecting anyway", "err", err)
+	} else {
+		// Write back what the kernel caches for the device and FLUSH it,
+		// while we still serve; holding the exclusive open keeps anyone
+		// from mounting it before the disconnect.
+		if err := f.Sync(); err != nil {
+			at.log.Warn("flushing the device failed", "err", err)
+		}
+	}
+	at.stopping.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), at.cfg.Timeout)
+	derr := at.k.Disconnect(ctx, at.index)
+	cancel()
+	if f != nil {
+		f.Close()
+	}
+	if derr != nil {
+		at.log.Error("disconnecting the device failed", "err", derr)
+	}
+	// The kernel sends NBD_CMD_DISC on each connection and closes them;
+	// drain covers connections it could not reach.
+	at.drain()
+	if err := closeEngine(at.cfg, at.eng, !at.cfg.KeepAttachment); err != nil {
+		return err
+	}
+	if err := RemoveRecord(at.cfg.StateDir, at.eng.ID()); err != nil {
+		at.log.Warn("could not remove the attach record", "err", err)
+	}
+	if derr != nil {
+		return fmt.Errorf("volume %q is flushed and detached, but disconnecting %s failed: %w", at.export, dev, derr)
+	}
+	if at.cfg.KeepAttachment {
+		at.log.Info("device disconnected; volume flushed and closed (still attached in the cluster)")
+	} else {
+		at.log.Info("device disconnected; volume flushed and detached")
+	}
+	return nil
+}
+
+// closeAttached flushes and closes the engine, detaching the volume in
+// the cluster if detach is set.
+func closeEngine(cfg Config, eng *engine.Engine, detach bool) error {
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.Timeout)
+	defer cancel()
+	if err := eng.Close(ctx, detach); err != nil {
+		return fmt.Errorf("volume %q: flush and close: %w", eng.Name(), err)
+	}
+	return nil
+}
