@@ -66,7 +66,11 @@
 // records in nbd/). On start it resumes every recorded device before it
 // reports ready (Probe): it reopens the engine at a new epoch (fencing the
 // dead instance) and RECONFIGUREs the kernel device with new sockets, so
-// mounted filesystems see a pause, not an error.
+// mounted filesystems see a pause, not an error. The reopen is an attach
+// from this node without takeover: if the volume was published to another
+// node while the plugin was down, it stays there and the recovery of that
+// volume fails (logged; its device fails I/O after the kernel's
+// dead-connection timeout), rather than fencing the node that has it now.
 //
 // # Concurrency
 //

@@ -64,7 +64,9 @@ type Config struct {
 	// NodeID is the node the volume is attached to in the cluster; required.
 	NodeID string
 	// Takeover attaches even if the volume is attached to another node
-	// (which is fenced). A resumed device always takes over.
+	// (which is fenced). A resumed device does not take over: it attaches
+	// from the same node, which fences the dead instance, and is refused
+	// if the volume was attached to another node meanwhile.
 	Takeover bool
 	// ReadOnly attaches read-only: the device is read-only.
 	ReadOnly bool
@@ -235,7 +237,11 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	openCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	eng, err := engine.Open(openCtx, engine.Config{
 		Volume: id, VolumeIsID: true, NodeID: cfg.NodeID,
-		Takeover: cfg.Takeover || resume, ReadOnly: cfg.ReadOnly,
+		// A resume attaches from the same node, which needs no takeover:
+		// the new epoch fences the dead instance. If the volume was
+		// attached to another node meanwhile, it is that node's now and
+		// the resume is refused rather than fencing it.
+		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly,
 		Control: cfg.Control, Connect: cfg.Connect, Logger: log,
 	})
 	cancel()

@@ -474,6 +474,40 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	}
 }
 
+// A restart must not take back a volume that was attached to another node
+// while this one was down (the CSI controller moved it): the resume is
+// refused and the other node's engine goes on writing.
+func TestNBDAttachResumeDoesNotTakeBackAMovedVolume(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kmoved", 16*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	backend := attach.BackendID(vol.Id)
+	k.devs[4] = &fakeDevice{backend: backend, size: 16 * mib, connected: true}
+	if err := attach.SaveRecord(dir, &attach.Record{Volume: "kmoved", VolumeID: vol.Id, Device: "/dev/nbd4", Index: 4,
+		Backend: backend, Connections: 1, Node: "test-node", PID: 999999}); err != nil {
+		t.Fatal(err)
+	}
+	other := c.OpenEngine(c.EngineConfig("kmoved", "other-node"))
+
+	cfg := attachConfig(t, c, k, dir, "kmoved")
+	cfg.Stdout = &syncBuffer{}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := runNBDAttach(ctx, cfg)
+	if err == nil || !strings.Contains(err.Error(), "other-node") {
+		t.Fatalf("resume of a volume attached to other-node: %v, want a refusal naming other-node", err)
+	}
+	if err := other.WriteAt(context.Background(), testPattern(4096, 3), 0, true); err != nil {
+		t.Fatalf("the node the volume moved to can no longer write after the refused resume: %v", err)
+	}
+	for _, call := range k.callLog() {
+		if strings.HasPrefix(call, "reconfigure") || strings.HasPrefix(call, "connect") {
+			t.Fatalf("the refused resume touched the device: %q", call)
+		}
+	}
+}
+
 // A record whose device the kernel no longer has connected for the volume
 // is stale: a new device is connected.
 func TestNBDAttachStaleRecord(t *testing.T) {
