@@ -26,24 +26,19 @@ var kustomizations = []string{
 // examplesDir holds plain manifests, applied with kubectl apply -f.
 const examplesDir = "kubernetes/examples"
 
-// binaryFlags returns the flags of the binaries the manifests run:
-// stor-server's from its source; stor-csi's from its source once
-// cmd/stor-csi exists, else the interface fixed by issue 6.
+// binaryFlags returns the flags of the binaries the manifests run, read
+// from their sources.
 func binaryFlags(t testing.TB) map[string][]string {
 	t.Helper()
-	server, err := flagsInSource("../cmd/stor-server")
-	if err != nil {
-		t.Fatal(err)
-	}
-	csi := csiFlags
-	if _, err := os.Stat("../cmd/stor-csi"); err == nil {
-		if csi, err = flagsInSource("../cmd/stor-csi"); err != nil {
+	flags := map[string][]string{}
+	for _, bin := range []string{"stor-server", "stor-csi"} {
+		f, err := flagsInSource("../cmd/" + bin)
+		if err != nil {
 			t.Fatal(err)
 		}
-	} else {
-		t.Logf("cmd/stor-csi is not in this tree: checking stor-csi flags against issue 6's interface %v", csiFlags)
+		flags[bin] = f
 	}
-	return map[string][]string{"stor-server": server, "stor-csi": csi}
+	return flags
 }
 
 // validate renders the kustomization dir in fsys, decodes every object

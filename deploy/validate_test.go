@@ -43,11 +43,6 @@ const (
 	serverStatefulSet = "stor-server"
 )
 
-// csiFlags are the flags of stor-csi, fixed by issue 6 (the zone flag is
-// assumed to be --zone). cmd/stor-csi's own flag set replaces the list
-// once it exists in this tree; see stor-csiFlags.
-var csiFlags = []string{"mode", "endpoint", "servers", "node-id", "driver-name", "state-dir", "zone"}
-
 // object is one decoded manifest object and where it came from.
 type object struct {
 	source string // kustomization dir or file
