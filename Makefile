@@ -103,11 +103,11 @@ VM_RUN ?= ^TestVM
 vm:
 	$(GO) test -count=1 -timeout 20m -v -run '$(VM_RUN)' ./internal/vmtest/
 
-# What the VM tests need: qemu, a busybox for the guest, the ext4 tools,
+# What the VM tests need: qemu, a busybox for the guest, the ext4 and xfs tools,
 # and Debian's kernel (linux-image-amd64) unpacked without installing it
 # into the cache dir (internal/vmtest/install-kernel.sh; $$STOR_VM_CACHE, else
 # /var/cache/stor-vm for root).
-VM_TOOLS ?= qemu-system-x86 busybox-static e2fsprogs
+VM_TOOLS ?= qemu-system-x86 busybox-static e2fsprogs xfsprogs
 install-vm-tools:
 	$(SUDO) apt-get update
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(VM_TOOLS)
@@ -137,8 +137,9 @@ test-csi:
 	$(GO) test -race -count=1 -v -run 'TestSanity|TestPublishFencing|TestNodeRestart' ./csi/
 
 # The CSI VM scenarios only (make vm runs them with the rest): csi-sanity's
-# node tests with the real kernel NBD, kubelet's order with an online
-# expansion, kill -9 of the node plugin under a writer, snapshot and clone.
+# node tests with the real kernel NBD, kubelet's order (ext4 and xfs) with
+# an online expansion and a restage, kill -9 of the node plugin under a
+# writer, snapshot and clone.
 vm-csi:
 	$(MAKE) vm VM_RUN='TestVMCSI'
 

@@ -22,6 +22,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -155,9 +156,11 @@ func TestExternalSanity(t *testing.T) {
 	RunSpecs(t, "stor CSI sanity (real kernel)", suite, reporter)
 }
 
-func mountCap() *csipb.VolumeCapability {
+func mountCap() *csipb.VolumeCapability { return mountCapFS("ext4") }
+
+func mountCapFS(fsType string) *csipb.VolumeCapability {
 	return &csipb.VolumeCapability{
-		AccessType: &csipb.VolumeCapability_Mount{Mount: &csipb.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessType: &csipb.VolumeCapability_Mount{Mount: &csipb.VolumeCapability_MountVolume{FsType: fsType}},
 		AccessMode: &csipb.VolumeCapability_AccessMode{Mode: csipb.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
 	}
 }
@@ -165,38 +168,54 @@ func mountCap() *csipb.VolumeCapability {
 // staged is a volume taken through kubelet's order up to published.
 type staged struct {
 	id, staging, target string
+	vc                  *csipb.VolumeCapability
+	pub                 map[string]string // ControllerPublish's publish context
 }
 
 func (e *external) createAndMount(ctx context.Context, name string, size int64, src *csipb.VolumeContentSource) staged {
 	e.t.Helper()
+	return e.createAndMountFS(ctx, name, size, src, mountCap())
+}
+
+func (e *external) createAndMountFS(ctx context.Context, name string, size int64, src *csipb.VolumeContentSource, vc *csipb.VolumeCapability) staged {
+	e.t.Helper()
 	vol, err := e.ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
 		Name: name, CapacityRange: &csipb.CapacityRange{RequiredBytes: size},
-		VolumeCapabilities: []*csipb.VolumeCapability{mountCap()}, VolumeContentSource: src,
+		VolumeCapabilities: []*csipb.VolumeCapability{vc}, VolumeContentSource: src,
 		AccessibilityRequirements: &csipb.TopologyRequirement{Preferred: []*csipb.Topology{{Segments: map[string]string{"topology." + DefaultDriverName + "/node": e.node}}}},
 	})
 	if err != nil {
 		e.t.Fatalf("CreateVolume %s: %v", name, err)
 	}
-	s := staged{id: vol.GetVolume().GetVolumeId(), staging: filepath.Join(e.dir, name+"-staging"), target: filepath.Join(e.dir, name+"-target")}
-	pub, err := e.ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: s.id, NodeId: e.node, VolumeCapability: mountCap()})
+	s := staged{id: vol.GetVolume().GetVolumeId(), staging: filepath.Join(e.dir, name+"-staging"), target: filepath.Join(e.dir, name+"-target"), vc: vc}
+	pub, err := e.ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: s.id, NodeId: e.node, VolumeCapability: vc})
 	if err != nil {
 		e.t.Fatalf("ControllerPublishVolume %s: %v", name, err)
 	}
+	s.pub = pub.GetPublishContext()
 	if err := os.MkdirAll(s.staging, 0o750); err != nil {
 		e.t.Fatal(err)
 	}
-	if _, err := e.nd.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: s.id, StagingTargetPath: s.staging,
-		VolumeCapability: mountCap(), PublishContext: pub.GetPublishContext()}); err != nil {
-		e.t.Fatalf("NodeStageVolume %s: %v", name, err)
-	}
-	if _, err := e.nd.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: s.id, StagingTargetPath: s.staging,
-		TargetPath: s.target, VolumeCapability: mountCap(), PublishContext: pub.GetPublishContext()}); err != nil {
-		e.t.Fatalf("NodePublishVolume %s: %v", name, err)
-	}
+	e.stageAndPublish(ctx, s)
 	return s
 }
 
-func (e *external) unmountAndDelete(ctx context.Context, s staged) {
+// stageAndPublish is NodeStage then NodePublish of a controller-published
+// volume.
+func (e *external) stageAndPublish(ctx context.Context, s staged) {
+	e.t.Helper()
+	if _, err := e.nd.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: s.id, StagingTargetPath: s.staging,
+		VolumeCapability: s.vc, PublishContext: s.pub}); err != nil {
+		e.t.Fatalf("NodeStageVolume %s: %v", s.id, err)
+	}
+	if _, err := e.nd.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: s.id, StagingTargetPath: s.staging,
+		TargetPath: s.target, VolumeCapability: s.vc, PublishContext: s.pub}); err != nil {
+		e.t.Fatalf("NodePublishVolume %s: %v", s.id, err)
+	}
+}
+
+// unpublishAndUnstage is NodeUnpublish then NodeUnstage.
+func (e *external) unpublishAndUnstage(ctx context.Context, s staged) {
 	e.t.Helper()
 	if _, err := e.nd.NodeUnpublishVolume(ctx, &csipb.NodeUnpublishVolumeRequest{VolumeId: s.id, TargetPath: s.target}); err != nil {
 		e.t.Fatalf("NodeUnpublishVolume: %v", err)
@@ -207,6 +226,11 @@ func (e *external) unmountAndDelete(ctx context.Context, s staged) {
 	if _, err := e.nd.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: s.id, StagingTargetPath: s.staging}); err != nil {
 		e.t.Fatalf("NodeUnstageVolume: %v", err)
 	}
+}
+
+func (e *external) unmountAndDelete(ctx context.Context, s staged) {
+	e.t.Helper()
+	e.unpublishAndUnstage(ctx, s)
 	if _, err := e.ctrl.ControllerUnpublishVolume(ctx, &csipb.ControllerUnpublishVolumeRequest{VolumeId: s.id, NodeId: e.node}); err != nil {
 		e.t.Fatalf("ControllerUnpublishVolume: %v", err)
 	}
@@ -264,37 +288,86 @@ func fsSize(t *testing.T, dir string) uint64 {
 
 // Kubelet's order: Create → ControllerPublish → Stage → Publish → write
 // files → online expand (controller + node; the filesystem grows) →
-// Unpublish → Unstage → ControllerUnpublish → Delete.
+// Unpublish → Unstage → Stage → Publish (the files are there, the size
+// stays) → Unpublish → Unstage → ControllerUnpublish → Delete. On ext4,
+// 64 MiB grown to 128 MiB.
 func TestExternalKubeletOrder(t *testing.T) {
+	kubeletOrder(t, "ext4", 64<<20, 128<<20)
+}
+
+// The same on xfs. mkfs.xfs (xfsprogs 5.19 and later) refuses a
+// filesystem under 300 MiB: 320 MiB grown to 448 MiB.
+func TestExternalKubeletOrderXFS(t *testing.T) {
+	kubeletOrder(t, "xfs", 320<<20, 448<<20)
+}
+
+func kubeletOrder(t *testing.T, fsType string, size, grown int64) {
 	e := needExternal(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	s := e.createAndMount(ctx, "kubelet", 64<<20, nil)
+	vc := mountCapFS(fsType)
+	s := e.createAndMountFS(ctx, "kubelet-"+fsType, size, nil, vc)
+	if got := mountedFSType(t, s.target); got != fsType {
+		t.Fatalf("%s is mounted as %q, want %q", s.target, got, fsType)
+	}
 	sums := writeFiles(t, s.target, 8, 1)
-	t.Logf("PASS: staged, published and wrote 8 files on %s", s.target)
+	t.Logf("PASS: staged, published (%s) and wrote 8 files on %s", fsType, s.target)
 
 	before := fsSize(t, s.target)
 	exp, err := e.ctrl.ControllerExpandVolume(ctx, &csipb.ControllerExpandVolumeRequest{VolumeId: s.id,
-		CapacityRange: &csipb.CapacityRange{RequiredBytes: 128 << 20}, VolumeCapability: mountCap()})
+		CapacityRange: &csipb.CapacityRange{RequiredBytes: grown}, VolumeCapability: vc})
 	if err != nil || !exp.GetNodeExpansionRequired() {
 		t.Fatalf("ControllerExpandVolume: %v (node expansion required %v)", err, exp.GetNodeExpansionRequired())
 	}
 	if _, err := e.nd.NodeExpandVolume(ctx, &csipb.NodeExpandVolumeRequest{VolumeId: s.id, VolumePath: s.target,
-		StagingTargetPath: s.staging, CapacityRange: &csipb.CapacityRange{RequiredBytes: 128 << 20}, VolumeCapability: mountCap()}); err != nil {
+		StagingTargetPath: s.staging, CapacityRange: &csipb.CapacityRange{RequiredBytes: grown}, VolumeCapability: vc}); err != nil {
 		t.Fatalf("NodeExpandVolume: %v", err)
 	}
 	after := fsSize(t, s.target)
-	if after < before+48<<20 {
-		t.Fatalf("the filesystem is %d bytes after expanding to 128 MiB (was %d)", after, before)
+	if after < before+uint64(grown-size)*3/4 {
+		t.Fatalf("the filesystem is %d bytes after expanding %d -> %d bytes (was %d)", after, size, grown, before)
 	}
-	t.Logf("PASS: online expand: filesystem %d -> %d bytes", before, after)
+	t.Logf("PASS: online expand (%s): filesystem %d -> %d bytes", fsType, before, after)
 	stats, err := e.nd.NodeGetVolumeStats(ctx, &csipb.NodeGetVolumeStatsRequest{VolumeId: s.id, VolumePath: s.target})
 	if err != nil || len(stats.GetUsage()) != 2 || stats.GetUsage()[0].GetTotal() != int64(after) {
 		t.Fatalf("NodeGetVolumeStats: %v %v", stats, err)
 	}
 	verifyFiles(t, s.target, sums)
+
+	e.unpublishAndUnstage(ctx, s)
+	e.stageAndPublish(ctx, s)
+	if got := mountedFSType(t, s.target); got != fsType {
+		t.Fatalf("restaged: %s is mounted as %q, want %q", s.target, got, fsType)
+	}
+	if got := fsSize(t, s.target); got != after {
+		t.Fatalf("restaged: the filesystem is %d bytes, was %d before unstaging", got, after)
+	}
+	verifyFiles(t, s.target, sums)
+	t.Logf("PASS: restaged (%s): 8 files verify, filesystem %d bytes", fsType, after)
 	e.unmountAndDelete(ctx, s)
 	t.Logf("PASS: unpublished, unstaged, unpublished from the node, deleted")
+}
+
+// mountedFSType is the type /proc/self/mountinfo gives the mount at dir.
+func mountedFSType(t *testing.T, dir string) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fstype := ""
+	for line := range strings.SplitSeq(string(b), "\n") {
+		// id parent major:minor root mountpoint opts [optional...] - fstype source superopts
+		pre, post, ok := strings.Cut(line, " - ")
+		if !ok {
+			continue
+		}
+		f, g := strings.Fields(pre), strings.Fields(post)
+		if len(f) >= 5 && len(g) >= 1 && f[4] == dir {
+			fstype = g[0] // the last mount on dir is the visible one
+		}
+	}
+	return fstype
 }
 
 // CreateSnapshot while writing, CreateVolume from the snapshot, stage the

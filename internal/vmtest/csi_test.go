@@ -3,6 +3,7 @@ package vmtest
 import (
 	"context"
 	_ "embed"
+	"os/exec"
 	"strings"
 	"sync"
 	"testing"
@@ -54,12 +55,32 @@ func csiBinaries(t *testing.T) map[string]string {
 	return out
 }
 
-// csiScenario runs one of package csi's TestExternal* tests in the guest.
-func csiScenario(t *testing.T, name, test, focus string, expect []string, timeout time.Duration) {
+// withXFS gives the guest what mount-utils runs for xfs: mkfs.xfs
+// (SafeFormatAndMount), fsck.xfs (its fsck -a; a shell script that calls
+// xfs_repair only when forced), xfs_growfs (ResizeFs), and the xfs module
+// (libcrc32c, from modinfo's depends, before it). It skips without
+// xfsprogs on the host.
+func withXFS(t *testing.T, s *Scenario) {
+	progs := []string{"mkfs.xfs", "fsck.xfs", "xfs_repair", "xfs_growfs"}
+	for _, p := range progs {
+		if _, err := exec.LookPath(p); err != nil {
+			t.Skipf("vmtest: %s not found: apt-get install xfsprogs (make install-vm-tools)", p)
+		}
+	}
+	s.Programs = append(s.Programs, progs...)
+	s.Modules = append(s.Modules, "xfs")
+}
+
+// csiScenario runs one of package csi's TestExternal* tests in the guest;
+// each of with adjusts the scenario first.
+func csiScenario(t *testing.T, name, test, focus string, expect []string, timeout time.Duration, with ...func(*testing.T, *Scenario)) {
 	env := Skip(t)
 	bins := csiBinaries(t)
 	s := StorScenario(name, bins, "CSI_TEST="+test+"\nCSI_FOCUS='"+focus+"'\n"+csiScript)
 	s.Programs = append(s.Programs, "fsck.ext4")
+	for _, w := range with {
+		w(t, &s)
+	}
 	for _, b := range []string{"stor-csi", "csi.test"} {
 		s.Files = append(s.Files, File{Guest: "/bin/" + b, Host: bins[b], Mode: 0o755})
 	}
@@ -80,10 +101,18 @@ func TestVMCSISanity(t *testing.T) {
 	csiScenario(t, "csi-sanity", "TestExternalSanity", "", []string{"SUCCESS!"}, 10*time.Minute)
 }
 
-// Kubelet's order through the CSI socket, with an online expansion.
+// Kubelet's order through the CSI socket on ext4, with an online
+// expansion, then unstaged and staged again.
 func TestVMCSIKubeletOrder(t *testing.T) {
 	csiScenario(t, "csi-kubelet-order", "TestExternalKubeletOrder", "",
-		[]string{"PASS: staged, published and wrote 8 files", "PASS: online expand", "PASS: unpublished, unstaged"}, 6*time.Minute)
+		[]string{"PASS: staged, published (ext4) and wrote 8 files", "PASS: online expand (ext4)", "PASS: restaged (ext4)", "PASS: unpublished, unstaged"}, 6*time.Minute)
+}
+
+// The same on xfs (mkfs.xfs, xfs_growfs, the xfs module), 320 MiB grown to
+// 448 MiB: mkfs.xfs refuses less than 300 MiB.
+func TestVMCSIKubeletOrderXFS(t *testing.T) {
+	csiScenario(t, "csi-kubelet-order-xfs", "TestExternalKubeletOrderXFS", "",
+		[]string{"PASS: staged, published (xfs) and wrote 8 files", "PASS: online expand (xfs)", "PASS: restaged (xfs)", "PASS: unpublished, unstaged"}, 6*time.Minute, withXFS)
 }
 
 // kill -9 of the node plugin with a volume mounted and a writer running.

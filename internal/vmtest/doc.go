@@ -53,7 +53,9 @@
 // what it must print. StorScenario adds what every stor scenario needs:
 // stor-server and stor-ctl, /vmtest/stor.sh (start_cluster and friends),
 // the ext4 tools, and the nbd and ext4 modules. Other tests (the CSI node
-// plugin's) build their own binaries and add them as Files.
+// plugin's) build their own binaries and add them as Files; the xfs one
+// adds xfsprogs and the xfs module (withXFS), and needs 320 MiB volumes:
+// mkfs.xfs refuses less than 300 MiB (sparse on the servers' tmpfs).
 //
 // Speed, measured on the project's machines (no KVM, so qemu emulates): the
 // kernel boots in about 4 s; Go code runs about 4x slower than on the host,

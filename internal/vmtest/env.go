@@ -15,7 +15,7 @@ import (
 var ErrMissing = errors.New("vmtest: missing")
 
 // installHint says how to get what FindEnv looks for.
-const installHint = "run 'make install-vm-tools' (apt-get install qemu-system-x86 busybox-static e2fsprogs, and Debian's linux-image-amd64 unpacked into the cache dir)"
+const installHint = "run 'make install-vm-tools' (apt-get install qemu-system-x86 busybox-static e2fsprogs xfsprogs, and Debian's linux-image-amd64 unpacked into the cache dir)"
 
 // Env is where the VM's pieces are.
 type Env struct {

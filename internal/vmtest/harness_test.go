@@ -73,7 +73,8 @@ func TestJudge(t *testing.T) {
 }
 
 // Module dependencies come from each module's .modinfo (an unpacked
-// kernel package has no modules.dep): ext4 needs crc16, mbcache, jbd2.
+// kernel package has no modules.dep): ext4 needs crc16, mbcache, jbd2;
+// xfs needs libcrc32c.
 func TestModuleDependencies(t *testing.T) {
 	_, mods := findKernel()
 	if mods == "" {
@@ -83,7 +84,7 @@ func TestModuleDependencies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	order, err := m.resolve([]string{"ext4", "nbd", "jbd2"})
+	order, err := m.resolve([]string{"ext4", "nbd", "jbd2", "xfs"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,6 +93,9 @@ func TestModuleDependencies(t *testing.T) {
 		if idx(dep) < 0 || idx(dep) > idx("ext4") {
 			t.Errorf("order %v: %s must come before ext4", order, dep)
 		}
+	}
+	if idx("libcrc32c") < 0 || idx("libcrc32c") > idx("xfs") {
+		t.Errorf("order %v: libcrc32c must come before xfs", order)
 	}
 	if idx("nbd") < 0 || len(order) != len(slices.Compact(slices.Clone(order))) {
 		t.Errorf("order %v", order)
