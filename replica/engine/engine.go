@@ -127,6 +127,8 @@ type Engine struct {
 	// began before it (see Flush).
 	inflightMu sync.Mutex
 	inflight   map[*pending]struct{}
+	// overlaps keeps overlapping writes in one order on every replica.
+	overlaps overlaps
 
 	// mu guards the write set and the generation. Requests copy the set
 	// under mu and release it before doing I/O.
@@ -484,6 +486,11 @@ func (e *Engine) WriteAt(ctx context.Context, p []byte, off int64, fua bool) err
 	if err := e.writable(int64(len(p)), off); err != nil {
 		return err
 	}
+	sp, err := e.overlaps.lock(ctx, off, int64(len(p)))
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	w := e.beginWrite()
 	defer e.endWrite(w)
 	for _, c := range chunks(off, int64(len(p))) {
@@ -503,6 +510,11 @@ func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error 
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
+	sp, err := e.overlaps.lock(ctx, off, n)
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	w := e.beginWrite()
 	defer e.endWrite(w)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
@@ -515,6 +527,11 @@ func (e *Engine) Trim(ctx context.Context, off, n int64) error {
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
+	sp, err := e.overlaps.lock(ctx, off, n)
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	w := e.beginWrite()
 	defer e.endWrite(w)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
