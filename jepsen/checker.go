@@ -33,12 +33,15 @@ type Anomalies struct {
 	Durability      int      `json:"durability"`      // flushed acknowledged writes missing after the restart
 	Integrity       int      `json:"integrity"`       // torn or foreign block contents read
 	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
+	Expansion       int      `json:"expansion"`       // online expansions the engine never served
 	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
 	Details         []string `json:"details,omitempty"`
 }
 
 // Total counts the anomalies (Unknown is not one, but fails a run too).
-func (a Anomalies) Total() int { return a.Linearizability + a.Durability + a.Integrity + a.Fencing }
+func (a Anomalies) Total() int {
+	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion
+}
 
 type regInput struct {
 	Write bool

@@ -8,6 +8,9 @@ import (
 	"sort"
 	"strings"
 	"syscall"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
 )
 
 // Nemesis is one kind of fault: Inject starts it and says what it did;
@@ -52,6 +55,7 @@ func init() {
 	}})
 	register(&disk{})
 	register(takeover{})
+	register(expand{})
 }
 
 // partition installs nftables drops chosen by pick; Heal removes all.
@@ -296,10 +300,13 @@ func (takeover) Name() string { return "takeover" }
 func (takeover) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
 	old := r.active()
 	next := r.c.Clients[(r.activeIdx()+1)%len(r.c.Clients)]
+	// Switch first, so that the workers do not reopen the old host when
+	// the new attach fences it.
+	r.setActive(next)
 	if err := r.reopen(ctx, next); err != nil {
+		r.setActive(old)
 		return "", err
 	}
-	r.setActive(next)
 	r.staleWrites(old)
 	return fmt.Sprintf("%s attaches the volume; the engine on %s is fenced and keeps writing", next.Host.Name, old.Host.Name), nil
 }
@@ -308,3 +315,54 @@ func (takeover) Heal(ctx context.Context, r *runner) error { return nil }
 
 // sigDiskHeal ends injected disk errors (see disk).
 const sigDiskHeal = syscall.SIGUSR2
+
+// maxBlocks caps online expansion (each adds one register).
+const maxBlocks = 48
+
+// expand grows the volume online by one register's stride while the
+// workload runs, then writes and reads back a register in the new space
+// through the engine: the engine must pick up the new size (from its watch
+// stream) within 20 s. The new register joins the workload and the
+// checkers like the others.
+type expand struct{}
+
+func (expand) Name() string { return "expand" }
+
+func (expand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
+	n := r.blocks.Load()
+	if n >= maxBlocks {
+		return "", fmt.Errorf("the volume already has %d registers", n)
+	}
+	size := uint64(n+1) * blockStride
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	_, err := r.c.Control.Volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}, SizeBytes: size})
+	cancel()
+	if err != nil {
+		return "", err
+	}
+	// Until the write below succeeds the new register is not in the
+	// workers' range; its ops still go into the history.
+	grown := r.now()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		w := r.do(ctx, r.cfg.Workers+1, r.active(), "write", int(n))
+		if w.OK {
+			break
+		}
+		if time.Now().After(deadline) {
+			r.blocks.Add(1)
+			// Only an engine that serves the old space but not the new
+			// one has failed to expand; one that serves nothing is
+			// unavailable (counted in availability).
+			if r.wroteSince(grown, int(n)) {
+				r.expansionFailures.Add(1)
+			}
+			return "", fmt.Errorf("grown to %d bytes, but the engine still fails writes there: %s", size, w.Err)
+		}
+		sleep(ctx, 500*time.Millisecond)
+	}
+	r.blocks.Add(1)
+	return fmt.Sprintf("grew the volume to %d MiB under load; register %d added", size>>20, n), nil
+}
+
+func (expand) Heal(ctx context.Context, r *runner) error { return nil }

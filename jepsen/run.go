@@ -78,8 +78,8 @@ func (r *Report) Summary() string {
 		fmt.Fprintf(&b, "  fault %-26s %d\n", k, r.Faults[k])
 	}
 	a := r.Anomalies
-	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d unknown=%d\n",
-		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Unknown)
+	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d unknown=%d\n",
+		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Unknown)
 	for i, d := range a.Details {
 		if i == 20 {
 			fmt.Fprintf(&b, "  ... %d more in report.json\n", len(a.Details)-20)
@@ -106,6 +106,10 @@ type runner struct {
 	start time.Time
 	rng   *rand.Rand // the schedule's; only the nemesis goroutine uses it
 	ids   atomic.Uint64
+	// blocks is the number of registers; online expansion adds one.
+	blocks atomic.Int64
+	// expansionFailures counts expansions the engine never served.
+	expansionFailures atomic.Int64
 
 	mu        sync.Mutex // guards the fields below
 	history   []Op
@@ -234,7 +238,7 @@ func (r *runner) worker(ctx context.Context, id int, seed uint64) {
 		case p < 55:
 			kind = "flush"
 		}
-		o := r.do(ctx, id, ch, kind, rng.IntN(r.cfg.Blocks))
+		o := r.do(ctx, id, ch, kind, rng.IntN(int(r.blocks.Load())))
 		// A short pause between operations keeps each block's history
 		// small enough for the linearizability check to finish.
 		sleep(ctx, time.Duration(rng.IntN(int(r.cfg.Pace)+1)))
@@ -251,6 +255,19 @@ func (r *runner) worker(ctx context.Context, id int, seed uint64) {
 			}
 		}
 	}
+}
+
+// wroteSince reports whether a write to a block other than except was
+// acknowledged after t.
+func (r *runner) wroteSince(t int64, except int) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, o := range r.history {
+		if o.Kind == "write" && o.OK && o.Block != except && o.Call > t {
+			return true
+		}
+	}
+	return false
 }
 
 // reopenDue rate-limits the workers' reopens of one host to one a second.
@@ -282,7 +299,7 @@ func (r *runner) staleWrites(ch *ClientHost) {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		defer cancel()
 		for i := 0; ctx.Err() == nil && i < 30; i++ {
-			r.do(ctx, r.cfg.Workers, ch, "write", i%r.cfg.Blocks)
+			r.do(ctx, r.cfg.Workers, ch, "write", i%int(r.blocks.Load()))
 		}
 	}()
 }
@@ -329,6 +346,7 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 		return nil, err
 	}
 	r := &runner{cfg: cfg, c: c, start: time.Now(), rng: rand.New(rand.NewPCG(cfg.Seed, 0x6a657073656e)), reopening: map[*ClientHost]bool{}, lastOpen: map[*ClientHost]time.Time{}}
+	r.blocks.Store(int64(cfg.Blocks))
 	if err := r.reopen(ctx, c.Clients[0]); err != nil {
 		return nil, err
 	}
@@ -400,7 +418,7 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 	if err := r.retryOpen(ctx, final); err != nil {
 		return nil, fmt.Errorf("after the full restart: %w", err)
 	}
-	for b := range cfg.Blocks {
+	for b := range int(r.blocks.Load()) {
 		for i := 0; i < 5 && !r.do(ctx, 0, final, "final-read", b).OK; i++ {
 			sleep(ctx, time.Second)
 		}
@@ -465,9 +483,13 @@ func (r *runner) check(rep *Report) (*Report, error) {
 	rep.Availability = availability(ops, int64(r.cfg.Duration))
 	a := &rep.Anomalies
 	checkIntegrity(ops, a)
+	if n := int(r.expansionFailures.Load()); n > 0 {
+		a.Expansion += n
+		a.Details = append(a.Details, fmt.Sprintf("expansion: %d online expansions were never served by the engine", n))
+	}
 	checkFencing(ops, a)
-	checkDurability(ops, r.cfg.Blocks, a)
-	checkLinearizable(ops, r.cfg.Blocks, 2*time.Minute, func(b int) string {
+	checkDurability(ops, int(r.blocks.Load()), a)
+	checkLinearizable(ops, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
 		return filepath.Join(r.cfg.Dir, fmt.Sprintf("block-%d.html", b))
 	}, a)
 	if err := writeJSONLines(filepath.Join(r.cfg.Dir, "history.jsonl"), ops); err != nil {
