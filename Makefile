@@ -5,7 +5,7 @@ PROTOC_GEN_GO_VERSION ?= v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 
 .PHONY: build test test-short e2e lint proto verify-proto cluster bench clean
-.PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd
+.PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd jepsen jepsen-soak
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -110,6 +110,30 @@ install-vm-tools:
 	$(SUDO) apt-get update
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(VM_TOOLS)
 	./internal/vmtest/install-kernel.sh
+
+# The Jepsen-style fault tests (jepsen/, docs/JEPSEN.md): real stor-server
+# processes in network namespaces, nemeses, porcupine. Needs root, ip and
+# nft (they skip, saying so, otherwise). make jepsen is the CI run: one
+# 60 s run with every nemesis, then the proof that the checkers catch a
+# deliberately broken engine; about 3 minutes. Reports, histories and logs
+# go to JEPSEN_OUT. JEPSEN_SEED=0 picks a seed from the clock (printed);
+# JEPSEN_NEMESES is "all", "none" or a comma-separated list.
+JEPSEN_OUT ?= jepsen-out
+JEPSEN_SEED ?= 0
+JEPSEN_NEMESES ?= all
+JEPSEN_FLAGS = -jepsen.seed=$(JEPSEN_SEED) -jepsen.nemeses=$(JEPSEN_NEMESES)
+jepsen:
+	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout 15m -v -run '^TestJepsen' ./jepsen/ \
+		-jepsen.duration=60s $(JEPSEN_FLAGS)
+
+# Long runs: RUNS runs of DURATION each (seeds JEPSEN_SEED, +1, ...); the
+# table of results is written to JEPSEN_OUT/table.md.
+RUNS ?= 20
+DURATION ?= 60s
+JEPSEN_SOAK_TIMEOUT ?= 4h
+jepsen-soak:
+	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout $(JEPSEN_SOAK_TIMEOUT) -v -run '^TestJepsen$$' ./jepsen/ \
+		-jepsen.runs=$(RUNS) -jepsen.duration=$(DURATION) $(JEPSEN_FLAGS)
 
 clean:
 	rm -rf $(BIN)
