@@ -78,7 +78,9 @@ func TestLinearizabilityChecker(t *testing.T) {
 
 func TestDurabilityChecker(t *testing.T) {
 	flush := func(call, ret int) Op { return Op{Kind: "flush", Call: ms(call), Return: ms(ret), OK: true} }
-	final := func(block int, v uint64) Op { return Op{Kind: "final-read", Block: block, Value: v, OK: true, Call: ms(1000), Return: ms(1001)} }
+	final := func(block int, v uint64) Op {
+		return Op{Kind: "final-read", Block: block, Value: v, OK: true, Call: ms(1000), Return: ms(1001)}
+	}
 	cases := []struct {
 		name string
 		ops  []Op

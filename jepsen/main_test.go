@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -27,6 +29,18 @@ func TestMain(m *testing.M) {
 			os.Exit(1)
 		}
 		os.Exit(0)
+	}
+	if os.Getenv("JEPSEN") == "1" && os.Geteuid() == 0 {
+		// An interrupted run removes its hosts (the processes in them die
+		// with this one anyway, by PR_SET_PDEATHSIG).
+		sigs := make(chan os.Signal, 1)
+		signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+		go func() {
+			s := <-sigs
+			fmt.Fprintf(os.Stderr, "jepsen: %v: removing the hosts\n", s)
+			Cleanup(context.Background())
+			os.Exit(2)
+		}()
 	}
 	os.Exit(m.Run())
 }
