@@ -238,7 +238,9 @@ func (ch *ClientHost) Session() (*Session, uint64) {
 func (c *Cluster) Open(ctx context.Context, ch *ClientHost) (uint64, error) {
 	ch.mu.Lock()
 	s := ch.session
-	if s == nil || !ch.Proc.Running() {
+	if s == nil || s.isDead() {
+		// Whatever is left of an earlier process goes first.
+		ch.Proc.Kill()
 		var err error
 		if s, err = startSession(ch.Proc); err != nil {
 			ch.mu.Unlock()
@@ -262,10 +264,12 @@ func (c *Cluster) Open(ctx context.Context, ch *ClientHost) (uint64, error) {
 
 // KillClient kills the client host's process (its engine dies uncleanly).
 func (c *Cluster) KillClient(ch *ClientHost) {
-	ch.Proc.Kill()
+	// Under ch.mu, so that no Open starts a process in between that the
+	// session reset would then orphan.
 	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	ch.Proc.Kill()
 	ch.session = nil
-	ch.mu.Unlock()
 }
 
 // Close stops everything and removes the hosts.

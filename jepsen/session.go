@@ -82,3 +82,12 @@ func (s *Session) Call(ctx context.Context, req Request) (Response, error) {
 
 // Dead is closed when the process has gone.
 func (s *Session) Dead() <-chan struct{} { return s.dead }
+
+func (s *Session) isDead() bool {
+	select {
+	case <-s.dead:
+		return true
+	default:
+		return false
+	}
+}
