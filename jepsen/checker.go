@@ -25,6 +25,9 @@ type Op struct {
 	Err    string `json:"err,omitempty"`
 	// Bad says why a read's content is not a value of this block.
 	Bad string `json:"bad,omitempty"`
+	// Raw is the content of a bad read, for diagnosis (regenerate any
+	// write's content with encodeValue to compare sector by sector).
+	Raw []byte `json:"raw,omitempty"`
 }
 
 // Anomalies are what the checkers found, by checker.

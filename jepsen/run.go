@@ -220,6 +220,9 @@ func (r *runner) do(ctx context.Context, client int, ch *ClientHost, kind string
 		o.OK, o.Epoch = true, resp.Epoch
 		if req.Op == "read" {
 			o.Value, o.Bad = decodeValue(resp.Data, block, r.cfg.Seed)
+			if o.Bad != "" {
+				o.Raw = resp.Data
+			}
 		}
 	}
 	r.record(o)
