@@ -20,24 +20,27 @@ var (
 )
 
 var (
-	serverBinOnce sync.Once
-	serverBin     string
+	builtOnce sync.Once
+	builtBin  string // the stor-server every test of this process runs
 )
 
-func setup(t *testing.T) (serverBin, selfBin string) {
+func setup(t *testing.T) (server, self string) {
 	requireHosts(t)
-	serverBinOnce.Do(func() {
+	builtOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "stor-jepsen-bin-")
 		if err != nil {
 			t.Fatal(err)
 		}
-		serverBin = buildServer(t, dir)
+		builtBin = buildServer(t, dir)
 	})
+	if builtBin == "" {
+		t.Fatal("stor-server was not built (see the first test's failure)")
+	}
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return serverBin, self
+	return builtBin, self
 }
 
 func nemesesFlag(t *testing.T) ([]string, bool) {
