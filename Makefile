@@ -8,6 +8,7 @@ PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 .PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd
 .PHONY: image-binaries test-deploy
 .PHONY: test-csi vm-csi bench-csi
+.PHONY: jepsen jepsen-soak
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -126,6 +127,29 @@ image-binaries:
 # strictly into Kubernetes types, with their cross-references checked.
 test-deploy:
 	$(GO) test -count=1 -v ./deploy/
+# The Jepsen-style fault tests (jepsen/, docs/JEPSEN.md): real stor-server
+# processes in network namespaces, nemeses, porcupine. Needs root, ip and
+# nft (they skip, saying so, otherwise). make jepsen is the CI run: one
+# 60 s run with every nemesis, then the proof that the checkers catch a
+# deliberately broken engine; about 3 minutes. Reports, histories and logs
+# go to JEPSEN_OUT. JEPSEN_SEED=0 picks a seed from the clock (printed);
+# JEPSEN_NEMESES is "all", "none" or a comma-separated list.
+JEPSEN_OUT ?= jepsen-out
+JEPSEN_SEED ?= 0
+JEPSEN_NEMESES ?= all
+JEPSEN_FLAGS = -jepsen.seed=$(JEPSEN_SEED) -jepsen.nemeses=$(JEPSEN_NEMESES)
+jepsen:
+	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout 15m -v -run '^TestJepsen' ./jepsen/ \
+		-jepsen.duration=60s $(JEPSEN_FLAGS)
+
+# Long runs: RUNS runs of DURATION each (seeds JEPSEN_SEED, +1, ...); the
+# table of results is written to JEPSEN_OUT/table.md.
+RUNS ?= 20
+DURATION ?= 60s
+JEPSEN_SOAK_TIMEOUT ?= 4h
+jepsen-soak:
+	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout $(JEPSEN_SOAK_TIMEOUT) -v -run '^TestJepsen$$' ./jepsen/ \
+		-jepsen.runs=$(RUNS) -jepsen.duration=$(DURATION) $(JEPSEN_FLAGS)
 
 clean:
 	rm -rf $(BIN)

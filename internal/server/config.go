@@ -110,6 +110,9 @@ func (c *Config) withDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.ReplicaFS == nil && jepsenReplicaFS != nil {
+		c.ReplicaFS = jepsenReplicaFS(c.Logger)
+	}
 	if c.Dial == nil {
 		var dialer net.Dialer
 		c.Dial = dialer.DialContext

@@ -131,6 +131,8 @@ type Engine struct {
 	// began before it (see Flush).
 	inflightMu sync.Mutex
 	inflight   map[*pending]struct{}
+	// overlaps keeps overlapping writes in one order on every replica.
+	overlaps overlaps
 
 	// quiesce is held shared by every write from beginWrite to endWrite
 	// and exclusively by a snapshot cut (snapshot.go).
@@ -496,6 +498,11 @@ func (e *Engine) WriteAt(ctx context.Context, p []byte, off int64, fua bool) err
 	if err := e.writable(int64(len(p)), off); err != nil {
 		return err
 	}
+	sp, err := e.overlaps.lock(ctx, off, int64(len(p)))
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	w := e.beginWrite()
 	defer e.endWrite(w)
 	for _, c := range chunks(off, int64(len(p))) {
@@ -568,6 +575,11 @@ func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error 
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
+	sp, err := e.overlaps.lock(ctx, off, n)
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	w := e.beginWrite()
 	defer e.endWrite(w)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
@@ -580,6 +592,11 @@ func (e *Engine) Trim(ctx context.Context, off, n int64) error {
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
+	sp, err := e.overlaps.lock(ctx, off, n)
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	w := e.beginWrite()
 	defer e.endWrite(w)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {

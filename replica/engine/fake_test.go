@@ -150,7 +150,9 @@ func (c conn) BeginRebuild(ctx context.Context, o replica.Op) error {
 	if err := c.r.check(o, 0, 0); err != nil {
 		return err
 	}
-	c.r.protected = map[int64]bool{}
+	if c.r.protected == nil { // as the store: a rebuild in progress keeps its tracking
+		c.r.protected = map[int64]bool{}
+	}
 	return nil
 }
 

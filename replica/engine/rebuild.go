@@ -65,6 +65,17 @@ type RebuildStats struct {
 // overwrites newer data. progress, if set, is called about once a second.
 func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(Progress)) (RebuildStats, error) {
 	var st RebuildStats
+	if plan.ResumeFrom == 0 {
+		// A rebuild that starts over starts its tracking over. The target
+		// may hold the tracking of an earlier attempt that failed; it then
+		// left the write set and missed writes, so the blocks that
+		// attempt saw written are not newer than the source's (found by
+		// the jepsen harness; see docs/JEPSEN.md). Only a resumed full
+		// rebuild, whose target stayed in the write set, keeps it.
+		if err := dst.EndRebuild(ctx, o); err != nil {
+			return st, fmt.Errorf("rebuild: reset: %w", err)
+		}
+	}
 	if err := dst.BeginRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: begin: %w", err)
 	}

@@ -1,0 +1,244 @@
+package jepsen
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"time"
+
+	"github.com/anishathalye/porcupine"
+)
+
+// Op is one operation in a run's history. Times are nanoseconds since the
+// run began.
+type Op struct {
+	Client int    `json:"client"`
+	Host   string `json:"host"`  // the client host that ran it
+	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
+	Kind   string `json:"kind"`  // write, read, flush, open, final-read
+	Block  int    `json:"block"`
+	// Value: a write's op id; a read's result (op id, 0 for zeroes).
+	Value  uint64 `json:"value"`
+	Call   int64  `json:"call"`
+	Return int64  `json:"return"`
+	OK     bool   `json:"ok"`
+	Err    string `json:"err,omitempty"`
+	// Bad says why a read's content is not a value of this block.
+	Bad string `json:"bad,omitempty"`
+	// Raw is the content of a bad read, for diagnosis (regenerate any
+	// write's content with encodeValue to compare sector by sector).
+	Raw []byte `json:"raw,omitempty"`
+}
+
+// Anomalies are what the checkers found, by checker.
+type Anomalies struct {
+	Linearizability int      `json:"linearizability"` // blocks whose history is not linearizable
+	Durability      int      `json:"durability"`      // flushed acknowledged writes missing after the restart
+	Integrity       int      `json:"integrity"`       // torn or foreign block contents read
+	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
+	Expansion       int      `json:"expansion"`       // online expansions the engine never served
+	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
+	Details         []string `json:"details,omitempty"`
+}
+
+// Total counts the anomalies (Unknown is not one, but fails a run too).
+func (a Anomalies) Total() int {
+	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion
+}
+
+type regInput struct {
+	Write bool
+	Value uint64
+}
+
+// registerModel is a single-block register; the history is partitioned by
+// block beforehand. Failed writes are given an infinite return time, as
+// etcd's robustness tests do: they may take effect at any later point, or
+// never.
+var registerModel = porcupine.Model{
+	Init: func() interface{} { return uint64(0) },
+	Step: func(state, input, output interface{}) (bool, interface{}) {
+		in := input.(regInput)
+		if in.Write {
+			return true, in.Value
+		}
+		return output.(uint64) == state.(uint64), state
+	},
+	DescribeOperation: func(input, output interface{}) string {
+		in := input.(regInput)
+		if in.Write {
+			return fmt.Sprintf("write(%d)", in.Value)
+		}
+		return fmt.Sprintf("read() -> %d", output.(uint64))
+	},
+	DescribeState: func(state interface{}) string { return fmt.Sprint(state.(uint64)) },
+}
+
+// porcupineHistory turns one block's reads and writes into porcupine
+// operations: acknowledged writes and reads as they happened, failed
+// writes as indeterminate, failed reads dropped (they observed nothing).
+//
+// Two reductions keep the search small without changing the verdict. A
+// failed write whose value no read returned is dropped: "it never took
+// effect" is one of its allowed outcomes, and since nobody read its value
+// the next operation after it could only be a write, so taking effect
+// cannot help any read. A failed write whose value was read must have
+// taken effect before the first such read returned, so that is its
+// return time.
+func porcupineHistory(ops []Op, block int) []porcupine.Operation {
+	seen := map[uint64]int64{} // value -> earliest return of a read of it
+	for _, o := range ops {
+		if o.Block == block && o.Kind == "read" && o.OK && o.Bad == "" && o.Value != 0 {
+			if t, ok := seen[o.Value]; !ok || o.Return < t {
+				seen[o.Value] = o.Return
+			}
+		}
+	}
+	var out []porcupine.Operation
+	for _, o := range ops {
+		if o.Block != block || o.Bad != "" {
+			continue
+		}
+		switch {
+		case o.Kind == "write":
+			ret := o.Return
+			if !o.OK {
+				t, read := seen[o.Value]
+				if !read {
+					continue
+				}
+				ret = t
+			}
+			out = append(out, porcupine.Operation{ClientId: o.Client, Input: regInput{Write: true, Value: o.Value}, Call: o.Call, Output: uint64(0), Return: ret})
+		case o.Kind == "read" && o.OK:
+			out = append(out, porcupine.Operation{ClientId: o.Client, Input: regInput{}, Call: o.Call, Output: o.Value, Return: o.Return})
+		}
+	}
+	return out
+}
+
+// checkLinearizable checks every block; for each one that fails it writes
+// porcupine's visualization to visualize(block).
+func checkLinearizable(ops []Op, blocks int, timeout time.Duration, visualize func(block int) string, a *Anomalies) {
+	for b := range blocks {
+		h := porcupineHistory(ops, b)
+		res, info := porcupine.CheckOperationsVerbose(registerModel, h, timeout)
+		switch res {
+		case porcupine.Ok:
+		case porcupine.Illegal:
+			a.Linearizability++
+			path := visualize(b)
+			if err := porcupine.VisualizePath(registerModel, info, path); err != nil {
+				path = "(visualization failed: " + err.Error() + ")"
+			}
+			a.Details = append(a.Details, fmt.Sprintf("linearizability: block %d is not linearizable (%d ops); see %s", b, len(h), path))
+		default:
+			a.Unknown++
+			a.Details = append(a.Details, fmt.Sprintf("linearizability: block %d undecided within %v (%d ops)", b, timeout, len(h)))
+		}
+	}
+}
+
+// checkIntegrity counts reads of torn or foreign contents.
+func checkIntegrity(ops []Op, a *Anomalies) {
+	for _, o := range ops {
+		if o.Bad != "" {
+			a.Integrity++
+			a.Details = append(a.Details, fmt.Sprintf("integrity: %s of block %d by client %d at %v: %s", o.Kind, o.Block, o.Client, time.Duration(o.Call), o.Bad))
+		}
+	}
+}
+
+// checkFencing: once an open at epoch e has returned, no engine at an
+// epoch below e may acknowledge a write it was asked to do after that.
+func checkFencing(ops []Op, a *Anomalies) {
+	type open struct {
+		epoch uint64
+		at    int64
+	}
+	var opens []open
+	for _, o := range ops {
+		if o.Kind == "open" && o.OK {
+			opens = append(opens, open{o.Epoch, o.Return})
+		}
+	}
+	for _, w := range ops {
+		if w.Kind != "write" || !w.OK || w.Epoch == 0 {
+			continue
+		}
+		for _, op := range opens {
+			if op.epoch > w.Epoch && op.at < w.Call {
+				a.Fencing++
+				a.Details = append(a.Details, fmt.Sprintf("fencing: write %d to block %d by %s at epoch %d (called %v) was acknowledged after epoch %d was opened (%v)",
+					w.Value, w.Block, w.Host, w.Epoch, time.Duration(w.Call), op.epoch, time.Duration(op.at)))
+				break
+			}
+		}
+	}
+}
+
+// checkDurability: after the full restart (the "final-read" ops), each
+// block must hold a value that is not older than the newest write
+// acknowledged before a flush that completed: it must be that write, or a
+// write that was not over before that write began.
+func checkDurability(ops []Op, blocks int, a *Anomalies) {
+	var flushes []int64 // call times of completed flushes
+	for _, o := range ops {
+		if o.Kind == "flush" && o.OK {
+			flushes = append(flushes, o.Call)
+		}
+	}
+	sort.Slice(flushes, func(i, j int) bool { return flushes[i] < flushes[j] })
+	lastFlush := int64(math.MinInt64)
+	if len(flushes) > 0 {
+		lastFlush = flushes[len(flushes)-1]
+	}
+	writes := map[uint64]Op{}
+	for _, o := range ops {
+		if o.Kind == "write" {
+			writes[o.Value] = o
+		}
+	}
+	for b := range blocks {
+		// The durable write of b that began last.
+		var durable *Op
+		for _, o := range ops {
+			if o.Kind == "write" && o.Block == b && o.OK && o.Return < lastFlush {
+				if durable == nil || o.Call > durable.Call {
+					o := o
+					durable = &o
+				}
+			}
+		}
+		var final *Op
+		for _, o := range ops {
+			if o.Kind == "final-read" && o.Block == b && o.OK && o.Bad == "" {
+				o := o
+				final = &o
+			}
+		}
+		if final == nil {
+			a.Durability++
+			a.Details = append(a.Details, fmt.Sprintf("durability: block %d could not be read after the restart", b))
+			continue
+		}
+		if durable == nil {
+			continue
+		}
+		if final.Value == 0 {
+			a.Durability++
+			a.Details = append(a.Details, fmt.Sprintf("durability: block %d reads zeroes after the restart; write %d was acknowledged and flushed", b, durable.Value))
+			continue
+		}
+		w, ok := writes[final.Value]
+		if !ok || w.Block != b {
+			a.Durability++
+			a.Details = append(a.Details, fmt.Sprintf("durability: block %d holds %d after the restart, which no write to it carried", b, final.Value))
+			continue
+		}
+		if w.Value != durable.Value && w.OK && w.Return < durable.Call {
+			a.Durability++
+			a.Details = append(a.Details, fmt.Sprintf("durability: block %d holds write %d after the restart, older than the flushed write %d", b, w.Value, durable.Value))
+		}
+	}
+}

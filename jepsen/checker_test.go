@@ -1,0 +1,131 @@
+package jepsen
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestValueRoundTripAndDamage(t *testing.T) {
+	const seed = 99
+	v := encodeValue(1234, 5, seed)
+	if id, bad := decodeValue(v, 5, seed); id != 1234 || bad != "" {
+		t.Fatalf("decode = %d %q, want 1234", id, bad)
+	}
+	if id, bad := decodeValue(make([]byte, BlockSize), 5, seed); id != 0 || bad != "" {
+		t.Fatalf("zeroes decode = %d %q, want the initial value 0", id, bad)
+	}
+	// A torn block: the first half of one write, the second of another.
+	torn := append(append([]byte(nil), v[:BlockSize/2]...), encodeValue(1235, 5, seed)[BlockSize/2:]...)
+	if _, bad := decodeValue(torn, 5, seed); !strings.HasPrefix(bad, "torn") {
+		t.Fatalf("torn block decoded as %q", bad)
+	}
+	if _, bad := decodeValue(v, 6, seed); !strings.HasPrefix(bad, "foreign") {
+		t.Fatalf("another block's value decoded as %q", bad)
+	}
+	if _, bad := decodeValue(v, 5, seed+1); !strings.HasPrefix(bad, "foreign") {
+		t.Fatalf("another run's value decoded as %q", bad)
+	}
+}
+
+func ms(n int) int64 { return int64(n) * int64(time.Millisecond) }
+
+func write(client, block int, value uint64, call, ret int, ok bool) Op {
+	return Op{Client: client, Kind: "write", Block: block, Value: value, Call: ms(call), Return: ms(ret), OK: ok}
+}
+
+func read(client, block int, value uint64, call, ret int) Op {
+	return Op{Client: client, Kind: "read", Block: block, Value: value, Call: ms(call), Return: ms(ret), OK: true}
+}
+
+func TestLinearizabilityChecker(t *testing.T) {
+	cases := []struct {
+		name string
+		ops  []Op
+		bad  int
+	}{
+		{"sequential", []Op{write(0, 0, 1, 0, 10, true), read(1, 0, 1, 20, 30), write(0, 0, 2, 40, 50, true), read(1, 0, 2, 60, 70)}, 0},
+		{"stale read", []Op{write(0, 0, 1, 0, 10, true), write(0, 0, 2, 20, 30, true), read(1, 0, 1, 40, 50)}, 1},
+		{"lost acknowledged write", []Op{write(0, 0, 1, 0, 10, true), read(1, 0, 0, 20, 30)}, 1},
+		{"concurrent writes either order", []Op{write(0, 0, 1, 0, 10, true), write(1, 0, 2, 0, 10, true), read(2, 0, 1, 20, 30), read(2, 0, 1, 40, 50)}, 0},
+		// The anomaly of jepsen seed 42: the block flips back.
+		{"flip between concurrent writes", []Op{write(0, 0, 1, 0, 10, true), write(1, 0, 2, 0, 10, true), read(2, 0, 2, 20, 30), read(2, 0, 1, 40, 50)}, 1},
+		// A failed write may take effect at any later time, or never.
+		{"failed write seen later", []Op{write(0, 0, 1, 0, 10, false), read(1, 0, 0, 20, 30), read(1, 0, 1, 40, 50)}, 0},
+		{"failed write never seen", []Op{write(0, 0, 1, 0, 10, false), read(1, 0, 0, 20, 30)}, 0},
+		{"failed write seen, then gone", []Op{write(0, 0, 1, 0, 10, false), read(1, 0, 1, 20, 30), read(1, 0, 0, 40, 50)}, 1},
+		{"per block", []Op{write(0, 0, 1, 0, 10, true), write(0, 1, 2, 20, 30, true), read(1, 0, 1, 40, 50), read(1, 1, 2, 40, 50)}, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			var a Anomalies
+			checkLinearizable(c.ops, 2, 10*time.Second, func(b int) string { return filepath.Join(dir, "viz.html") }, &a)
+			if a.Linearizability != c.bad || a.Unknown != 0 {
+				t.Fatalf("anomalies %+v, want %d", a, c.bad)
+			}
+			if c.bad > 0 {
+				if b, err := os.ReadFile(filepath.Join(dir, "viz.html")); err != nil || !bytes.Contains(b, []byte("<html")) {
+					t.Fatalf("no visualization written: %v", err)
+				}
+			}
+		})
+	}
+}
+
+func TestDurabilityChecker(t *testing.T) {
+	flush := func(call, ret int) Op { return Op{Kind: "flush", Call: ms(call), Return: ms(ret), OK: true} }
+	final := func(block int, v uint64) Op {
+		return Op{Kind: "final-read", Block: block, Value: v, OK: true, Call: ms(1000), Return: ms(1001)}
+	}
+	cases := []struct {
+		name string
+		ops  []Op
+		bad  int
+	}{
+		{"flushed write present", []Op{write(0, 0, 1, 0, 10, true), flush(20, 30), final(0, 1)}, 0},
+		{"flushed write lost", []Op{write(0, 0, 1, 0, 10, true), flush(20, 30), final(0, 0)}, 1},
+		{"older value after flush", []Op{write(0, 0, 1, 0, 10, true), write(0, 0, 2, 20, 30, true), flush(40, 50), final(0, 1)}, 1},
+		{"unflushed write may be lost", []Op{write(0, 0, 1, 0, 10, true), flush(20, 30), write(0, 0, 2, 40, 50, true), final(0, 1)}, 0},
+		{"later indeterminate write may win", []Op{write(0, 0, 1, 0, 10, true), flush(20, 30), write(0, 0, 2, 40, 50, false), final(0, 2)}, 0},
+		{"unknown value", []Op{write(0, 0, 1, 0, 10, true), flush(20, 30), final(0, 7)}, 1},
+		{"unreadable", []Op{write(0, 0, 1, 0, 10, true), flush(20, 30)}, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var a Anomalies
+			checkDurability(c.ops, 1, &a)
+			if a.Durability != c.bad {
+				t.Fatalf("durability anomalies %d (%v), want %d", a.Durability, a.Details, c.bad)
+			}
+		})
+	}
+}
+
+func TestFencingChecker(t *testing.T) {
+	open := func(epoch uint64, ret int) Op { return Op{Kind: "open", Epoch: epoch, OK: true, Return: ms(ret)} }
+	w := func(epoch uint64, call int, ok bool) Op {
+		o := write(0, 0, uint64(call), call, call+5, ok)
+		o.Epoch = epoch
+		return o
+	}
+	var a Anomalies
+	checkFencing([]Op{open(1, 0), w(1, 10, true), open(2, 20), w(1, 15, true), w(1, 30, false), w(2, 30, true)}, &a)
+	if a.Fencing != 0 {
+		t.Fatalf("fencing anomalies %v in a correct history", a.Details)
+	}
+	checkFencing([]Op{open(1, 0), open(2, 20), w(1, 30, true)}, &a)
+	if a.Fencing != 1 {
+		t.Fatalf("a write acknowledged at epoch 1 after epoch 2 was opened: %d anomalies, want 1", a.Fencing)
+	}
+}
+
+func TestAvailability(t *testing.T) {
+	ops := []Op{write(0, 0, 1, 100, 200, true), write(0, 0, 2, 1100, 1200, false), write(0, 0, 3, 2100, 2200, true), write(0, 0, 4, 2300, 2400, true)}
+	if got := availability(ops, int64(4*time.Second)); got != 0.5 {
+		t.Fatalf("availability %v, want 0.5 (seconds 0 and 2 of 4)", got)
+	}
+}

@@ -1,0 +1,288 @@
+package jepsen
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
+)
+
+// Ports every stor-server uses on its host's address: control, Raft and
+// data; Raft and data are advertised on the link proxy's ports.
+const (
+	portControl   = 7400
+	portRaft      = 7401
+	portData      = 7402
+	portRaftProxy = 7411
+	portDataProxy = 7412
+)
+
+// Server is one stor-server host: the server process and its link proxy.
+type Server struct {
+	ID    string
+	Host  *Host
+	Proc  *Proc
+	Proxy *Proc
+	// proxyIn is the proxy's command pipe.
+	proxyMu sync.Mutex
+}
+
+// ControlAddr is the server's control address.
+func (s *Server) ControlAddr() string { return fmt.Sprintf("%s:%d", s.Host.Addr, portControl) }
+
+// ClientHost is one client host; Session is its current client process.
+type ClientHost struct {
+	Name string
+	Host *Host
+	Proc *Proc
+
+	mu      sync.Mutex
+	session *Session
+	epoch   uint64
+}
+
+// Cluster is the hosts, the servers and the client hosts of one run.
+type Cluster struct {
+	Net     *Net
+	Servers []*Server
+	Clients []*ClientHost
+	Dir     string
+	Control *client.Client
+	Volume  string
+	// Broken is passed to every engine open (the "harness can fail" tests).
+	Broken string
+	// selfBin runs the client and proxy roles (the test binary, re-exec'd).
+	selfBin string
+}
+
+// ClusterConfig says what to start.
+type ClusterConfig struct {
+	Servers, Clients int
+	// ServerBin is the stor-server binary; SelfBin a binary whose
+	// STOR_JEPSEN_ROLE=client|proxy runs RunClient or RunProxy.
+	ServerBin, SelfBin string
+	// Dir holds the data dirs and logs.
+	Dir    string
+	Broken string
+	// ServerEnv is added to every server's environment.
+	ServerEnv []string
+}
+
+// StartCluster creates the hosts, starts the servers and their proxies,
+// waits for a leader with every server a member, and starts the client
+// processes (without opening an engine). Close undoes all of it.
+func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error) {
+	Cleanup(ctx)
+	var names []string
+	for i := range cfg.Servers {
+		names = append(names, fmt.Sprintf("s%d", i))
+	}
+	for i := range cfg.Clients {
+		names = append(names, fmt.Sprintf("c%d", i))
+	}
+	n, err := NewNet(ctx, names)
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{Net: n, Dir: cfg.Dir, Broken: cfg.Broken, selfBin: cfg.SelfBin, Volume: "jepsen"}
+	defer func() {
+		if err != nil {
+			c.Close()
+		}
+	}()
+	var join []string
+	for i := range cfg.Servers {
+		join = append(join, fmt.Sprintf("%s:%d", n.Host(fmt.Sprintf("s%d", i)).Addr, portControl))
+	}
+	for i := range cfg.Servers {
+		h := n.Host(fmt.Sprintf("s%d", i))
+		id := fmt.Sprintf("stor-%d", i) // ordinal 0 bootstraps
+		dataDir := filepath.Join(cfg.Dir, id)
+		if err := os.MkdirAll(dataDir, 0o755); err != nil {
+			return nil, err
+		}
+		s := &Server{ID: id, Host: h}
+		s.Proc = &Proc{Name: id, Host: h, Bin: cfg.ServerBin, LogPath: filepath.Join(cfg.Dir, id+".log"), Env: cfg.ServerEnv,
+			Args: []string{
+				"--id", id, "--data-dir", dataDir,
+				"--listen", fmt.Sprintf("%s:%d", h.Addr, portControl),
+				"--raft-listen", fmt.Sprintf("%s:%d", h.Addr, portRaft),
+				"--data-listen", fmt.Sprintf("%s:%d", h.Addr, portData),
+				"--raft-advertise", fmt.Sprintf("%s:%d", h.Addr, portRaftProxy),
+				"--data-advertise", fmt.Sprintf("%s:%d", h.Addr, portDataProxy),
+				"--join", strings.Join(join, ","),
+				"--server-down-timeout", "5s", "--capacity", "10GiB",
+			}}
+		s.Proxy = &Proc{Name: id + "-proxy", Host: h, Bin: cfg.SelfBin, LogPath: filepath.Join(cfg.Dir, id+"-proxy.log"),
+			Env: []string{"STOR_JEPSEN_ROLE=proxy"},
+			Args: []string{
+				fmt.Sprintf("%s:%d=%s:%d", h.Addr, portRaftProxy, h.Addr, portRaft),
+				fmt.Sprintf("%s:%d=%s:%d", h.Addr, portDataProxy, h.Addr, portData),
+			}}
+		c.Servers = append(c.Servers, s)
+		if err := s.Proxy.Start(true); err != nil {
+			return nil, err
+		}
+		if line, err := s.Proxy.Stdout().ReadString('\n'); err != nil || strings.TrimSpace(line) != "ready" {
+			return nil, fmt.Errorf("proxy on %s did not start: %q %v", h.Name, line, err)
+		}
+		if err := s.Proc.Start(false); err != nil {
+			return nil, err
+		}
+	}
+	if c.Control, err = client.Dial(join); err != nil {
+		return nil, err
+	}
+	if err := c.WaitHealthy(ctx, 60*time.Second); err != nil {
+		return nil, err
+	}
+	for i := range cfg.Clients {
+		name := fmt.Sprintf("c%d", i)
+		h := n.Host(name)
+		ch := &ClientHost{Name: name, Host: h, Proc: &Proc{Name: name, Host: h, Bin: cfg.SelfBin,
+			LogPath: filepath.Join(cfg.Dir, name+".log"), Env: []string{"STOR_JEPSEN_ROLE=client"}}}
+		c.Clients = append(c.Clients, ch)
+	}
+	return c, nil
+}
+
+// ServerAddrs are the control addresses of all servers.
+func (c *Cluster) ServerAddrs() []string {
+	var out []string
+	for _, s := range c.Servers {
+		out = append(out, s.ControlAddr())
+	}
+	return out
+}
+
+// Leader returns the server the cluster names as leader, or nil.
+func (c *Cluster) Leader(ctx context.Context) *Server {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	st, err := c.Control.Cluster.Status(ctx, &storpb.StatusRequest{})
+	if err != nil {
+		return nil
+	}
+	for _, s := range c.Servers {
+		if s.ID == st.GetLeaderId() {
+			return s
+		}
+	}
+	return nil
+}
+
+// WaitHealthy waits for a leader whose membership lists every server and
+// reports every server up.
+func (c *Cluster) WaitHealthy(ctx context.Context, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	var last string
+	for time.Now().Before(deadline) {
+		rctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		ls, err := c.Control.Cluster.ListServers(rctx, &storpb.ListServersRequest{})
+		cancel()
+		if err == nil {
+			up := 0
+			for _, s := range ls.GetServers() {
+				if s.GetState() == storpb.ServerState_SERVER_STATE_UP {
+					up++
+				}
+			}
+			if up == len(c.Servers) && c.Leader(ctx) != nil {
+				return nil
+			}
+			last = fmt.Sprintf("%d of %d servers up", up, len(c.Servers))
+		} else {
+			last = err.Error()
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(300 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("cluster not healthy after %v: %s", limit, last)
+}
+
+// ProxyCommand sends a command line to s's link proxy.
+func (s *Server) ProxyCommand(cmd string) error {
+	s.proxyMu.Lock()
+	defer s.proxyMu.Unlock()
+	if _, err := fmt.Fprintln(s.Proxy.Stdin(), cmd); err != nil {
+		return err
+	}
+	line, err := s.Proxy.Stdout().ReadString('\n')
+	if err != nil {
+		return err
+	}
+	if strings.TrimSpace(line) != "ok" {
+		return fmt.Errorf("proxy %s: %s", s.ID, line)
+	}
+	return nil
+}
+
+// Session returns the client host's current session and engine epoch.
+func (ch *ClientHost) Session() (*Session, uint64) {
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	return ch.session, ch.epoch
+}
+
+// Open starts the client process if it is not running and opens the
+// volume in it (a takeover: a new epoch fences every other engine).
+func (c *Cluster) Open(ctx context.Context, ch *ClientHost) (uint64, error) {
+	ch.mu.Lock()
+	s := ch.session
+	if s == nil || s.isDead() {
+		// Whatever is left of an earlier process goes first.
+		ch.Proc.Kill()
+		var err error
+		if s, err = startSession(ch.Proc); err != nil {
+			ch.mu.Unlock()
+			return 0, err
+		}
+		ch.session = s
+	}
+	ch.mu.Unlock()
+	r, err := s.Call(ctx, Request{Op: "open", Volume: c.Volume, Node: ch.Name, Servers: c.ServerAddrs(), Broken: c.Broken, TimeoutMS: 30000})
+	if err != nil {
+		return 0, err
+	}
+	if !r.OK {
+		return 0, fmt.Errorf("open on %s: %s", ch.Name, r.Err)
+	}
+	ch.mu.Lock()
+	ch.epoch = r.Epoch
+	ch.mu.Unlock()
+	return r.Epoch, nil
+}
+
+// KillClient kills the client host's process (its engine dies uncleanly).
+func (c *Cluster) KillClient(ch *ClientHost) {
+	// Under ch.mu, so that no Open starts a process in between that the
+	// session reset would then orphan.
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	ch.Proc.Kill()
+	ch.session = nil
+}
+
+// Close stops everything and removes the hosts.
+func (c *Cluster) Close() {
+	for _, ch := range c.Clients {
+		ch.Proc.Kill()
+	}
+	for _, s := range c.Servers {
+		s.Proc.Kill()
+		s.Proxy.Kill()
+	}
+	if c.Control != nil {
+		c.Control.Close()
+	}
+	c.Net.Close()
+}

@@ -1,0 +1,56 @@
+// Package jepsen is stor's Jepsen-style fault-injection harness: real
+// stor-server processes on hosts of their own, real network partitions,
+// process kills and pauses, slow and lossy links, disk errors, and a
+// linearizability checker over the history the workload records.
+//
+// # Hosts
+//
+// Every host is a network namespace (named storj-s0, storj-c0, ...) with
+// an address in 198.18.0.0/24 on a veth pair joined to a bridge
+// (storjbr0, 198.18.0.1 in the root namespace, where the harness itself
+// runs its control client). Each host filters its traffic with an
+// nftables table of its own ("inet storj"), empty while the network is
+// healthy. Everything carries the "storj" prefix, so a run first removes
+// what a crashed run left behind (Cleanup); Cluster.Close removes it
+// again. Processes started in a host die with the harness
+// (PR_SET_PDEATHSIG).
+//
+// Server hosts run the stor-server binary (built with the jepsenfaults
+// tag, which adds the disk-fault switch: SIGUSR1 makes the replica
+// store's writes and syncs fail with EIO, SIGUSR2 heals) and a link proxy
+// (RunProxy) that fronts its Raft and data ports; the server advertises
+// the proxy's ports, so every Raft and replica connection crosses it.
+// Client hosts run a client process (RunClient): the volume engine opened
+// as stor-ctl nbd serve opens it, driven over stdin/stdout with JSON
+// requests, so that it can be killed with SIGKILL. Both roles are the
+// test binary re-executed (TestMain dispatches on STOR_JEPSEN_ROLE).
+//
+// # A run
+//
+// Run creates a 3-replica volume and opens it on client host c0; workers
+// (logical clients) write self-identifying values (op id, block, seed and
+// a SHA-256, see encodeValue) to a set of 4 KiB registers 1 MiB apart,
+// read them back and flush, while a schedule drawn from the seed injects
+// one fault at a time (Nemesis: Inject, hold 2-6 s, Heal, 1-3 s quiet).
+// Then it heals everything, flushes, kills every server and the engine
+// with SIGKILL, restarts the servers, opens the volume again and reads
+// every register. The choices (faults, victims, blocks, operations) are
+// reproducible from the seed; the timing of real processes is not.
+//
+// # Checkers
+//
+//   - linearizability per register (porcupine): a failed or timed-out
+//     write is indeterminate (it may take effect at any later time, or
+//     never), as in etcd's robustness tests; failed reads are dropped;
+//   - integrity: no read returns a torn block or another block's or
+//     another run's value;
+//   - fencing: no write is acknowledged by an engine at epoch e after an
+//     open at a higher epoch returned;
+//   - durability: after the full restart each register holds the newest
+//     write acknowledged before the last completed flush, or a later one;
+//   - expansion: after an online expansion the engine serves the new space.
+//
+// A run writes report.json, summary.txt and history.jsonl to its
+// directory, and porcupine's HTML visualization for every register whose
+// history is not linearizable.
+package jepsen

@@ -1,0 +1,545 @@
+package jepsen
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// RunConfig is one Jepsen run.
+type RunConfig struct {
+	// Seed drives every random choice of the schedule and the workload
+	// (the timing of real processes is not reproducible; the choices are).
+	Seed uint64
+	// Duration of the faulty phase. Default 60s.
+	Duration time.Duration
+	// Nemeses to mix (names from Nemeses). Default all; empty slice with
+	// NoFaults for none.
+	Nemeses  []string
+	NoFaults bool
+	// Workers are concurrent logical clients. Default 6.
+	Workers int
+	// Blocks is the number of registers. Default 16.
+	Blocks int
+	// Pace: each worker waits up to this long between operations.
+	// Default 20ms.
+	Pace time.Duration
+	// Broken is a BrokenModes key (the "harness can fail" tests).
+	Broken string
+	// Dir receives the data dirs, logs, history and report.
+	Dir string
+	// ServerBin, SelfBin: see ClusterConfig.
+	ServerBin, SelfBin string
+	// Logf reports progress (t.Logf).
+	Logf func(format string, args ...any)
+}
+
+// Report is what a run found.
+type Report struct {
+	Seed         uint64                    `json:"seed"`
+	Duration     string                    `json:"duration"`
+	Nemeses      []string                  `json:"nemeses"`
+	Broken       string                    `json:"broken,omitempty"`
+	Ops          map[string]map[string]int `json:"ops"`    // kind -> ok/failed -> count
+	Faults       map[string]int            `json:"faults"` // nemesis -> injections
+	FaultErrors  int                       `json:"fault_errors"`
+	Anomalies    Anomalies                 `json:"anomalies"`
+	Availability float64                   `json:"availability"` // fraction of seconds with an acknowledged write
+	Dir          string                    `json:"dir"`
+}
+
+// Passed reports whether every checker found nothing.
+func (r *Report) Passed() bool { return r.Anomalies.Total() == 0 && r.Anomalies.Unknown == 0 }
+
+// Summary is the short human form of the report.
+func (r *Report) Summary() string {
+	var b strings.Builder
+	verdict := "PASS"
+	if !r.Passed() {
+		verdict = "FAIL"
+	}
+	fmt.Fprintf(&b, "jepsen %s seed=%d duration=%s broken=%q availability=%.3f\n", verdict, r.Seed, r.Duration, r.Broken, r.Availability)
+	kinds := sortedKeys(r.Ops)
+	for _, k := range kinds {
+		fmt.Fprintf(&b, "  ops %-10s ok=%d failed=%d\n", k, r.Ops[k]["ok"], r.Ops[k]["failed"])
+	}
+	for _, k := range sortedKeys(r.Faults) {
+		fmt.Fprintf(&b, "  fault %-26s %d\n", k, r.Faults[k])
+	}
+	a := r.Anomalies
+	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d unknown=%d\n",
+		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Unknown)
+	for i, d := range a.Details {
+		if i == 20 {
+			fmt.Fprintf(&b, "  ... %d more in report.json\n", len(a.Details)-20)
+			break
+		}
+		fmt.Fprintf(&b, "  ! %s\n", d)
+	}
+	fmt.Fprintf(&b, "  output: %s\n", r.Dir)
+	return b.String()
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+type runner struct {
+	cfg   RunConfig
+	c     *Cluster
+	start time.Time
+	rng   *rand.Rand // the schedule's; only the nemesis goroutine uses it
+	ids   atomic.Uint64
+	// blocks is the number of registers; online expansion adds one.
+	blocks atomic.Int64
+	// expansionFailures counts expansions the engine never served.
+	expansionFailures atomic.Int64
+
+	mu        sync.Mutex // guards the fields below
+	history   []Op
+	activeI   int
+	reopening map[*ClientHost]bool
+	lastOpen  map[*ClientHost]time.Time // a worker's last reopen attempt
+
+	staleWG sync.WaitGroup
+}
+
+func (r *runner) now() int64 { return int64(time.Since(r.start)) }
+
+func (r *runner) record(o Op) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.history = append(r.history, o)
+}
+
+func (r *runner) activeIdx() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.activeI
+}
+
+func (r *runner) active() *ClientHost { return r.c.Clients[r.activeIdx()] }
+
+func (r *runner) setActive(ch *ClientHost) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, x := range r.c.Clients {
+		if x == ch {
+			r.activeI = i
+		}
+	}
+}
+
+// pickServer returns the leader, or a random server.
+func (r *runner) pickServer(ctx context.Context, rng *rand.Rand, leader bool) (*Server, error) {
+	if !leader {
+		return r.c.Servers[rng.IntN(len(r.c.Servers))], nil
+	}
+	if l := r.c.Leader(ctx); l != nil {
+		return l, nil
+	}
+	return nil, errNoLeader
+}
+
+// reopen opens the volume on ch (starting its process if needed) and
+// records the open; concurrent reopens of one host collapse into one.
+func (r *runner) reopen(ctx context.Context, ch *ClientHost) error {
+	r.mu.Lock()
+	if r.reopening[ch] {
+		r.mu.Unlock()
+		return errReopening
+	}
+	r.reopening[ch] = true
+	r.mu.Unlock()
+	defer func() {
+		r.mu.Lock()
+		delete(r.reopening, ch)
+		r.mu.Unlock()
+	}()
+	call := r.now()
+	epoch, err := r.c.Open(ctx, ch)
+	o := Op{Client: -1, Host: ch.Name, Kind: "open", Epoch: epoch, Call: call, Return: r.now(), OK: err == nil}
+	if err != nil {
+		o.Err = err.Error()
+	}
+	r.record(o)
+	return err
+}
+
+var errReopening = errors.New("jepsen: a reopen of this host is already in progress")
+
+// opTimeout bounds one workload request; a write still unanswered then is
+// indeterminate.
+const opTimeout = 15 * time.Second
+
+// do runs one register operation on ch and records it.
+func (r *runner) do(ctx context.Context, client int, ch *ClientHost, kind string, block int) Op {
+	s, epoch := ch.Session()
+	o := Op{Client: client, Host: ch.Name, Epoch: epoch, Kind: kind, Block: block}
+	req := Request{Op: kind, TimeoutMS: int(opTimeout / time.Millisecond)}
+	switch kind {
+	case "write":
+		o.Value = r.ids.Add(1)
+		req.Off, req.Data = int64(block)*blockStride, encodeValue(o.Value, block, r.cfg.Seed)
+	case "read", "final-read":
+		req.Op, req.Off, req.Len = "read", int64(block)*blockStride, BlockSize
+	}
+	o.Call = r.now()
+	if s == nil {
+		o.Return, o.Err = r.now(), "no client process"
+		r.record(o)
+		return o
+	}
+	cctx, cancel := context.WithTimeout(ctx, opTimeout+5*time.Second)
+	resp, err := s.Call(cctx, req)
+	cancel()
+	o.Return = r.now()
+	switch {
+	case err != nil:
+		o.Err = err.Error()
+	case !resp.OK:
+		o.Err = resp.Kind + ": " + resp.Err
+		o.Epoch = resp.Epoch
+	default:
+		o.OK, o.Epoch = true, resp.Epoch
+		if req.Op == "read" {
+			o.Value, o.Bad = decodeValue(resp.Data, block, r.cfg.Seed)
+			if o.Bad != "" {
+				o.Raw = resp.Data
+			}
+		}
+	}
+	r.record(o)
+	return o
+}
+
+// worker issues random operations on the active client host until ctx ends.
+func (r *runner) worker(ctx context.Context, id int, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, uint64(id)))
+	for ctx.Err() == nil {
+		ch := r.active()
+		kind := "read"
+		switch p := rng.IntN(100); {
+		case p < 50:
+			kind = "write"
+		case p < 55:
+			kind = "flush"
+		}
+		o := r.do(ctx, id, ch, kind, rng.IntN(int(r.blocks.Load())))
+		// A short pause between operations keeps each block's history
+		// small enough for the linearizability check to finish.
+		sleep(ctx, time.Duration(rng.IntN(int(r.cfg.Pace)+1)))
+		if !o.OK {
+			// The engine may have stopped (fenced by a takeover that
+			// made another host active, killed, or out of replicas):
+			// reopen it if this host is still the active one.
+			if r.active() == ch && ctx.Err() == nil && needsReopen(o.Err) && r.reopenDue(ch) {
+				_ = r.reopen(ctx, ch)
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(50+rng.IntN(200)) * time.Millisecond):
+			}
+		}
+	}
+}
+
+// wroteSince reports whether a write to a block other than except was
+// acknowledged after t.
+func (r *runner) wroteSince(t int64, except int) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, o := range r.history {
+		if o.Kind == "write" && o.OK && o.Block != except && o.Call > t {
+			return true
+		}
+	}
+	return false
+}
+
+// reopenDue rate-limits the workers' reopens of one host to one a second.
+func (r *runner) reopenDue(ch *ClientHost) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if time.Since(r.lastOpen[ch]) < time.Second {
+		return false
+	}
+	r.lastOpen[ch] = time.Now()
+	return true
+}
+
+func needsReopen(err string) bool {
+	for _, k := range []string{"fenced:", "io:", "closed:", "no client process", "error: client: no engine", errClientDead.Error()} {
+		if strings.HasPrefix(err, k) || strings.Contains(err, k) {
+			return true
+		}
+	}
+	return false
+}
+
+// staleWrites keeps the old engine on ch writing for a few seconds after
+// a takeover (the fencing case); the checkers judge what it got.
+func (r *runner) staleWrites(ch *ClientHost) {
+	r.staleWG.Add(1)
+	go func() {
+		defer r.staleWG.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		for i := 0; ctx.Err() == nil && i < 30; i++ {
+			r.do(ctx, r.cfg.Workers, ch, "write", i%int(r.blocks.Load()))
+		}
+	}()
+}
+
+// Run runs one Jepsen run: start the cluster, run the workload under the
+// nemesis schedule for cfg.Duration, heal, fully restart, read everything
+// back, check, and write the report. The error is for a harness failure;
+// anomalies are in the report.
+func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
+	if cfg.Duration == 0 {
+		cfg.Duration = 60 * time.Second
+	}
+	if cfg.Workers == 0 {
+		cfg.Workers = 6
+	}
+	if cfg.Blocks == 0 {
+		cfg.Blocks = 16
+	}
+	if cfg.Pace == 0 {
+		cfg.Pace = 20 * time.Millisecond
+	}
+	if cfg.Nemeses == nil && !cfg.NoFaults {
+		cfg.Nemeses = DefaultNemeses()
+	}
+	for _, n := range cfg.Nemeses {
+		if Nemeses[n] == nil {
+			return nil, fmt.Errorf("jepsen: unknown nemesis %q (have %s)", n, strings.Join(DefaultNemeses(), ", "))
+		}
+	}
+	logf := cfg.Logf
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	logf("jepsen: seed %d, %v, nemeses %s, broken %q, output %s", cfg.Seed, cfg.Duration, strings.Join(cfg.Nemeses, ","), cfg.Broken, cfg.Dir)
+
+	c, err := StartCluster(ctx, ClusterConfig{Servers: 3, Clients: 2, ServerBin: cfg.ServerBin, SelfBin: cfg.SelfBin,
+		Dir: filepath.Join(cfg.Dir, "data"), Broken: cfg.Broken})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	if _, err := c.Control.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{
+		Name: c.Volume, SizeBytes: uint64(cfg.Blocks) * blockStride, ReplicaCount: 3}); err != nil {
+		return nil, err
+	}
+	r := &runner{cfg: cfg, c: c, start: time.Now(), rng: rand.New(rand.NewPCG(cfg.Seed, 0x6a657073656e)), reopening: map[*ClientHost]bool{}, lastOpen: map[*ClientHost]time.Time{}}
+	r.blocks.Store(int64(cfg.Blocks))
+	if err := r.reopen(ctx, c.Clients[0]); err != nil {
+		return nil, err
+	}
+
+	report := &Report{Seed: cfg.Seed, Nemeses: cfg.Nemeses, Broken: cfg.Broken, Faults: map[string]int{}, Dir: cfg.Dir}
+	wctx, stopWorkers := context.WithTimeout(ctx, cfg.Duration)
+	var wg sync.WaitGroup
+	for i := range cfg.Workers {
+		wg.Add(1)
+		go func() { defer wg.Done(); r.worker(wctx, i, cfg.Seed+uint64(i)*7919) }()
+	}
+	// The schedule: quiet 1-3 s, one fault held 2-6 s, heal; repeat.
+	for wctx.Err() == nil && len(cfg.Nemeses) > 0 {
+		sleep(wctx, time.Duration(1000+r.rng.IntN(2000))*time.Millisecond)
+		if wctx.Err() != nil {
+			break
+		}
+		n := Nemeses[cfg.Nemeses[r.rng.IntN(len(cfg.Nemeses))]]
+		hold := time.Duration(2000+r.rng.IntN(4000)) * time.Millisecond
+		desc, err := n.Inject(ctx, r, r.rng)
+		if err != nil {
+			report.FaultErrors++
+			logf("jepsen: %v %s: not injected: %v", time.Since(r.start).Round(time.Millisecond), n.Name(), err)
+			continue
+		}
+		report.Faults[n.Name()]++
+		logf("jepsen: %v %s: %s (for %v)", time.Since(r.start).Round(time.Millisecond), n.Name(), desc, hold)
+		sleep(wctx, hold)
+		if err := n.Heal(ctx, r); err != nil {
+			report.FaultErrors++
+			logf("jepsen: heal %s: %v", n.Name(), err)
+		}
+	}
+	<-wctx.Done()
+	stopWorkers()
+	wg.Wait()
+	r.staleWG.Wait()
+
+	// Heal everything, let the cluster settle, flush, then a full restart
+	// (every server and the engine killed -9) and read every block back.
+	if err := r.healAll(ctx); err != nil {
+		return nil, fmt.Errorf("healing: %w", err)
+	}
+	if err := c.WaitHealthy(ctx, 90*time.Second); err != nil {
+		return nil, fmt.Errorf("after healing: %w", err)
+	}
+	final := c.Clients[0]
+	if err := r.retryOpen(ctx, final); err != nil {
+		return nil, fmt.Errorf("after healing: %w", err)
+	}
+	r.setActive(final)
+	for i := 0; i < 5 && !r.do(ctx, 0, final, "flush", 0).OK; i++ {
+		sleep(ctx, time.Second)
+	}
+	for _, ch := range c.Clients {
+		c.KillClient(ch)
+	}
+	for _, s := range c.Servers {
+		s.Proc.Kill()
+	}
+	for _, s := range c.Servers {
+		if err := s.Proc.Start(false); err != nil {
+			return nil, err
+		}
+	}
+	if err := c.WaitHealthy(ctx, 90*time.Second); err != nil {
+		return nil, fmt.Errorf("after the full restart: %w", err)
+	}
+	if err := r.retryOpen(ctx, final); err != nil {
+		return nil, fmt.Errorf("after the full restart: %w", err)
+	}
+	for b := range int(r.blocks.Load()) {
+		for i := 0; i < 5 && !r.do(ctx, 0, final, "final-read", b).OK; i++ {
+			sleep(ctx, time.Second)
+		}
+	}
+	report.Duration = time.Since(r.start).Round(time.Second).String()
+	return r.check(report)
+}
+
+func (r *runner) retryOpen(ctx context.Context, ch *ClientHost) error {
+	var err error
+	for i := 0; i < 10; i++ {
+		if err = r.reopen(ctx, ch); err == nil {
+			return nil
+		}
+		sleep(ctx, 2*time.Second)
+	}
+	return err
+}
+
+// healAll undoes every fault whatever the schedule left.
+func (r *runner) healAll(ctx context.Context) error {
+	var errs []error
+	errs = append(errs, r.c.Net.HealAll(ctx))
+	for _, s := range r.c.Servers {
+		if !s.Proc.Running() {
+			errs = append(errs, s.Proc.Start(false))
+			continue
+		}
+		errs = append(errs, s.Proc.Resume(), s.ProxyCommand("ok"), s.Proc.Signal(sigDiskHeal))
+	}
+	return errors.Join(errs...)
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+// check runs the checkers and writes report.json, history.jsonl and, for a
+// block that is not linearizable, its porcupine visualization.
+func (r *runner) check(rep *Report) (*Report, error) {
+	r.mu.Lock()
+	ops := append([]Op(nil), r.history...)
+	r.mu.Unlock()
+	rep.Ops = map[string]map[string]int{}
+	for _, o := range ops {
+		m := rep.Ops[o.Kind]
+		if m == nil {
+			m = map[string]int{}
+			rep.Ops[o.Kind] = m
+		}
+		if o.OK {
+			m["ok"]++
+		} else {
+			m["failed"]++
+		}
+	}
+	rep.Availability = availability(ops, int64(r.cfg.Duration))
+	a := &rep.Anomalies
+	checkIntegrity(ops, a)
+	if n := int(r.expansionFailures.Load()); n > 0 {
+		a.Expansion += n
+		a.Details = append(a.Details, fmt.Sprintf("expansion: %d online expansions were never served by the engine", n))
+	}
+	checkFencing(ops, a)
+	checkDurability(ops, int(r.blocks.Load()), a)
+	checkLinearizable(ops, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
+		return filepath.Join(r.cfg.Dir, fmt.Sprintf("block-%d.html", b))
+	}, a)
+	if err := writeJSONLines(filepath.Join(r.cfg.Dir, "history.jsonl"), ops); err != nil {
+		return rep, err
+	}
+	b, _ := json.MarshalIndent(rep, "", "  ")
+	if err := os.WriteFile(filepath.Join(r.cfg.Dir, "report.json"), append(b, '\n'), 0o644); err != nil {
+		return rep, err
+	}
+	return rep, os.WriteFile(filepath.Join(r.cfg.Dir, "summary.txt"), []byte(rep.Summary()), 0o644)
+}
+
+// availability is the fraction of the whole seconds of the faulty phase
+// in which at least one write was acknowledged.
+func availability(ops []Op, dur int64) float64 {
+	secs := int(dur / int64(time.Second))
+	if secs == 0 {
+		return 0
+	}
+	ok := make([]bool, secs)
+	for _, o := range ops {
+		if o.Kind == "write" && o.OK {
+			if s := int(o.Return / int64(time.Second)); s >= 0 && s < secs {
+				ok[s] = true
+			}
+		}
+	}
+	n := 0
+	for _, v := range ok {
+		if v {
+			n++
+		}
+	}
+	return float64(n) / float64(secs)
+}
+
+func writeJSONLines(path string, ops []Op) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	enc := json.NewEncoder(f)
+	for _, o := range ops {
+		if err := enc.Encode(o); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	return f.Close()
+}
