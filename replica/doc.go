@@ -180,9 +180,11 @@
 // Replica methods are safe for concurrent use. Writes to disjoint ranges
 // proceed in parallel; overlapping writes are applied in some order, as a
 // disk would. Snapshot cuts and merges are serialised with writes (a cut
-// with all of them, a merge with those to the blocks it copies). Reads
-// do not wait for writes; a read racing a write to the same block returns
-// the old or new data of each block, as a disk would.
+// with all of them, a merge with those to the blocks it copies). A read
+// waits for writes to the blocks it reads (the block range lock), so a
+// read racing a write to the same block returns the old or new data of
+// each block, never a mix: the page cache alone does not give that (a
+// pread racing a pwrite can see a page half copied; TestReadNeverSeesATornBlock).
 //
 // Lock order: Store.mu → Replica.snapMu → Replica.mu (the operation lock)
 // → flushMu → the range lock → layer, log and history locks.

@@ -36,6 +36,15 @@ func (r *Replica) ReadAt(o Op, p []byte, off int64) error {
 	if err := checkRange(off, int64(len(p)), r.size.Load(), true); err != nil {
 		return err
 	}
+	if len(p) == 0 {
+		return nil
+	}
+	// The blocks are locked against writers for the read, as a writer
+	// locks them: a read overlapping a write sees each block whole, before
+	// or after it, never a page the write is half through copying.
+	b0, b1 := uint64(off)/BlockSize, uint64(off+int64(len(p))-1)/BlockSize+1
+	r.ranges.lock(b0, b1)
+	defer r.ranges.unlock(b0, b1)
 	return r.readViewLocked(len(r.layers)-1, p, off)
 }
 

@@ -2,8 +2,8 @@ package replica
 
 import "sync"
 
-// rangeLock serialises writers of overlapping block ranges while writers
-// of disjoint ranges proceed in parallel. A holder of [lo, hi) owns those
+// rangeLock serialises readers and writers of overlapping block ranges
+// while those of disjoint ranges proceed in parallel. A holder of [lo, hi) owns those
 // blocks of the head (and, during a merge, of the layer merged into): a
 // read-merge-write of a partial block, the check-and-write of a rebuild,
 // and the check-and-copy of a merge are atomic per block with respect to
