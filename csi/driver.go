@@ -194,16 +194,19 @@ func (d *Driver) Register(s *grpc.Server) {
 
 // Start brings the node service up (node mode; a no-op otherwise): it
 // registers the node with the cluster, retrying until the cluster answers
-// or ctx ends, then resumes every volume the node recorded as staged.
-// Probe reports ready once the node is registered and recovery has run.
+// or ctx ends, then resumes every volume the node recorded as staged (also
+// when the cluster refused the node id: the devices of mounted volumes
+// come back either way). Probe reports ready once the node is registered
+// and recovery has run.
 func (d *Driver) Start(ctx context.Context) error {
 	if d.node == nil {
 		return nil
 	}
-	if err := d.node.register(ctx); err != nil {
+	err := d.node.register(ctx)
+	if err != nil && ctx.Err() != nil {
 		return err
 	}
-	return d.node.recover(ctx)
+	return errors.Join(err, d.node.recover(ctx))
 }
 
 // Close stops serving the node's volumes without detaching them: the

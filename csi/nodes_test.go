@@ -234,5 +234,11 @@ func TestNodeRegistersWithRetry(t *testing.T) {
 		if n := reg.count(); n != 1 {
 			t.Fatalf("a refused id was tried %d times, want 1", n)
 		}
+		if probeReady(t, d) {
+			t.Fatal("Probe ready with a refused node id")
+		}
+		if !d.node.recovered.Load() {
+			t.Fatal("a refused node id kept the plugin from recovering its staged volumes")
+		}
 	})
 }
