@@ -181,10 +181,21 @@ func (c *controllerServer) DeleteVolume(ctx context.Context, req *csipb.DeleteVo
 	return &csipb.DeleteVolumeResponse{}, nil
 }
 
-// knownNode reports whether a node id is a registered stor server.
+// knownNode reports whether a node id is a registered node (a node plugin
+// registers itself at start) or a stor-server id (a server that attaches
+// volumes as a client, without a node plugin).
 func (c *controllerServer) knownNode(ctx context.Context, node string) (bool, error) {
 	cctx, cancel := c.d.call(ctx)
 	defer cancel()
+	_, err := c.d.cfg.Cluster.Cluster.GetNode(cctx, &storpb.GetNodeRequest{Id: node})
+	switch {
+	case err == nil:
+		return true, nil
+	case clusterCode(err) == codes.NotFound:
+	case clusterCode(err) == codes.Unimplemented: // a cluster older than the node registry
+	default:
+		return false, err
+	}
 	resp, err := c.d.cfg.Cluster.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
 	if err != nil {
 		return false, err
@@ -226,7 +237,7 @@ func (c *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	if ok, err := c.knownNode(ctx, node); err != nil {
 		return nil, err
 	} else if !ok {
-		return nil, notFoundf("node %q is not a stor server", node)
+		return nil, notFoundf("node %q is neither a registered node nor a stor server", node)
 	}
 	mode := storpb.AccessMode_ACCESS_MODE_READ_WRITE
 	if readOnly {

@@ -256,7 +256,7 @@ func TestNodeRestartRecovers(t *testing.T) {
 	if r, _ := d2.Probe(ctx, &csipb.ProbeRequest{}); r.GetReady().GetValue() {
 		t.Fatal("Probe is ready before recovery")
 	}
-	if err := d2.Recover(ctx); err != nil {
+	if err := d2.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if r, _ := d2.Probe(ctx, &csipb.ProbeRequest{}); !r.GetReady().GetValue() {

@@ -33,14 +33,25 @@
 //
 // Segments are "topology.<driver name>/node" (the node id) and
 // "topology.<driver name>/zone" (the node's zone, when it has one).
-// The CSI node id of a node plugin must be the id of the stor-server that
-// runs on the same node (the hyperconverged layout of deploy/): it is the
-// "node" the cluster's placement understands, so a CreateVolume whose
-// preferred topology names a node puts a replica there (data locality),
-// and ControllerPublish to a node id that is no registered server is
-// NOT_FOUND. Requisite topologies must hold (placement refuses
-// otherwise, RESOURCE_EXHAUSTED or FAILED_PRECONDITION); preferred ones
-// are tried first, in order.
+// Requisite topologies must hold (placement refuses otherwise,
+// RESOURCE_EXHAUSTED or FAILED_PRECONDITION); preferred ones are tried
+// first, in order. Placement understands a "node" segment only when it
+// names a stor-server id: a CreateVolume whose preferred topology names
+// the node of a server puts a replica there (data locality).
+//
+// # Nodes
+//
+// The CSI node id is the Kubernetes node name (deploy/ passes
+// $(NODE_NAME)); most such nodes run no stor-server. At start the node
+// plugin registers itself with the cluster (ClusterService.RegisterNode:
+// its node id and --zone; an upsert, so a restart registers again),
+// retrying with backoff while the cluster does not answer, before Probe
+// reports ready; NodeGetInfo does not depend on it. An id the cluster
+// refuses (not 1-63 letters, digits, '.', '_' or '-') is logged and Probe
+// stays not ready (staged volumes are still recovered). ControllerPublishVolume accepts a node id that is a
+// registered node or a stor-server id (a server attaching volumes as a
+// client, stor-ctl nbd attach); any other id is NOT_FOUND. Node records
+// are never removed (stor-ctl node list shows them).
 //
 // # Attach, epochs, fencing
 //

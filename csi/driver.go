@@ -74,8 +74,9 @@ type Config struct {
 	DriverName string
 	// Version is GetPluginInfo's vendor_version. Default "dev".
 	Version string
-	// NodeID is this node's id (node mode): the id of the stor-server on
-	// this node.
+	// NodeID is this node's id (node mode): the Kubernetes node name. The
+	// node plugin registers it with the cluster at start; it need not be a
+	// stor-server id.
 	NodeID string
 	// Zone is this node's zone for the topology segment; "" for none.
 	Zone string
@@ -191,13 +192,21 @@ func (d *Driver) Register(s *grpc.Server) {
 	}
 }
 
-// Recover resumes every volume the node recorded as staged (node mode;
-// a no-op otherwise). Probe reports ready once it has run.
-func (d *Driver) Recover(ctx context.Context) error {
+// Start brings the node service up (node mode; a no-op otherwise): it
+// registers the node with the cluster, retrying until the cluster answers
+// or ctx ends, then resumes every volume the node recorded as staged (also
+// when the cluster refused the node id: the devices of mounted volumes
+// come back either way). Probe reports ready once the node is registered
+// and recovery has run.
+func (d *Driver) Start(ctx context.Context) error {
 	if d.node == nil {
 		return nil
 	}
-	return d.node.recover(ctx)
+	err := d.node.register(ctx)
+	if err != nil && ctx.Err() != nil {
+		return err
+	}
+	return errors.Join(err, d.node.recover(ctx))
 }
 
 // Close stops serving the node's volumes without detaching them: the
@@ -214,8 +223,9 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 	return grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls))
 }
 
-// Run listens on the endpoint, recovers (node mode) and serves until ctx
-// ends; then it stops the gRPC server and Closes the driver.
+// Run listens on the endpoint, Starts (node mode: registers the node,
+// recovers staged volumes) and serves until ctx ends; then it stops the
+// gRPC server and Closes the driver.
 func (d *Driver) Run(ctx context.Context) error {
 	lis, err := Listen(d.cfg.Endpoint)
 	if err != nil {
@@ -226,8 +236,8 @@ func (d *Driver) Run(ctx context.Context) error {
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(lis) }()
 	d.log.Info("serving CSI", "endpoint", d.cfg.Endpoint, "mode", d.cfg.Mode, "driver", d.cfg.DriverName, "node", d.cfg.NodeID)
-	if err := d.Recover(ctx); err != nil {
-		d.log.Error("recovering staged volumes failed; Probe reports not ready", "err", err)
+	if err := d.Start(ctx); err != nil {
+		d.log.Error("starting the node service failed; Probe reports not ready", "err", err)
 	}
 	select {
 	case <-ctx.Done():

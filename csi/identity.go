@@ -32,7 +32,7 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csipb.GetPluginCapabili
 }
 
 // Probe is ready when the cluster answers (controller) and the node has
-// recovered its staged volumes (node). Not ready is reported as
+// registered itself and recovered its staged volumes (node). Not ready is reported as
 // ready=false, not as an error, as the spec asks.
 func (d *Driver) Probe(ctx context.Context, _ *csipb.ProbeRequest) (*csipb.ProbeResponse, error) {
 	ready := true
@@ -49,7 +49,7 @@ func (d *Driver) Probe(ctx context.Context, _ *csipb.ProbeRequest) (*csipb.Probe
 			ready = false
 		}
 	}
-	if d.node != nil && !d.node.recovered.Load() {
+	if d.node != nil && (!d.node.registered.Load() || !d.node.recovered.Load()) {
 		ready = false
 	}
 	return &csipb.ProbeResponse{Ready: wrapperspb.Bool(ready)}, nil

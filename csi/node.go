@@ -40,11 +40,12 @@ type stagedRecord struct {
 }
 
 type nodeServer struct {
-	d         *Driver
-	attacher  Attacher
-	host      *Host
-	dir       string // staged records
-	recovered atomic.Bool
+	d          *Driver
+	attacher   Attacher
+	host       *Host
+	dir        string // staged records
+	registered atomic.Bool
+	recovered  atomic.Bool
 
 	csipb.UnimplementedNodeServer
 }
@@ -128,6 +129,45 @@ func syncDir(dir string) error {
 	}
 	defer d.Close()
 	return d.Sync()
+}
+
+// Registration backoff: the first retry waits registerBackoffMin, each
+// next one twice as long, up to registerBackoffMax.
+const (
+	registerBackoffMin = 100 * time.Millisecond
+	registerBackoffMax = 5 * time.Second
+)
+
+// register records this node in the cluster (ClusterService.RegisterNode,
+// an upsert by id) so that the controller accepts ControllerPublish to it.
+// It retries with backoff while the cluster does not answer, until ctx
+// ends; an id the cluster refuses (INVALID_ARGUMENT) is not retried.
+func (n *nodeServer) register(ctx context.Context) error {
+	wait := registerBackoffMin
+	for attempt := 1; ; attempt++ {
+		cctx, cancel := n.d.call(ctx)
+		_, err := n.d.cfg.Cluster.Cluster.RegisterNode(cctx, &storpb.RegisterNodeRequest{
+			Node: &storpb.Node{Id: n.d.cfg.NodeID, Zone: n.d.cfg.Zone},
+		})
+		cancel()
+		switch {
+		case err == nil:
+			n.registered.Store(true)
+			n.d.log.Info("registered the node with the cluster", "node", n.d.cfg.NodeID, "zone", n.d.cfg.Zone, "attempts", attempt)
+			return nil
+		case clusterCode(err) == codes.InvalidArgument:
+			return fmt.Errorf("csi: the cluster refuses node id %q: %w", n.d.cfg.NodeID, err)
+		}
+		n.d.log.Warn("registering the node failed; retrying", "node", n.d.cfg.NodeID, "attempt", attempt, "retry_in", wait, "err", err)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("csi: register node %q: %w (last error: %v)", n.d.cfg.NodeID, ctx.Err(), err)
+		case <-t.C:
+		}
+		wait = min(2*wait, registerBackoffMax)
+	}
 }
 
 // recover resumes every staged volume: the attacher reopens its engine at

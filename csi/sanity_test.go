@@ -131,8 +131,15 @@ func (w tWriter) Write(p []byte) (int, error) {
 }
 
 // startDriver runs a driver in mode all against the cluster on a unix
-// socket in dir and returns its endpoint.
+// socket in dir, as the node of the cluster's first server, and returns
+// its endpoint.
 func startDriver(t testing.TB, c *servertest.Cluster, dir string, att Attacher, host *Host) (string, *Driver) {
+	t.Helper()
+	return startDriverAs(t, c, dir, c.Nodes[0].ID, "", att, host)
+}
+
+// startDriverAs is startDriver with the node plugin's node id and zone.
+func startDriverAs(t testing.TB, c *servertest.Cluster, dir, nodeID, zone string, att Attacher, host *Host) (string, *Driver) {
 	t.Helper()
 	var addrs []string
 	for _, n := range c.Nodes {
@@ -145,7 +152,7 @@ func startDriver(t testing.TB, c *servertest.Cluster, dir string, att Attacher, 
 	t.Cleanup(func() { cl.Close() })
 	sock := filepath.Join(dir, "csi.sock")
 	d, err := New(Config{
-		Mode: ModeAll, Endpoint: "unix://" + sock, NodeID: c.Nodes[0].ID,
+		Mode: ModeAll, Endpoint: "unix://" + sock, NodeID: nodeID, Zone: zone,
 		StateDir: filepath.Join(dir, "state"),
 		Cluster:  Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
 		Attacher: att, Host: host, Logger: testLogger(t),

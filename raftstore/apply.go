@@ -83,6 +83,8 @@ func (w *writer) apply(c command) (proto.Message, error) {
 		return w.recordCut(c.Body.(*storpb.RecordSnapshotCutRequest))
 	case opRecordCloneCopy:
 		return w.recordCloneCopied(c.Body.(*storpb.RecordCloneCopiedRequest))
+	case opRegisterNode:
+		return w.registerNode(c.At, c.Body.(*storpb.Node))
 	}
 	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
 }

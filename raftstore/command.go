@@ -29,6 +29,7 @@ const (
 	opReplaceReplica  op = 13 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
 	opRecordCut       op = 14 // Body = storpb.RecordSnapshotCutRequest
 	opRecordCloneCopy op = 15 // Body = storpb.RecordCloneCopiedRequest
+	opRegisterNode    op = 16 // Body = storpb.Node (id, zone, labels)
 )
 
 var opNames = map[op]string{
@@ -39,7 +40,7 @@ var opNames = map[op]string{
 	opDetachVolume: "detach-volume", opCreateSnapshot: "create-snapshot",
 	opDeleteSnapshot: "delete-snapshot", opSetReplicaState: "set-replica-state",
 	opReplaceReplica: "replace-replica", opRecordCut: "record-snapshot-cut",
-	opRecordCloneCopy: "record-clone-copied",
+	opRecordCloneCopy: "record-clone-copied", opRegisterNode: "register-node",
 }
 
 func (o op) String() string {
@@ -123,6 +124,8 @@ func decodeCommand(b []byte) (command, error) {
 		m = &storpb.RecordSnapshotCutRequest{}
 	case opRecordCloneCopy:
 		m = &storpb.RecordCloneCopiedRequest{}
+	case opRegisterNode:
+		m = &storpb.Node{}
 	default:
 		return c, fmt.Errorf("%w: unknown command %v", ErrCorrupt, c.Op)
 	}

@@ -34,6 +34,7 @@ func TestOpValuesArePinned(t *testing.T) {
 		{opReplaceReplica, 13, "replace-replica"},
 		{opRecordCut, 14, "record-snapshot-cut"},
 		{opRecordCloneCopy, 15, "record-clone-copied"},
+		{opRegisterNode, 16, "register-node"},
 	}
 	if len(opNames) != len(want) {
 		t.Errorf("opNames has %d ops, this test knows %d: add the new op here and to commandRoundTripCases", len(opNames), len(want))
@@ -113,6 +114,9 @@ func commandRoundTripCases() []struct {
 		}}},
 		{name: "record-clone-copied", cmd: command{Op: opRecordCloneCopy, At: 14, Body: &storpb.RecordCloneCopiedRequest{
 			VolumeId: "vol-7d", ReplicaId: "vol-7d-r1",
+		}}},
+		{name: "register-node", cmd: command{Op: opRegisterNode, At: 15, Body: &storpb.Node{
+			Id: "worker-7", Zone: "zone-a", Labels: map[string]string{"pool": "gpu"},
 		}}},
 		// Edge values of the header.
 		{name: "negative time, long id", cmd: command{Op: opInitCluster, At: math.MinInt64, ID: string(bytes.Repeat([]byte("x"), 300))}},

@@ -21,6 +21,8 @@
 //	volume_names    volume name -> volume id
 //	snapshots       snapshot id -> storpb.Snapshot
 //	snapshot_names  snapshot name -> snapshot id
+//	nodes           node id     -> storpb.Node (hosts that attach volumes; added
+//	                later: opening a file or snapshot without it creates it)
 //
 // # Applying, restarting, replaying
 //

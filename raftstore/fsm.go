@@ -293,7 +293,7 @@ func checkStateImage(path string) error {
 	}
 	defer db.Close()
 	return db.View(func(tx *bolt.Tx) error {
-		for _, b := range allBuckets {
+		for _, b := range requiredBuckets {
 			if tx.Bucket(b) == nil {
 				return fmt.Errorf("%w: snapshot image has no %q bucket", ErrCorrupt, b)
 			}

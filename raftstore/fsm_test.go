@@ -204,6 +204,10 @@ func cmdRecordCloneCopied(volumeID, replicaID string) command {
 	return command{Op: opRecordCloneCopy, Body: &storpb.RecordCloneCopiedRequest{VolumeId: volumeID, ReplicaId: replicaID}}
 }
 
+func cmdRegisterNode(id, zone string, labels map[string]string) command {
+	return command{Op: opRegisterNode, Body: &storpb.Node{Id: id, Zone: zone, Labels: labels}}
+}
+
 func topo(kv ...string) *storpb.Topology {
 	t := &storpb.Topology{Segments: map[string]string{}}
 	for i := 0; i+1 < len(kv); i += 2 {
@@ -258,6 +262,9 @@ func richWorkload() []command {
 		cmdRecordCloneCopied("vol-6", "vol-6-r1"),
 		cmdDeleteVolume("vol-3"),
 		cmdSetServerState("s4", storpb.ServerState_SERVER_STATE_DOWN),
+		cmdRegisterNode("worker-1", "zone-a", map[string]string{"pool": "gpu"}),
+		cmdRegisterNode("s1", "zone-a", nil), // a server that attaches volumes too
+		cmdRegisterNode("worker-1", "zone-b", nil),
 	}
 }
 
@@ -311,6 +318,13 @@ func checkRichState(t testing.TB, f *FSM) {
 		}
 		if s4, err := r.Server("s4"); err != nil || s4.State != storpb.ServerState_SERVER_STATE_DOWN {
 			t.Errorf("s4: %v, %v", s4, err)
+		}
+		if w1, err := r.Node("worker-1"); err != nil || w1.Zone != "zone-b" || len(w1.Labels) != 0 ||
+			w1.RegisteredUnixNano == 0 || w1.LastRegisteredUnixNano <= w1.RegisteredUnixNano {
+			t.Errorf("worker-1 (registered twice): %v, %v", w1, err)
+		}
+		if nodes, err := r.Nodes(); err != nil || len(nodes) != 2 || nodes[0].Id != "s1" || nodes[1].Id != "worker-1" {
+			t.Errorf("nodes: %v, %v", nodes, err)
 		}
 		return nil
 	})
@@ -405,6 +419,8 @@ func renderValue(bucket, key, v string, ok bool) string {
 		m = &storpb.Volume{}
 	case string(bucketSnapshots):
 		m = &storpb.Snapshot{}
+	case string(bucketNodes):
+		m = &storpb.Node{}
 	case string(bucketMeta):
 		if key == string(keyAppliedIndex) && len(v) == 8 {
 			return fmt.Sprint(binary.BigEndian.Uint64([]byte(v)))
@@ -670,6 +686,8 @@ func replayWorkload() []command {
 		cmdExpandVolume("vol-1", 2*mib),                //
 		cmdCreateVolume("vol-2", "pvc-2", mib, 2),      //
 		cmdAttachVolume("vol-2", "node-2", false),      // vol-2 epoch 1
+		cmdRegisterNode("node-1", "a", nil),            //
+		cmdRegisterNode("node-1", "b", nil),            // re-registered: zone b
 	}
 }
 
@@ -797,7 +815,10 @@ func determinismWorkload() []command {
 		cmdDetachVolume("vol-1", "node-2"),
 		cmdDeleteSnapshot("snap-1"),
 		cmdDeleteVolume("vol-5"),
-		cmdInitCluster("too-late"), // no-op: first one wins
+		cmdInitCluster("too-late"),               // no-op: first one wins
+		cmdRegisterNode("bad id", "zone-a", nil), // refused: whitespace
+		cmdRegisterNode("worker-2", "zone-c", map[string]string{"a": "1", "b": "2", "c": "3"}),
+		cmdRegisterNode("worker-1", "zone-a", map[string]string{"pool": "cpu"}),
 	)
 }
 
@@ -923,6 +944,11 @@ func TestFSMRefusedCommandsLeaveNoTrace(t *testing.T) {
 		{"server state: unspecified", cmdSetServerState("s1", storpb.ServerState_SERVER_STATE_UNSPECIFIED), ErrInvalidArgument},
 		{"register: no raft address", command{Op: opRegisterServer, Body: &storpb.Server{Id: "s9", Address: "s9:7000"}}, ErrInvalidArgument},
 		{"remove server: unknown", cmdRemoveServer("nope"), ErrNotFound},
+		{"register node: empty id", cmdRegisterNode("", "a", nil), ErrInvalidArgument},
+		{"register node: id with a slash", cmdRegisterNode("a/b", "a", nil), ErrInvalidArgument},
+		{"register node: id starting with '-'", cmdRegisterNode("-n", "a", nil), ErrInvalidArgument},
+		{"register node: id of 64 bytes", cmdRegisterNode(strings.Repeat("n", 64), "a", nil), ErrInvalidArgument},
+		{"register node: no body", command{Op: opRegisterNode}, ErrInvalidArgument},
 		{"replica state: stale epoch", cmdSetReplicaState("vol-a", "vol-a-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 0, 0), ErrStaleEpoch},
 		{"replica state: future epoch", cmdSetReplicaState("vol-a", "vol-a-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 2, 0), ErrStaleEpoch},
 		{"replica state: unknown volume", cmdSetReplicaState("nope", "nope-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 0, 0), ErrNotFound},

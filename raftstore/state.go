@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"strings"
 
 	bolt "go.etcd.io/bbolt"
@@ -20,8 +21,13 @@ var (
 	bucketVolumeNames   = []byte("volume_names")
 	bucketSnapshots     = []byte("snapshots")
 	bucketSnapshotNames = []byte("snapshot_names")
+	bucketNodes         = []byte("nodes")
 
-	allBuckets = [][]byte{bucketMeta, bucketServers, bucketVolumes, bucketVolumeNames, bucketSnapshots, bucketSnapshotNames}
+	// requiredBuckets must be in every state image; the buckets added
+	// later (nodes) are created when a file or snapshot from before them
+	// is opened.
+	requiredBuckets = [][]byte{bucketMeta, bucketServers, bucketVolumes, bucketVolumeNames, bucketSnapshots, bucketSnapshotNames}
+	allBuckets      = append(slices.Clone(requiredBuckets), bucketNodes)
 
 	keyAppliedIndex = []byte("applied_index")
 	keyClusterID    = []byte("cluster_id")

@@ -474,6 +474,89 @@ func (x *Server) GetJoinedUnixNano() int64 {
 	return 0
 }
 
+// Node is a host that attaches volumes: a CSI node plugin registers its
+// node id (the Kubernetes node name) at start. It may or may not also run a
+// stor-server. A node record is never removed by the cluster itself.
+type Node struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Same rules as a server id: 1-63 letters, digits, '.', '_' or '-',
+	// starting with a letter or digit.
+	Id     string            `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Zone   string            `protobuf:"bytes,2,opt,name=zone,proto3" json:"zone,omitempty"`
+	Labels map[string]string `protobuf:"bytes,3,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// When the node first registered, and when it last did (unix nanoseconds,
+	// the leader's clock).
+	RegisteredUnixNano     int64 `protobuf:"varint,4,opt,name=registered_unix_nano,json=registeredUnixNano,proto3" json:"registered_unix_nano,omitempty"`
+	LastRegisteredUnixNano int64 `protobuf:"varint,5,opt,name=last_registered_unix_nano,json=lastRegisteredUnixNano,proto3" json:"last_registered_unix_nano,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
+}
+
+func (x *Node) Reset() {
+	*x = Node{}
+	mi := &file_control_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Node) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Node) ProtoMessage() {}
+
+func (x *Node) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Node.ProtoReflect.Descriptor instead.
+func (*Node) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Node) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Node) GetZone() string {
+	if x != nil {
+		return x.Zone
+	}
+	return ""
+}
+
+func (x *Node) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *Node) GetRegisteredUnixNano() int64 {
+	if x != nil {
+		return x.RegisteredUnixNano
+	}
+	return 0
+}
+
+func (x *Node) GetLastRegisteredUnixNano() int64 {
+	if x != nil {
+		return x.LastRegisteredUnixNano
+	}
+	return 0
+}
+
 type Replica struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Id       string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -505,7 +588,7 @@ type Replica struct {
 
 func (x *Replica) Reset() {
 	*x = Replica{}
-	mi := &file_control_proto_msgTypes[1]
+	mi := &file_control_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -517,7 +600,7 @@ func (x *Replica) String() string {
 func (*Replica) ProtoMessage() {}
 
 func (x *Replica) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[1]
+	mi := &file_control_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -530,7 +613,7 @@ func (x *Replica) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Replica.ProtoReflect.Descriptor instead.
 func (*Replica) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{1}
+	return file_control_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *Replica) GetId() string {
@@ -621,7 +704,7 @@ type Attachment struct {
 
 func (x *Attachment) Reset() {
 	*x = Attachment{}
-	mi := &file_control_proto_msgTypes[2]
+	mi := &file_control_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -633,7 +716,7 @@ func (x *Attachment) String() string {
 func (*Attachment) ProtoMessage() {}
 
 func (x *Attachment) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[2]
+	mi := &file_control_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -646,7 +729,7 @@ func (x *Attachment) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Attachment.ProtoReflect.Descriptor instead.
 func (*Attachment) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{2}
+	return file_control_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Attachment) GetNodeId() string {
@@ -683,7 +766,7 @@ type ContentSource struct {
 
 func (x *ContentSource) Reset() {
 	*x = ContentSource{}
-	mi := &file_control_proto_msgTypes[3]
+	mi := &file_control_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -695,7 +778,7 @@ func (x *ContentSource) String() string {
 func (*ContentSource) ProtoMessage() {}
 
 func (x *ContentSource) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[3]
+	mi := &file_control_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -708,7 +791,7 @@ func (x *ContentSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContentSource.ProtoReflect.Descriptor instead.
 func (*ContentSource) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{3}
+	return file_control_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ContentSource) GetSource() isContentSource_Source {
@@ -763,7 +846,7 @@ type Topology struct {
 
 func (x *Topology) Reset() {
 	*x = Topology{}
-	mi := &file_control_proto_msgTypes[4]
+	mi := &file_control_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -775,7 +858,7 @@ func (x *Topology) String() string {
 func (*Topology) ProtoMessage() {}
 
 func (x *Topology) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[4]
+	mi := &file_control_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -788,7 +871,7 @@ func (x *Topology) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Topology.ProtoReflect.Descriptor instead.
 func (*Topology) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{4}
+	return file_control_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Topology) GetSegments() map[string]string {
@@ -811,7 +894,7 @@ type TopologyRequirement struct {
 
 func (x *TopologyRequirement) Reset() {
 	*x = TopologyRequirement{}
-	mi := &file_control_proto_msgTypes[5]
+	mi := &file_control_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -823,7 +906,7 @@ func (x *TopologyRequirement) String() string {
 func (*TopologyRequirement) ProtoMessage() {}
 
 func (x *TopologyRequirement) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[5]
+	mi := &file_control_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -836,7 +919,7 @@ func (x *TopologyRequirement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TopologyRequirement.ProtoReflect.Descriptor instead.
 func (*TopologyRequirement) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{5}
+	return file_control_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TopologyRequirement) GetRequisite() []*Topology {
@@ -887,7 +970,7 @@ type Volume struct {
 
 func (x *Volume) Reset() {
 	*x = Volume{}
-	mi := &file_control_proto_msgTypes[6]
+	mi := &file_control_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -899,7 +982,7 @@ func (x *Volume) String() string {
 func (*Volume) ProtoMessage() {}
 
 func (x *Volume) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[6]
+	mi := &file_control_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -912,7 +995,7 @@ func (x *Volume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Volume.ProtoReflect.Descriptor instead.
 func (*Volume) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{6}
+	return file_control_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Volume) GetId() string {
@@ -1040,7 +1123,7 @@ type SnapshotReplica struct {
 
 func (x *SnapshotReplica) Reset() {
 	*x = SnapshotReplica{}
-	mi := &file_control_proto_msgTypes[7]
+	mi := &file_control_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1052,7 +1135,7 @@ func (x *SnapshotReplica) String() string {
 func (*SnapshotReplica) ProtoMessage() {}
 
 func (x *SnapshotReplica) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[7]
+	mi := &file_control_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1065,7 +1148,7 @@ func (x *SnapshotReplica) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotReplica.ProtoReflect.Descriptor instead.
 func (*SnapshotReplica) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{7}
+	return file_control_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *SnapshotReplica) GetReplicaId() string {
@@ -1125,7 +1208,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_control_proto_msgTypes[8]
+	mi := &file_control_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1137,7 +1220,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[8]
+	mi := &file_control_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1150,7 +1233,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{8}
+	return file_control_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Snapshot) GetId() string {
@@ -1240,7 +1323,7 @@ type JoinRequest struct {
 
 func (x *JoinRequest) Reset() {
 	*x = JoinRequest{}
-	mi := &file_control_proto_msgTypes[9]
+	mi := &file_control_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1252,7 +1335,7 @@ func (x *JoinRequest) String() string {
 func (*JoinRequest) ProtoMessage() {}
 
 func (x *JoinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[9]
+	mi := &file_control_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1265,7 +1348,7 @@ func (x *JoinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinRequest.ProtoReflect.Descriptor instead.
 func (*JoinRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{9}
+	return file_control_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *JoinRequest) GetServer() *Server {
@@ -1285,7 +1368,7 @@ type JoinResponse struct {
 
 func (x *JoinResponse) Reset() {
 	*x = JoinResponse{}
-	mi := &file_control_proto_msgTypes[10]
+	mi := &file_control_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1297,7 +1380,7 @@ func (x *JoinResponse) String() string {
 func (*JoinResponse) ProtoMessage() {}
 
 func (x *JoinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[10]
+	mi := &file_control_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1310,7 +1393,7 @@ func (x *JoinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinResponse.ProtoReflect.Descriptor instead.
 func (*JoinResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{10}
+	return file_control_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *JoinResponse) GetClusterId() string {
@@ -1336,7 +1419,7 @@ type LeaveRequest struct {
 
 func (x *LeaveRequest) Reset() {
 	*x = LeaveRequest{}
-	mi := &file_control_proto_msgTypes[11]
+	mi := &file_control_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1348,7 +1431,7 @@ func (x *LeaveRequest) String() string {
 func (*LeaveRequest) ProtoMessage() {}
 
 func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[11]
+	mi := &file_control_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1361,7 +1444,7 @@ func (x *LeaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaveRequest.ProtoReflect.Descriptor instead.
 func (*LeaveRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{11}
+	return file_control_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *LeaveRequest) GetServerId() string {
@@ -1379,7 +1462,7 @@ type LeaveResponse struct {
 
 func (x *LeaveResponse) Reset() {
 	*x = LeaveResponse{}
-	mi := &file_control_proto_msgTypes[12]
+	mi := &file_control_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1391,7 +1474,7 @@ func (x *LeaveResponse) String() string {
 func (*LeaveResponse) ProtoMessage() {}
 
 func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[12]
+	mi := &file_control_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1404,7 +1487,7 @@ func (x *LeaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaveResponse.ProtoReflect.Descriptor instead.
 func (*LeaveResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{12}
+	return file_control_proto_rawDescGZIP(), []int{13}
 }
 
 type StatusRequest struct {
@@ -1415,7 +1498,7 @@ type StatusRequest struct {
 
 func (x *StatusRequest) Reset() {
 	*x = StatusRequest{}
-	mi := &file_control_proto_msgTypes[13]
+	mi := &file_control_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1427,7 +1510,7 @@ func (x *StatusRequest) String() string {
 func (*StatusRequest) ProtoMessage() {}
 
 func (x *StatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[13]
+	mi := &file_control_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1440,7 +1523,7 @@ func (x *StatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
 func (*StatusRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{13}
+	return file_control_proto_rawDescGZIP(), []int{14}
 }
 
 type Member struct {
@@ -1457,7 +1540,7 @@ type Member struct {
 
 func (x *Member) Reset() {
 	*x = Member{}
-	mi := &file_control_proto_msgTypes[14]
+	mi := &file_control_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1469,7 +1552,7 @@ func (x *Member) String() string {
 func (*Member) ProtoMessage() {}
 
 func (x *Member) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[14]
+	mi := &file_control_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1482,7 +1565,7 @@ func (x *Member) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Member.ProtoReflect.Descriptor instead.
 func (*Member) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{14}
+	return file_control_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Member) GetId() string {
@@ -1541,7 +1624,7 @@ type StatusResponse struct {
 
 func (x *StatusResponse) Reset() {
 	*x = StatusResponse{}
-	mi := &file_control_proto_msgTypes[15]
+	mi := &file_control_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1553,7 +1636,7 @@ func (x *StatusResponse) String() string {
 func (*StatusResponse) ProtoMessage() {}
 
 func (x *StatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[15]
+	mi := &file_control_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1566,7 +1649,7 @@ func (x *StatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
 func (*StatusResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{15}
+	return file_control_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *StatusResponse) GetClusterId() string {
@@ -1647,7 +1730,7 @@ type ListServersRequest struct {
 
 func (x *ListServersRequest) Reset() {
 	*x = ListServersRequest{}
-	mi := &file_control_proto_msgTypes[16]
+	mi := &file_control_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1659,7 +1742,7 @@ func (x *ListServersRequest) String() string {
 func (*ListServersRequest) ProtoMessage() {}
 
 func (x *ListServersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[16]
+	mi := &file_control_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1672,7 +1755,7 @@ func (x *ListServersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServersRequest.ProtoReflect.Descriptor instead.
 func (*ListServersRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{16}
+	return file_control_proto_rawDescGZIP(), []int{17}
 }
 
 type ListServersResponse struct {
@@ -1684,7 +1767,7 @@ type ListServersResponse struct {
 
 func (x *ListServersResponse) Reset() {
 	*x = ListServersResponse{}
-	mi := &file_control_proto_msgTypes[17]
+	mi := &file_control_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1696,7 +1779,7 @@ func (x *ListServersResponse) String() string {
 func (*ListServersResponse) ProtoMessage() {}
 
 func (x *ListServersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[17]
+	mi := &file_control_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1709,7 +1792,7 @@ func (x *ListServersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListServersResponse.ProtoReflect.Descriptor instead.
 func (*ListServersResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{17}
+	return file_control_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListServersResponse) GetServers() []*Server {
@@ -1730,7 +1813,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_control_proto_msgTypes[18]
+	mi := &file_control_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1742,7 +1825,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[18]
+	mi := &file_control_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1755,7 +1838,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{18}
+	return file_control_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *HeartbeatRequest) GetServer() *Server {
@@ -1774,7 +1857,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_control_proto_msgTypes[19]
+	mi := &file_control_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1786,7 +1869,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[19]
+	mi := &file_control_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1799,7 +1882,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{19}
+	return file_control_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *HeartbeatResponse) GetLeaderId() string {
@@ -1807,6 +1890,265 @@ func (x *HeartbeatResponse) GetLeaderId() string {
 		return x.LeaderId
 	}
 	return ""
+}
+
+type RegisterNodeRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// id is required; zone and labels replace the recorded ones. The
+	// timestamps are set by the cluster.
+	Node          *Node `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegisterNodeRequest) Reset() {
+	*x = RegisterNodeRequest{}
+	mi := &file_control_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegisterNodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegisterNodeRequest) ProtoMessage() {}
+
+func (x *RegisterNodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegisterNodeRequest.ProtoReflect.Descriptor instead.
+func (*RegisterNodeRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *RegisterNodeRequest) GetNode() *Node {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+type RegisterNodeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegisterNodeResponse) Reset() {
+	*x = RegisterNodeResponse{}
+	mi := &file_control_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegisterNodeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegisterNodeResponse) ProtoMessage() {}
+
+func (x *RegisterNodeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegisterNodeResponse.ProtoReflect.Descriptor instead.
+func (*RegisterNodeResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *RegisterNodeResponse) GetNode() *Node {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+type GetNodeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetNodeRequest) Reset() {
+	*x = GetNodeRequest{}
+	mi := &file_control_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetNodeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetNodeRequest) ProtoMessage() {}
+
+func (x *GetNodeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetNodeRequest.ProtoReflect.Descriptor instead.
+func (*GetNodeRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *GetNodeRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type GetNodeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Node          *Node                  `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetNodeResponse) Reset() {
+	*x = GetNodeResponse{}
+	mi := &file_control_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetNodeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetNodeResponse) ProtoMessage() {}
+
+func (x *GetNodeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetNodeResponse.ProtoReflect.Descriptor instead.
+func (*GetNodeResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *GetNodeResponse) GetNode() *Node {
+	if x != nil {
+		return x.Node
+	}
+	return nil
+}
+
+type ListNodesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListNodesRequest) Reset() {
+	*x = ListNodesRequest{}
+	mi := &file_control_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListNodesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListNodesRequest) ProtoMessage() {}
+
+func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
+func (*ListNodesRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{25}
+}
+
+type ListNodesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Ordered by id.
+	Nodes         []*Node `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListNodesResponse) Reset() {
+	*x = ListNodesResponse{}
+	mi := &file_control_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListNodesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListNodesResponse) ProtoMessage() {}
+
+func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
+func (*ListNodesResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ListNodesResponse) GetNodes() []*Node {
+	if x != nil {
+		return x.Nodes
+	}
+	return nil
 }
 
 type CreateVolumeRequest struct {
@@ -1827,7 +2169,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[20]
+	mi := &file_control_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1839,7 +2181,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[20]
+	mi := &file_control_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1852,7 +2194,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{20}
+	return file_control_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -1906,7 +2248,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[21]
+	mi := &file_control_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1918,7 +2260,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[21]
+	mi := &file_control_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1931,7 +2273,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{21}
+	return file_control_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -1952,7 +2294,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[22]
+	mi := &file_control_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1964,7 +2306,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[22]
+	mi := &file_control_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1977,7 +2319,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{22}
+	return file_control_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -2003,7 +2345,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[23]
+	mi := &file_control_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2015,7 +2357,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[23]
+	mi := &file_control_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2028,7 +2370,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{23}
+	return file_control_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -2047,7 +2389,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[24]
+	mi := &file_control_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2059,7 +2401,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[24]
+	mi := &file_control_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2072,7 +2414,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{24}
+	return file_control_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -2095,7 +2437,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[25]
+	mi := &file_control_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2107,7 +2449,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[25]
+	mi := &file_control_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2120,7 +2462,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{25}
+	return file_control_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -2148,7 +2490,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[26]
+	mi := &file_control_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2160,7 +2502,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[26]
+	mi := &file_control_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2173,7 +2515,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{26}
+	return file_control_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -2199,7 +2541,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[27]
+	mi := &file_control_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2211,7 +2553,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[27]
+	mi := &file_control_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2224,7 +2566,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{27}
+	return file_control_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -2242,7 +2584,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2254,7 +2596,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2267,7 +2609,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{28}
+	return file_control_proto_rawDescGZIP(), []int{35}
 }
 
 type ExpandVolumeRequest struct {
@@ -2282,7 +2624,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2294,7 +2636,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2307,7 +2649,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{29}
+	return file_control_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -2333,7 +2675,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2345,7 +2687,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2358,7 +2700,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{30}
+	return file_control_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -2382,7 +2724,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2394,7 +2736,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2407,7 +2749,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{31}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -2448,7 +2790,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2460,7 +2802,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2473,7 +2815,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{32}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -2494,7 +2836,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2506,7 +2848,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2519,7 +2861,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{33}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -2545,7 +2887,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2557,7 +2899,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2570,7 +2912,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{34}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -2611,7 +2953,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2623,7 +2965,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2636,7 +2978,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{35}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -2711,7 +3053,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2723,7 +3065,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2736,7 +3078,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -2767,7 +3109,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2779,7 +3121,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2792,7 +3134,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -2832,7 +3174,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2844,7 +3186,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2857,7 +3199,7 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
@@ -2879,7 +3221,7 @@ type RecordCloneCopiedRequest struct {
 
 func (x *RecordCloneCopiedRequest) Reset() {
 	*x = RecordCloneCopiedRequest{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2891,7 +3233,7 @@ func (x *RecordCloneCopiedRequest) String() string {
 func (*RecordCloneCopiedRequest) ProtoMessage() {}
 
 func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2904,7 +3246,7 @@ func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *RecordCloneCopiedRequest) GetVolumeId() string {
@@ -2930,7 +3272,7 @@ type RecordCloneCopiedResponse struct {
 
 func (x *RecordCloneCopiedResponse) Reset() {
 	*x = RecordCloneCopiedResponse{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2942,7 +3284,7 @@ func (x *RecordCloneCopiedResponse) String() string {
 func (*RecordCloneCopiedResponse) ProtoMessage() {}
 
 func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2955,7 +3297,7 @@ func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
@@ -2974,7 +3316,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2986,7 +3328,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2999,7 +3341,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -3023,7 +3365,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3035,7 +3377,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3048,7 +3390,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -3084,7 +3426,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3096,7 +3438,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3109,7 +3451,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -3135,7 +3477,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3147,7 +3489,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3160,7 +3502,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -3180,7 +3522,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3192,7 +3534,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3205,7 +3547,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -3231,7 +3573,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3243,7 +3585,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3256,7 +3598,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -3275,7 +3617,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3287,7 +3629,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3300,7 +3642,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -3322,7 +3664,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3334,7 +3676,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3347,7 +3689,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -3381,7 +3723,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3393,7 +3735,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3406,7 +3748,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{49}
+	return file_control_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -3432,7 +3774,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3444,7 +3786,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3457,7 +3799,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{50}
+	return file_control_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -3475,7 +3817,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3487,7 +3829,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3500,7 +3842,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{51}
+	return file_control_proto_rawDescGZIP(), []int{58}
 }
 
 // RecordSnapshotCut is how the data path reports cuts: the attached engine
@@ -3522,7 +3864,7 @@ type RecordSnapshotCutRequest struct {
 
 func (x *RecordSnapshotCutRequest) Reset() {
 	*x = RecordSnapshotCutRequest{}
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3534,7 +3876,7 @@ func (x *RecordSnapshotCutRequest) String() string {
 func (*RecordSnapshotCutRequest) ProtoMessage() {}
 
 func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3547,7 +3889,7 @@ func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{52}
+	return file_control_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
@@ -3594,7 +3936,7 @@ type RecordSnapshotCutResponse struct {
 
 func (x *RecordSnapshotCutResponse) Reset() {
 	*x = RecordSnapshotCutResponse{}
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3606,7 +3948,7 @@ func (x *RecordSnapshotCutResponse) String() string {
 func (*RecordSnapshotCutResponse) ProtoMessage() {}
 
 func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3619,7 +3961,7 @@ func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{53}
+	return file_control_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
@@ -3647,6 +3989,15 @@ const file_control_proto_rawDesc = "" +
 	"\x13last_seen_unix_nano\x18\n" +
 	" \x01(\x03R\x10lastSeenUnixNano\x12(\n" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x85\x02\n" +
+	"\x04Node\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04zone\x18\x02 \x01(\tR\x04zone\x121\n" +
+	"\x06labels\x18\x03 \x03(\v2\x19.stor.v1.Node.LabelsEntryR\x06labels\x120\n" +
+	"\x14registered_unix_nano\x18\x04 \x01(\x03R\x12registeredUnixNano\x129\n" +
+	"\x19last_registered_unix_nano\x18\x05 \x01(\x03R\x16lastRegisteredUnixNano\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe2\x03\n" +
@@ -3769,7 +4120,18 @@ const file_control_proto_rawDesc = "" +
 	"\x10HeartbeatRequest\x12'\n" +
 	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"0\n" +
 	"\x11HeartbeatResponse\x12\x1b\n" +
-	"\tleader_id\x18\x01 \x01(\tR\bleaderId\"\xfd\x02\n" +
+	"\tleader_id\x18\x01 \x01(\tR\bleaderId\"8\n" +
+	"\x13RegisterNodeRequest\x12!\n" +
+	"\x04node\x18\x01 \x01(\v2\r.stor.v1.NodeR\x04node\"9\n" +
+	"\x14RegisterNodeResponse\x12!\n" +
+	"\x04node\x18\x01 \x01(\v2\r.stor.v1.NodeR\x04node\" \n" +
+	"\x0eGetNodeRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"4\n" +
+	"\x0fGetNodeResponse\x12!\n" +
+	"\x04node\x18\x01 \x01(\v2\r.stor.v1.NodeR\x04node\"\x12\n" +
+	"\x10ListNodesRequest\"8\n" +
+	"\x11ListNodesResponse\x12#\n" +
+	"\x05nodes\x18\x01 \x03(\v2\r.stor.v1.NodeR\x05nodes\"\xfd\x02\n" +
 	"\x13CreateVolumeRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
@@ -3915,13 +4277,16 @@ const file_control_proto_rawDesc = "" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
-	"\x11SUFFRAGE_NONVOTER\x10\x022\xc6\x02\n" +
+	"\x11SUFFRAGE_NONVOTER\x10\x022\x95\x04\n" +
 	"\x0eClusterService\x123\n" +
 	"\x04Join\x12\x14.stor.v1.JoinRequest\x1a\x15.stor.v1.JoinResponse\x126\n" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
 	"\x06Status\x12\x16.stor.v1.StatusRequest\x1a\x17.stor.v1.StatusResponse\x12H\n" +
 	"\vListServers\x12\x1b.stor.v1.ListServersRequest\x1a\x1c.stor.v1.ListServersResponse\x12B\n" +
-	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse2\xe7\x06\n" +
+	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse\x12K\n" +
+	"\fRegisterNode\x12\x1c.stor.v1.RegisterNodeRequest\x1a\x1d.stor.v1.RegisterNodeResponse\x12<\n" +
+	"\aGetNode\x12\x17.stor.v1.GetNodeRequest\x1a\x18.stor.v1.GetNodeResponse\x12B\n" +
+	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
 	"\fCreateVolume\x12\x1c.stor.v1.CreateVolumeRequest\x1a\x1d.stor.v1.CreateVolumeResponse\x12B\n" +
 	"\tGetVolume\x12\x19.stor.v1.GetVolumeRequest\x1a\x1a.stor.v1.GetVolumeResponse\x12H\n" +
@@ -3954,7 +4319,7 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 66)
 var file_control_proto_goTypes = []any{
 	(ServerState)(0),                  // 0: stor.v1.ServerState
 	(VolumeState)(0),                  // 1: stor.v1.VolumeState
@@ -3963,161 +4328,180 @@ var file_control_proto_goTypes = []any{
 	(SnapshotReplicaState)(0),         // 4: stor.v1.SnapshotReplicaState
 	(Suffrage)(0),                     // 5: stor.v1.Suffrage
 	(*Server)(nil),                    // 6: stor.v1.Server
-	(*Replica)(nil),                   // 7: stor.v1.Replica
-	(*Attachment)(nil),                // 8: stor.v1.Attachment
-	(*ContentSource)(nil),             // 9: stor.v1.ContentSource
-	(*Topology)(nil),                  // 10: stor.v1.Topology
-	(*TopologyRequirement)(nil),       // 11: stor.v1.TopologyRequirement
-	(*Volume)(nil),                    // 12: stor.v1.Volume
-	(*SnapshotReplica)(nil),           // 13: stor.v1.SnapshotReplica
-	(*Snapshot)(nil),                  // 14: stor.v1.Snapshot
-	(*JoinRequest)(nil),               // 15: stor.v1.JoinRequest
-	(*JoinResponse)(nil),              // 16: stor.v1.JoinResponse
-	(*LeaveRequest)(nil),              // 17: stor.v1.LeaveRequest
-	(*LeaveResponse)(nil),             // 18: stor.v1.LeaveResponse
-	(*StatusRequest)(nil),             // 19: stor.v1.StatusRequest
-	(*Member)(nil),                    // 20: stor.v1.Member
-	(*StatusResponse)(nil),            // 21: stor.v1.StatusResponse
-	(*ListServersRequest)(nil),        // 22: stor.v1.ListServersRequest
-	(*ListServersResponse)(nil),       // 23: stor.v1.ListServersResponse
-	(*HeartbeatRequest)(nil),          // 24: stor.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),         // 25: stor.v1.HeartbeatResponse
-	(*CreateVolumeRequest)(nil),       // 26: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),      // 27: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),                 // 28: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),          // 29: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),         // 30: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),        // 31: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),       // 32: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),       // 33: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),      // 34: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),       // 35: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),      // 36: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),       // 37: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),      // 38: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),       // 39: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),      // 40: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),    // 41: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil),   // 42: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),     // 43: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),    // 44: stor.v1.ReplaceReplicaResponse
-	(*RecordCloneCopiedRequest)(nil),  // 45: stor.v1.RecordCloneCopiedRequest
-	(*RecordCloneCopiedResponse)(nil), // 46: stor.v1.RecordCloneCopiedResponse
-	(*WatchVolumeRequest)(nil),        // 47: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),               // 48: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),     // 49: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),    // 50: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),               // 51: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),        // 52: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),       // 53: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),      // 54: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),     // 55: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),     // 56: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),    // 57: stor.v1.DeleteSnapshotResponse
-	(*RecordSnapshotCutRequest)(nil),  // 58: stor.v1.RecordSnapshotCutRequest
-	(*RecordSnapshotCutResponse)(nil), // 59: stor.v1.RecordSnapshotCutResponse
-	nil,                               // 60: stor.v1.Server.LabelsEntry
-	nil,                               // 61: stor.v1.Topology.SegmentsEntry
-	nil,                               // 62: stor.v1.Volume.ParametersEntry
-	nil,                               // 63: stor.v1.CreateVolumeRequest.ParametersEntry
+	(*Node)(nil),                      // 7: stor.v1.Node
+	(*Replica)(nil),                   // 8: stor.v1.Replica
+	(*Attachment)(nil),                // 9: stor.v1.Attachment
+	(*ContentSource)(nil),             // 10: stor.v1.ContentSource
+	(*Topology)(nil),                  // 11: stor.v1.Topology
+	(*TopologyRequirement)(nil),       // 12: stor.v1.TopologyRequirement
+	(*Volume)(nil),                    // 13: stor.v1.Volume
+	(*SnapshotReplica)(nil),           // 14: stor.v1.SnapshotReplica
+	(*Snapshot)(nil),                  // 15: stor.v1.Snapshot
+	(*JoinRequest)(nil),               // 16: stor.v1.JoinRequest
+	(*JoinResponse)(nil),              // 17: stor.v1.JoinResponse
+	(*LeaveRequest)(nil),              // 18: stor.v1.LeaveRequest
+	(*LeaveResponse)(nil),             // 19: stor.v1.LeaveResponse
+	(*StatusRequest)(nil),             // 20: stor.v1.StatusRequest
+	(*Member)(nil),                    // 21: stor.v1.Member
+	(*StatusResponse)(nil),            // 22: stor.v1.StatusResponse
+	(*ListServersRequest)(nil),        // 23: stor.v1.ListServersRequest
+	(*ListServersResponse)(nil),       // 24: stor.v1.ListServersResponse
+	(*HeartbeatRequest)(nil),          // 25: stor.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),         // 26: stor.v1.HeartbeatResponse
+	(*RegisterNodeRequest)(nil),       // 27: stor.v1.RegisterNodeRequest
+	(*RegisterNodeResponse)(nil),      // 28: stor.v1.RegisterNodeResponse
+	(*GetNodeRequest)(nil),            // 29: stor.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),           // 30: stor.v1.GetNodeResponse
+	(*ListNodesRequest)(nil),          // 31: stor.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),         // 32: stor.v1.ListNodesResponse
+	(*CreateVolumeRequest)(nil),       // 33: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),      // 34: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                 // 35: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),          // 36: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),         // 37: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),        // 38: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),       // 39: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),       // 40: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),      // 41: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),       // 42: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),      // 43: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),       // 44: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),      // 45: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),       // 46: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),      // 47: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),    // 48: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),   // 49: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),     // 50: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),    // 51: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),  // 52: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil), // 53: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),        // 54: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),               // 55: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),     // 56: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),    // 57: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),               // 58: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),        // 59: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),       // 60: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),      // 61: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),     // 62: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),     // 63: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),    // 64: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),  // 65: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil), // 66: stor.v1.RecordSnapshotCutResponse
+	nil,                               // 67: stor.v1.Server.LabelsEntry
+	nil,                               // 68: stor.v1.Node.LabelsEntry
+	nil,                               // 69: stor.v1.Topology.SegmentsEntry
+	nil,                               // 70: stor.v1.Volume.ParametersEntry
+	nil,                               // 71: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	60, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	67, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
-	2,  // 2: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
-	3,  // 3: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	61, // 4: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
-	10, // 5: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
-	10, // 6: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	62, // 7: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
-	9,  // 8: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
-	1,  // 9: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
-	8,  // 10: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
-	7,  // 11: stor.v1.Volume.replicas:type_name -> stor.v1.Replica
-	11, // 12: stor.v1.Volume.accessibility:type_name -> stor.v1.TopologyRequirement
-	4,  // 13: stor.v1.SnapshotReplica.state:type_name -> stor.v1.SnapshotReplicaState
-	13, // 14: stor.v1.Snapshot.replicas:type_name -> stor.v1.SnapshotReplica
-	6,  // 15: stor.v1.JoinRequest.server:type_name -> stor.v1.Server
-	5,  // 16: stor.v1.Member.suffrage:type_name -> stor.v1.Suffrage
-	0,  // 17: stor.v1.Member.state:type_name -> stor.v1.ServerState
-	20, // 18: stor.v1.StatusResponse.members:type_name -> stor.v1.Member
-	6,  // 19: stor.v1.ListServersResponse.servers:type_name -> stor.v1.Server
-	6,  // 20: stor.v1.HeartbeatRequest.server:type_name -> stor.v1.Server
-	63, // 21: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
-	9,  // 22: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
-	11, // 23: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
-	12, // 24: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	28, // 25: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	12, // 26: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
-	12, // 27: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	28, // 28: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	28, // 29: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	12, // 30: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	28, // 31: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	3,  // 32: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
-	12, // 33: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	28, // 34: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	12, // 35: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
-	2,  // 36: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
-	12, // 37: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	28, // 38: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
-	12, // 39: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
-	12, // 40: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	28, // 41: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	12, // 42: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	14, // 43: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	51, // 44: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	14, // 45: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	14, // 46: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	51, // 47: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	14, // 48: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
-	15, // 49: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	17, // 50: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	19, // 51: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	22, // 52: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	24, // 53: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	26, // 54: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	29, // 55: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	31, // 56: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	33, // 57: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	35, // 58: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	37, // 59: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	39, // 60: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	47, // 61: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	41, // 62: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	43, // 63: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	45, // 64: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	49, // 65: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	52, // 66: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	54, // 67: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	56, // 68: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	58, // 69: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	16, // 70: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	18, // 71: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	21, // 72: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	23, // 73: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	25, // 74: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	27, // 75: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	30, // 76: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	32, // 77: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	34, // 78: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	36, // 79: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	38, // 80: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	40, // 81: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	48, // 82: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	42, // 83: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	44, // 84: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	46, // 85: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	50, // 86: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	53, // 87: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	55, // 88: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	57, // 89: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	59, // 90: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	70, // [70:91] is the sub-list for method output_type
-	49, // [49:70] is the sub-list for method input_type
-	49, // [49:49] is the sub-list for extension type_name
-	49, // [49:49] is the sub-list for extension extendee
-	0,  // [0:49] is the sub-list for field type_name
+	68, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
+	2,  // 3: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
+	3,  // 4: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
+	69, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	11, // 6: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
+	11, // 7: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
+	70, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	10, // 9: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
+	1,  // 10: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
+	9,  // 11: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
+	8,  // 12: stor.v1.Volume.replicas:type_name -> stor.v1.Replica
+	12, // 13: stor.v1.Volume.accessibility:type_name -> stor.v1.TopologyRequirement
+	4,  // 14: stor.v1.SnapshotReplica.state:type_name -> stor.v1.SnapshotReplicaState
+	14, // 15: stor.v1.Snapshot.replicas:type_name -> stor.v1.SnapshotReplica
+	6,  // 16: stor.v1.JoinRequest.server:type_name -> stor.v1.Server
+	5,  // 17: stor.v1.Member.suffrage:type_name -> stor.v1.Suffrage
+	0,  // 18: stor.v1.Member.state:type_name -> stor.v1.ServerState
+	21, // 19: stor.v1.StatusResponse.members:type_name -> stor.v1.Member
+	6,  // 20: stor.v1.ListServersResponse.servers:type_name -> stor.v1.Server
+	6,  // 21: stor.v1.HeartbeatRequest.server:type_name -> stor.v1.Server
+	7,  // 22: stor.v1.RegisterNodeRequest.node:type_name -> stor.v1.Node
+	7,  // 23: stor.v1.RegisterNodeResponse.node:type_name -> stor.v1.Node
+	7,  // 24: stor.v1.GetNodeResponse.node:type_name -> stor.v1.Node
+	7,  // 25: stor.v1.ListNodesResponse.nodes:type_name -> stor.v1.Node
+	71, // 26: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	10, // 27: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
+	12, // 28: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
+	13, // 29: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
+	35, // 30: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 31: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
+	13, // 32: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
+	35, // 33: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	35, // 34: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 35: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
+	35, // 36: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	3,  // 37: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
+	13, // 38: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
+	35, // 39: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 40: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
+	2,  // 41: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
+	13, // 42: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
+	35, // 43: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 44: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	13, // 45: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
+	35, // 46: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 47: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	15, // 48: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	58, // 49: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 50: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	15, // 51: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	58, // 52: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 53: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
+	16, // 54: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	18, // 55: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	20, // 56: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	23, // 57: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	25, // 58: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	27, // 59: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
+	29, // 60: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
+	31, // 61: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
+	33, // 62: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	36, // 63: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	38, // 64: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	40, // 65: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	42, // 66: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	44, // 67: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	46, // 68: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	54, // 69: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	48, // 70: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	50, // 71: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	52, // 72: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	56, // 73: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	59, // 74: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	61, // 75: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	63, // 76: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	65, // 77: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 78: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 79: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 80: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 81: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 82: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 83: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 84: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 85: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	34, // 86: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	37, // 87: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	39, // 88: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	41, // 89: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	43, // 90: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	45, // 91: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	47, // 92: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	55, // 93: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	49, // 94: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	51, // 95: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	53, // 96: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	57, // 97: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	60, // 98: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	62, // 99: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	64, // 100: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	66, // 101: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	78, // [78:102] is the sub-list for method output_type
+	54, // [54:78] is the sub-list for method input_type
+	54, // [54:54] is the sub-list for extension type_name
+	54, // [54:54] is the sub-list for extension extendee
+	0,  // [0:54] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }
@@ -4125,7 +4509,7 @@ func file_control_proto_init() {
 	if File_control_proto != nil {
 		return
 	}
-	file_control_proto_msgTypes[3].OneofWrappers = []any{
+	file_control_proto_msgTypes[4].OneofWrappers = []any{
 		(*ContentSource_SnapshotId)(nil),
 		(*ContentSource_VolumeId)(nil),
 	}
@@ -4135,7 +4519,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   58,
+			NumMessages:   66,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -4,9 +4,9 @@
 //	stor-csi --mode=controller --endpoint unix:///csi/csi.sock --servers stor-0.stor:7400,stor-1.stor:7400
 //	stor-csi --mode=node --endpoint unix:///csi/csi.sock --servers ... --node-id $(NODE_NAME) --zone a --state-dir /var/lib/stor-csi
 //
-// The node id must be the id of the stor-server on the same node. The
-// node plugin resumes every volume it had staged (recorded in
-// --state-dir) before Probe reports ready; on SIGTERM it stops serving
+// The node id is the Kubernetes node name; the node plugin registers it
+// with the cluster, then resumes every volume it had staged (recorded in
+// --state-dir), before Probe reports ready; on SIGTERM it stops serving
 // without detaching, so the next start resumes the devices.
 package main
 
@@ -38,7 +38,7 @@ func run(args []string) error {
 	mode := fs.String("mode", "all", "controller, node or all")
 	fs.StringVar(&cfg.Endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (a unix socket)")
 	servers := fs.String("servers", "127.0.0.1:7400", "comma-separated stor-server control addresses")
-	fs.StringVar(&cfg.NodeID, "node-id", "", "this node's id: the id of the stor-server on this node (node mode; default: the host name)")
+	fs.StringVar(&cfg.NodeID, "node-id", "", "this node's id, the Kubernetes node name; registered with the cluster at start (node mode; default: the host name)")
 	fs.StringVar(&cfg.DriverName, "driver-name", cfg.DriverName, "CSI driver name (and topology key suffix)")
 	fs.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "node: where staged volumes are recorded, for restart recovery")
 	fs.StringVar(&cfg.Zone, "zone", "", "node: this node's zone (topology segment topology.<driver-name>/zone)")

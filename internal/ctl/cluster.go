@@ -110,3 +110,33 @@ func newServerCommand(a *app) *cobra.Command {
 	}
 	return group("server", "Storage servers", list, remove)
 }
+
+func newNodeCommand(a *app) *cobra.Command {
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List the registered nodes (hosts that attach volumes)",
+		Long: `List the nodes that registered with the cluster: every CSI node plugin
+registers its node id (the Kubernetes node name) and zone when it starts.
+ControllerPublish accepts these ids and the stor-server ids.`,
+		Args: exactArgs(),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Cluster.ListNodes(ctx, &storpb.ListNodesRequest{})
+				if err != nil {
+					return err
+				}
+				if a.jsonOutput() {
+					return a.printJSON(resp)
+				}
+				now := a.now()
+				t := newTable(a.stdout, "ID", "ZONE", "LABELS", "REGISTERED", "LAST REGISTERED")
+				for _, n := range resp.GetNodes() {
+					t.row(n.GetId(), orDash(n.GetZone()), formatMap(n.GetLabels()),
+						formatAge(now, n.GetRegisteredUnixNano()), formatAge(now, n.GetLastRegisteredUnixNano()))
+				}
+				return t.flush()
+			})
+		},
+	}
+	return group("node", "Nodes that attach volumes (CSI node plugins)", list)
+}

@@ -28,6 +28,7 @@ type fakeCluster struct {
 	storpb.UnimplementedClusterServiceServer
 	status      *storpb.StatusResponse
 	servers     []*storpb.Server
+	nodes       []*storpb.Node
 	unavailable bool // answer every call Unavailable ("no leader")
 
 	mu   sync.Mutex
@@ -43,6 +44,10 @@ func (f *fakeCluster) Status(context.Context, *storpb.StatusRequest) (*storpb.St
 
 func (f *fakeCluster) ListServers(context.Context, *storpb.ListServersRequest) (*storpb.ListServersResponse, error) {
 	return &storpb.ListServersResponse{Servers: f.servers}, nil
+}
+
+func (f *fakeCluster) ListNodes(context.Context, *storpb.ListNodesRequest) (*storpb.ListNodesResponse, error) {
+	return &storpb.ListNodesResponse{Nodes: f.nodes}, nil
 }
 
 func (f *fakeCluster) Leave(_ context.Context, req *storpb.LeaveRequest) (*storpb.LeaveResponse, error) {
@@ -245,6 +250,13 @@ func newFake(t *testing.T) *fakeCluster3 {
 				{Id: "s2", Address: "10.0.0.2:7400", State: storpb.ServerState_SERVER_STATE_DOWN,
 					CapacityBytes: 512 << 30},
 			},
+			nodes: []*storpb.Node{
+				{Id: "worker-1", Zone: "a", Labels: map[string]string{"pool": "gpu", "arch": "arm64"},
+					RegisteredUnixNano:     testNow.Add(-3 * 24 * time.Hour).UnixNano(),
+					LastRegisteredUnixNano: testNow.Add(-5 * time.Minute).UnixNano()},
+				{Id: "worker-2", RegisteredUnixNano: testNow.Add(-7 * time.Second).UnixNano(),
+					LastRegisteredUnixNano: testNow.Add(-7 * time.Second).UnixNano()},
+			},
 		},
 		volumes: &fakeVolumes{
 			volumes: []*storpb.Volume{
@@ -394,6 +406,14 @@ func TestServerList(t *testing.T) {
 	assertCells(t, out, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "ALLOCATED", "LAST SEEN")
 	assertCells(t, out, "s1", "10.0.0.1:7400", "a", "up", "1 TiB", "30 GiB", "2s ago")
 	assertCells(t, out, "s2", "10.0.0.2:7400", "-", "down", "512 GiB", "0 B", "-")
+}
+
+func TestNodeList(t *testing.T) {
+	f := newFake(t)
+	out := mustRun(t, "--server", f.addr, "node", "list")
+	assertCells(t, out, "ID", "ZONE", "LABELS", "REGISTERED", "LAST REGISTERED")
+	assertCells(t, out, "worker-1", "a", "arch=arm64,pool=gpu", "3d ago", "5m ago")
+	assertCells(t, out, "worker-2", "-", "-", "7s ago", "7s ago")
 }
 
 func TestServerRemove(t *testing.T) {
@@ -584,6 +604,7 @@ func TestJSONOutput(t *testing.T) {
 	}{
 		{[]string{"cluster", "status"}, &storpb.StatusResponse{}, f.cluster.status},
 		{[]string{"server", "list"}, &storpb.ListServersResponse{}, &storpb.ListServersResponse{Servers: f.cluster.servers}},
+		{[]string{"node", "list"}, &storpb.ListNodesResponse{}, &storpb.ListNodesResponse{Nodes: f.cluster.nodes}},
 		{[]string{"volume", "get", "db"}, &storpb.Volume{}, f.volumes.volumes[0]},
 		{[]string{"volume", "list"}, &storpb.ListVolumesResponse{}, allVolumes},
 		{[]string{"snapshot", "get", "nightly"}, &storpb.Snapshot{}, f.snapshots.snapshots[0]},

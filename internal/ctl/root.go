@@ -146,6 +146,7 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 	root.AddCommand(
 		newClusterCommand(a),
 		newServerCommand(a),
+		newNodeCommand(a),
 		newVolumeCommand(a),
 		newReplicaCommand(a),
 		newSnapshotCommand(a),

@@ -119,12 +119,10 @@ func (c *Config) withDefaults() {
 	}
 }
 
-var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
-
 // Validate reports the first problem with the configuration.
 func (c *Config) Validate() error {
 	switch {
-	case !idPattern.MatchString(c.ID):
+	case !raftstore.ValidID(c.ID):
 		return fmt.Errorf("server: --id %q: use 1-63 letters, digits, '.', '_' or '-'", c.ID)
 	case c.DataDir == "":
 		return fmt.Errorf("server: --data-dir is required")

@@ -83,6 +83,47 @@ func (c *clusterService) Heartbeat(ctx context.Context, req *storpb.HeartbeatReq
 	return &storpb.HeartbeatResponse{LeaderId: c.s.cfg.ID}, nil
 }
 
+// RegisterNode records a host that attaches volumes (a CSI node plugin).
+func (c *clusterService) RegisterNode(ctx context.Context, req *storpb.RegisterNodeRequest) (*storpb.RegisterNodeResponse, error) {
+	n, err := c.s.store.RegisterNode(ctx, req.Node)
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.RegisterNodeResponse{Node: n}, nil
+}
+
+func (c *clusterService) GetNode(ctx context.Context, req *storpb.GetNodeRequest) (*storpb.GetNodeResponse, error) {
+	if err := c.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.GetNodeResponse{}
+	err := c.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Node, err = r.Node(req.Id)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return resp, nil
+}
+
+func (c *clusterService) ListNodes(ctx context.Context, _ *storpb.ListNodesRequest) (*storpb.ListNodesResponse, error) {
+	if err := c.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	resp := &storpb.ListNodesResponse{}
+	err := c.s.store.View(func(r *raftstore.Reader) error {
+		var err error
+		resp.Nodes, err = r.Nodes()
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return resp, nil
+}
+
 type volumeService struct {
 	storpb.UnimplementedVolumeServiceServer
 	s *Server

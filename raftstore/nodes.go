@@ -1,0 +1,74 @@
+package raftstore
+
+import (
+	"context"
+	"fmt"
+	"regexp"
+
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// A node is a host that attaches volumes (a CSI node plugin's node id,
+// normally the Kubernetes node name). It need not run a stor-server: the
+// nodes bucket is independent of the servers bucket, and an id may be in
+// both. The cluster never removes a node record.
+
+// idPattern is the rule for server and node ids: 1-63 letters, digits, '.',
+// '_' or '-', starting with a letter or digit.
+var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
+
+// ValidID reports whether id is a valid server or node id.
+func ValidID(id string) bool { return idPattern.MatchString(id) }
+
+// Node returns the node with the given id, or ErrNotFound.
+func (r *Reader) Node(id string) (*storpb.Node, error) {
+	n := &storpb.Node{}
+	if err := r.get(bucketNodes, id, n); err != nil {
+		return nil, fmt.Errorf("node %q: %w", id, err)
+	}
+	return n, nil
+}
+
+// Nodes returns every registered node, ordered by id.
+func (r *Reader) Nodes() ([]*storpb.Node, error) {
+	var out []*storpb.Node
+	err := r.tx.Bucket(bucketNodes).ForEach(func(k, v []byte) error {
+		n := &storpb.Node{}
+		if err := proto.Unmarshal(v, n); err != nil {
+			return fmt.Errorf("%w: node %q: %v", ErrCorrupt, k, err)
+		}
+		out = append(out, n)
+		return nil
+	})
+	return out, err
+}
+
+// registerNode records a node: an upsert by id that replaces zone and
+// labels, keeps the first registration time and stamps the latest.
+func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) {
+	if !ValidID(in.Id) {
+		return nil, fmt.Errorf("%w: node id %q: use 1-63 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.Id)
+	}
+	n, err := w.Node(in.Id)
+	if err != nil {
+		n = &storpb.Node{Id: in.Id, RegisteredUnixNano: at}
+	}
+	n.Zone, n.Labels, n.LastRegisteredUnixNano = in.Zone, in.Labels, at
+	w.put(bucketNodes, n.Id, n)
+	return n, nil
+}
+
+// RegisterNode records a node (idempotent by id; see registerNode). A
+// malformed id is ErrInvalidArgument.
+func (s *Store) RegisterNode(ctx context.Context, in *storpb.Node) (*storpb.Node, error) {
+	if in == nil || !ValidID(in.Id) {
+		return nil, fmt.Errorf("%w: node id %q: use 1-63 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.GetId())
+	}
+	m, err := s.propose(ctx, command{Op: opRegisterNode, Body: &storpb.Node{Id: in.Id, Zone: in.Zone, Labels: in.Labels}})
+	if err != nil {
+		return nil, err
+	}
+	return m.(*storpb.Node), nil
+}
