@@ -47,7 +47,7 @@
 // its node id and --zone; an upsert, so a restart registers again),
 // retrying with backoff while the cluster does not answer, before Probe
 // reports ready; NodeGetInfo does not depend on it. An id the cluster
-// refuses (not 1-63 letters, digits, '.', '_' or '-') is logged and Probe
+// refuses (not 1-253 letters, digits, '.', '_' or '-') is logged and Probe
 // stays not ready (staged volumes are still recovered). ControllerPublishVolume accepts a node id that is a
 // registered node or a stor-server id (a server attaching volumes as a
 // client, stor-ctl nbd attach); any other id is NOT_FOUND. Node records

@@ -15,12 +15,20 @@ import (
 // nodes bucket is independent of the servers bucket, and an id may be in
 // both. The cluster never removes a node record.
 
-// idPattern is the rule for server and node ids: 1-63 letters, digits, '.',
+// idPattern is the rule for server ids: 1-63 letters, digits, '.',
 // '_' or '-', starting with a letter or digit.
 var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
 
-// ValidID reports whether id is a valid server or node id.
+// ValidID reports whether id is a valid server id.
 func ValidID(id string) bool { return idPattern.MatchString(id) }
+
+// nodeIDPattern is the rule for node ids: as for servers, but up to 253
+// characters, because a node id is normally a Kubernetes node name (a DNS
+// subdomain, up to 253).
+var nodeIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$`)
+
+// ValidNodeID reports whether id is a valid node id.
+func ValidNodeID(id string) bool { return nodeIDPattern.MatchString(id) }
 
 // Node returns the node with the given id, or ErrNotFound.
 func (r *Reader) Node(id string) (*storpb.Node, error) {
@@ -48,8 +56,8 @@ func (r *Reader) Nodes() ([]*storpb.Node, error) {
 // registerNode records a node: an upsert by id that replaces zone and
 // labels, keeps the first registration time and stamps the latest.
 func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) {
-	if !ValidID(in.Id) {
-		return nil, fmt.Errorf("%w: node id %q: use 1-63 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.Id)
+	if !ValidNodeID(in.Id) {
+		return nil, fmt.Errorf("%w: node id %q: use 1-253 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.Id)
 	}
 	n, err := w.Node(in.Id)
 	if err != nil {
@@ -63,8 +71,8 @@ func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) 
 // RegisterNode records a node (idempotent by id; see registerNode). A
 // malformed id is ErrInvalidArgument.
 func (s *Store) RegisterNode(ctx context.Context, in *storpb.Node) (*storpb.Node, error) {
-	if in == nil || !ValidID(in.Id) {
-		return nil, fmt.Errorf("%w: node id %q: use 1-63 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.GetId())
+	if in == nil || !ValidNodeID(in.Id) {
+		return nil, fmt.Errorf("%w: node id %q: use 1-253 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.GetId())
 	}
 	m, err := s.propose(ctx, command{Op: opRegisterNode, Body: &storpb.Node{Id: in.Id, Zone: in.Zone, Labels: in.Labels}})
 	if err != nil {

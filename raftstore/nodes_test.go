@@ -109,6 +109,22 @@ func TestValidID(t *testing.T) {
 			t.Errorf("ValidID(%q) = %v, want %v", tc.id, got, tc.ok)
 		}
 	}
+	// Node ids are Kubernetes node names: up to 253 characters.
+	for _, tc := range []struct {
+		id string
+		ok bool
+	}{
+		{"worker-7", true},
+		{string(bytes.Repeat([]byte("n"), 64)), true},
+		{string(bytes.Repeat([]byte("n"), 253)), true},
+		{string(bytes.Repeat([]byte("n"), 254)), false},
+		{"", false},
+		{"worker/7", false},
+	} {
+		if got := ValidNodeID(tc.id); got != tc.ok {
+			t.Errorf("ValidNodeID(%d chars %.10q) = %v, want %v", len(tc.id), tc.id, got, tc.ok)
+		}
+	}
 }
 
 // TestFSMRestoreImageWithoutNodesBucket: a snapshot taken before the nodes
