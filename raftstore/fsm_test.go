@@ -947,7 +947,7 @@ func TestFSMRefusedCommandsLeaveNoTrace(t *testing.T) {
 		{"register node: empty id", cmdRegisterNode("", "a", nil), ErrInvalidArgument},
 		{"register node: id with a slash", cmdRegisterNode("a/b", "a", nil), ErrInvalidArgument},
 		{"register node: id starting with '-'", cmdRegisterNode("-n", "a", nil), ErrInvalidArgument},
-		{"register node: id of 64 bytes", cmdRegisterNode(strings.Repeat("n", 64), "a", nil), ErrInvalidArgument},
+		{"register node: id of 254 bytes", cmdRegisterNode(strings.Repeat("n", 254), "a", nil), ErrInvalidArgument},
 		{"register node: no body", command{Op: opRegisterNode}, ErrInvalidArgument},
 		{"replica state: stale epoch", cmdSetReplicaState("vol-a", "vol-a-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 0, 0), ErrStaleEpoch},
 		{"replica state: future epoch", cmdSetReplicaState("vol-a", "vol-a-r1", storpb.ReplicaState_REPLICA_STATE_FAULTY, 2, 0), ErrStaleEpoch},
