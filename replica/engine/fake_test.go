@@ -19,6 +19,7 @@ type memReplica struct {
 	dirty    map[int64]bool // region offsets (1 MiB) written since the last flush
 	flushes  int
 	failIO   bool          // every request fails with ErrIO
+	failHist bool          // WrittenSince fails with ErrIO
 	hold     chan struct{} // if set, writes block until it is closed
 	writes   int
 	accepted []uint64 // epochs of accepted writes
@@ -134,6 +135,9 @@ func (c conn) WrittenSince(ctx context.Context, o replica.Op, gen uint64) ([]rep
 	defer c.r.mu.Unlock()
 	if err := c.r.check(o, 0, 0); err != nil {
 		return nil, err
+	}
+	if c.r.failHist {
+		return nil, fmt.Errorf("%w: injected (history)", replica.ErrIO)
 	}
 	var out []replica.Extent
 	for reg, g := range c.r.history {

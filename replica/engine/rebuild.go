@@ -107,7 +107,7 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 			}
 			p := buf[:c.Len]
 			if err := src.Read.ReadAt(ctx, o, p, c.Off); err != nil {
-				return st, fmt.Errorf("rebuild: read source: %w", errSource{err})
+				return st, fmt.Errorf("rebuild: read source: %w", errSource{err, -1})
 			}
 			if err := dst.RebuildWrite(ctx, o, p, c.Off); err != nil {
 				return st, fmt.Errorf("rebuild: write target: %w", err)
@@ -140,30 +140,48 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	return st, nil
 }
 
-// errSource marks an error as the source's (so the caller blames the
-// right replica).
-type errSource struct{ error }
+// errSource marks an error as a source replica's, and says which one, so
+// the caller blames the right replica: history is the index in
+// RebuildSource.History of the replica whose write history failed, or -1
+// for RebuildSource.Read.
+type errSource struct {
+	error
+	history int
+}
 
 func (e errSource) Unwrap() error { return e.error }
 
-// IsSourceError reports whether a Rebuild error came from the source.
+// IsSourceError reports whether a Rebuild error came from a source
+// replica (RebuildSource.Read or one of RebuildSource.History) rather than
+// the target.
 func IsSourceError(err error) bool {
 	var s errSource
 	return errors.As(err, &s)
+}
+
+// FailedHistory reports the index in RebuildSource.History of the replica
+// whose write history a Rebuild could not read, if that is what err is. A
+// history failure is that replica's, not the read source's.
+func FailedHistory(err error) (int, bool) {
+	var s errSource
+	if errors.As(err, &s) && s.history >= 0 {
+		return s.history, true
+	}
+	return 0, false
 }
 
 func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan) ([]replica.Extent, bool, error) {
 	if plan.FromGeneration > 0 {
 		var regions []replica.Extent
 		lost := false
-		for _, h := range src.History {
+		for i, h := range src.History {
 			r, err := h.WrittenSince(ctx, o, plan.FromGeneration)
 			if errors.Is(err, replica.ErrHistoryLost) {
 				lost = true
 				break
 			}
 			if err != nil {
-				return nil, false, fmt.Errorf("rebuild: write history: %w", errSource{err})
+				return nil, false, fmt.Errorf("rebuild: write history: %w", errSource{err, i})
 			}
 			regions = append(regions, r...)
 		}
@@ -180,7 +198,7 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 	// copying the source's contents there, zeroes included, removes them).
 	all, err := allExtents(ctx, o, src.Read)
 	if err != nil {
-		return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err})
+		return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err, -1})
 	}
 	own, err := allExtents(ctx, o, dst)
 	if err != nil {
@@ -298,8 +316,14 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 		if cerr := e.classify(ctx, err); cerr != nil {
 			return // fenced, or a bad request
 		}
+		// Blame the replica the error came from. A history failure is
+		// that replica's: blaming the read source instead took a replica
+		// holding every write out of the read set and left the failing
+		// one the last healthy copy (jepsen seed 1016, docs/JEPSEN.md).
 		blame := r.Id
-		if IsSourceError(err) {
+		if i, ok := FailedHistory(err); ok {
+			blame = sources[i].info.Id
+		} else if IsSourceError(err) {
 			blame = sources[0].info.Id
 		}
 		_ = e.markFaulty(ctx, blame, fmt.Sprintf("rebuild: %v", err))

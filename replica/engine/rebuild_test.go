@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"testing"
+	"time"
 
+	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
 )
@@ -102,5 +104,75 @@ func TestRebuildAfterAFailedOneCopiesBlocksTheFailedOneSawWritten(t *testing.T) 
 	}
 	if got := dst.snapshot()[8192 : 8192+4096]; !bytes.Equal(got, newer) {
 		t.Fatalf("the rebuilt target holds the older write (%v) instead of the newer one", bytes.Equal(got, old))
+	}
+}
+
+// A delta rebuild reads the write history of every healthy replica. When
+// one of them fails to give it, that replica is the one to record faulty,
+// not the rebuild's read source: blaming the source took a replica that
+// held every write out of the read set and left the failing one as the
+// last healthy copy, which then lost a write a read had already returned
+// (jepsen seed 1016; see docs/JEPSEN.md).
+func TestRebuildBlamesTheReplicaWhoseHistoryFailed(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.LocalServerID = f.vol.Replicas[0].ServerId // replica 0 is the rebuild's read source
+	e := f.open(cfg)
+	if err := e.WriteAt(ctx10(t), randomBytes(20, 64<<10), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	// Replica 2 fails a write and is recorded faulty; a write at the new
+	// generation gives the delta something to copy.
+	target, source, broken := f.replica(2), f.replica(0), f.replica(1)
+	target.mu.Lock()
+	target.failIO = true
+	target.mu.Unlock()
+	if err := e.WriteAt(ctx10(t), randomBytes(21, 4096), 1<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WriteAt(ctx10(t), randomBytes(22, 4096), 3<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	// Replica 1 can no longer read its write history; replica 2 comes
+	// back, and the leader starts its delta rebuild.
+	broken.mu.Lock()
+	broken.failHist = true
+	broken.mu.Unlock()
+	target.mu.Lock()
+	target.failIO = false
+	target.mu.Unlock()
+
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		v := f.volume()
+		if v.Replicas[0].State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			t.Fatalf("the rebuild's read source %s was recorded %v for another replica's history failure; replica 1 is %v",
+				v.Replicas[0].Id, v.Replicas[0].State, v.Replicas[1].State)
+		}
+		if v.Replicas[1].State == storpb.ReplicaState_REPLICA_STATE_FAULTY {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica 1, whose write history fails, not recorded faulty: %v", v.Replicas)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// Replica 0, which holds every write, still serves: the rebuild goes on
+	// from it alone and the volume stays writable.
+	if err := e.WriteAt(ctx10(t), randomBytes(23, 4096), 5<<20, false); err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(15 * time.Second)
+	for f.volume().Replicas[2].State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		if time.Now().After(deadline) {
+			t.Fatalf("replica 2 not rebuilt from replica 0: %v", f.volume().Replicas[2])
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := e.Flush(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(source.snapshot(), target.snapshot()) {
+		t.Fatal("the rebuilt replica differs from its source")
 	}
 }
