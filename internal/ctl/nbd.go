@@ -27,6 +27,57 @@ import (
 // NBD port (IANA 10809) on loopback.
 const defaultNBDListen = "127.0.0.1:10809"
 
+// volumeEnv is what a command that opens a volume's engine here gets
+// from the command line and the cluster: see runVolumeCommand.
+type volumeEnv struct {
+	Control engine.ControlPlane
+	Connect engine.Connector
+	Timeout time.Duration
+	Stdout  io.Writer
+	Logger  *slog.Logger
+}
+
+// runVolumeCommand is the common part of "nbd serve" and "nbd attach": it
+// defaults *nodeID to the host name, dials the cluster, and runs run with a
+// context that SIGINT or SIGTERM cancels (after the first signal the
+// default action comes back, so a second one ends a stop that takes too
+// long). A gRPC error from run is described with the addresses tried.
+func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, run func(context.Context, volumeEnv) error) error {
+	if *nodeID == "" {
+		host, err := os.Hostname()
+		if err != nil {
+			return fmt.Errorf("%s: no --node given and the host name is unknown: %w", what, err)
+		}
+		*nodeID = host
+	}
+	addrs, err := a.serverAddrs(cmd)
+	if err != nil {
+		return err
+	}
+	c, err := client.Dial(addrs)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	env := volumeEnv{
+		Control: engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots},
+		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Timeout: a.timeout,
+		Stdout:  a.stdout,
+		Logger:  slog.New(slog.NewTextHandler(a.stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	}
+	ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	context.AfterFunc(ctx, stop)
+	if err := run(ctx, env); err != nil {
+		if st, ok := grpcCause(err); ok {
+			return a.describe(st.Err(), addrs)
+		}
+		return err
+	}
+	return nil
+}
+
 // nbdDrainTimeout bounds how long a stopping "nbd serve" waits for the
 // requests in flight before it cuts them off.
 const nbdDrainTimeout = 30 * time.Second
@@ -69,40 +120,10 @@ needs --allow-remote.
 				}
 				fmt.Fprintf(a.stderr, "stor-ctl: warning: --listen %s is reachable from other hosts; NBD has no authentication or encryption: anyone who can connect can read and overwrite volume %q\n", cfg.Listen, cfg.Volume)
 			}
-			if cfg.NodeID == "" {
-				host, err := os.Hostname()
-				if err != nil {
-					return fmt.Errorf("nbd serve: no --node given and the host name is unknown: %w", err)
-				}
-				cfg.NodeID = host
-			}
-			addrs, err := a.serverAddrs(cmd)
-			if err != nil {
-				return err
-			}
-			c, err := client.Dial(addrs)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			cfg.Control = engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots}
-			cfg.Connect = engine.WireConnector(wire.ClientConfig{})
-			cfg.Timeout = a.timeout
-			cfg.Stdout = a.stdout
-			cfg.Logger = slog.New(slog.NewTextHandler(a.stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
-
-			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
-			defer stop()
-			// After the first signal the default action comes back: a
-			// second Ctrl-C ends a stop that takes too long.
-			context.AfterFunc(ctx, stop)
-			if err := runNBDServe(ctx, cfg); err != nil {
-				if st, ok := grpcCause(err); ok {
-					return a.describe(st.Err(), addrs)
-				}
-				return err
-			}
-			return nil
+			return a.runVolumeCommand(cmd, "nbd serve", &cfg.NodeID, func(ctx context.Context, env volumeEnv) error {
+				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
+				return runNBDServe(ctx, cfg)
+			})
 		},
 	}
 	f := cmd.Flags()

@@ -6,19 +6,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
-	"os/signal"
-	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
-	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/nbd/kernel"
 	"github.com/stor-io/stor/replica/engine"
-	"github.com/stor-io/stor/replica/wire"
 )
 
 func newNBDAttachCommand(a *app) *cobra.Command {
@@ -66,40 +61,10 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 			if cfg.IOTimeout < time.Second || cfg.DeadConnTimeout < time.Second {
 				return usageErrorf("--io-timeout and --dead-conn-timeout must be at least 1s")
 			}
-			if cfg.NodeID == "" {
-				host, err := os.Hostname()
-				if err != nil {
-					return fmt.Errorf("nbd attach: no --node given and the host name is unknown: %w", err)
-				}
-				cfg.NodeID = host
-			}
-			addrs, err := a.serverAddrs(cmd)
-			if err != nil {
-				return err
-			}
-			c, err := client.Dial(addrs)
-			if err != nil {
-				return err
-			}
-			defer c.Close()
-			cfg.Control = engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots}
-			cfg.Connect = engine.WireConnector(wire.ClientConfig{})
-			cfg.Timeout = a.timeout
-			cfg.Stdout = a.stdout
-			cfg.Logger = slog.New(slog.NewTextHandler(a.stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
-
-			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
-			defer stop()
-			// After the first signal the default action comes back: a
-			// second one ends a stop that takes too long.
-			context.AfterFunc(ctx, stop)
-			if err := runNBDAttach(ctx, cfg); err != nil {
-				if st, ok := grpcCause(err); ok {
-					return a.describe(st.Err(), addrs)
-				}
-				return err
-			}
-			return nil
+			return a.runVolumeCommand(cmd, "nbd attach", &cfg.NodeID, func(ctx context.Context, env volumeEnv) error {
+				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
+				return runNBDAttach(ctx, cfg)
+			})
 		},
 	}
 	f := cmd.Flags()
