@@ -81,8 +81,8 @@ func TestNodeRegistry(t *testing.T) {
 			_, err := cl.Cluster.RegisterNode(ctx, &storpb.RegisterNodeRequest{Node: &storpb.Node{Id: "worker 7"}})
 			return err
 		}, codes.InvalidArgument},
-		{"register: id of 64 bytes", func(ctx context.Context, cl servertest.Clients) error {
-			_, err := cl.Cluster.RegisterNode(ctx, &storpb.RegisterNodeRequest{Node: &storpb.Node{Id: strings.Repeat("w", 64)}})
+		{"register: id of 254 bytes", func(ctx context.Context, cl servertest.Clients) error {
+			_, err := cl.Cluster.RegisterNode(ctx, &storpb.RegisterNodeRequest{Node: &storpb.Node{Id: strings.Repeat("w", 254)}})
 			return err
 		}, codes.InvalidArgument},
 		{"get: unregistered", func(ctx context.Context, cl servertest.Clients) error {
