@@ -127,11 +127,9 @@ type Engine struct {
 	closed atomic.Bool
 	broken atomic.Bool // a replica failure could not be committed: stop serving
 
-	// inflight holds the writes under way; Flush waits for those that
-	// began before it (see Flush).
-	inflightMu sync.Mutex
-	inflight   map[*pending]struct{}
-	// overlaps keeps overlapping writes in one order on every replica.
+	// overlaps holds the writes under way: it keeps overlapping writes in
+	// one order on every replica, and Flush waits for those that began
+	// before it (see Flush).
 	overlaps overlaps
 
 	// quiesce is held shared by every write from beginWrite to endWrite
@@ -193,7 +191,6 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
 		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
 		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
-		inflight: map[*pending]struct{}{},
 	}
 	e.size.Store(v.SizeBytes)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -397,42 +394,21 @@ func (e *Engine) usable() error {
 	return nil
 }
 
-// pending is one write under way.
-type pending struct{ done chan struct{} }
-
-func (e *Engine) beginWrite() *pending {
+// beginWrite registers a write of [off, off+n) once no overlapping write
+// is in flight (overlaps), then holds quiesce shared until endWrite, so a
+// snapshot cut waits for it.
+func (e *Engine) beginWrite(ctx context.Context, off, n int64) (*span, error) {
+	sp, err := e.overlaps.lock(ctx, off, n)
+	if err != nil {
+		return nil, err
+	}
 	e.quiesce.RLock()
-	p := &pending{done: make(chan struct{})}
-	e.inflightMu.Lock()
-	e.inflight[p] = struct{}{}
-	e.inflightMu.Unlock()
-	return p
+	return sp, nil
 }
 
-func (e *Engine) endWrite(p *pending) {
-	e.inflightMu.Lock()
-	delete(e.inflight, p)
-	e.inflightMu.Unlock()
-	close(p.done)
+func (e *Engine) endWrite(sp *span) {
 	e.quiesce.RUnlock()
-}
-
-// waitWrites waits for every write that began before it was called.
-func (e *Engine) waitWrites(ctx context.Context) error {
-	e.inflightMu.Lock()
-	waits := make([]*pending, 0, len(e.inflight))
-	for p := range e.inflight {
-		waits = append(waits, p)
-	}
-	e.inflightMu.Unlock()
-	for _, p := range waits {
-		select {
-		case <-p.done:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	return nil
+	e.overlaps.unlock(sp)
 }
 
 func (e *Engine) checkRange(off, n int64) error {
@@ -498,13 +474,11 @@ func (e *Engine) WriteAt(ctx context.Context, p []byte, off int64, fua bool) err
 	if err := e.writable(int64(len(p)), off); err != nil {
 		return err
 	}
-	sp, err := e.overlaps.lock(ctx, off, int64(len(p)))
+	sp, err := e.beginWrite(ctx, off, int64(len(p)))
 	if err != nil {
 		return err
 	}
-	defer e.overlaps.unlock(sp)
-	w := e.beginWrite()
-	defer e.endWrite(w)
+	defer e.endWrite(sp)
 	for _, c := range chunks(off, int64(len(p))) {
 		buf := p[c.Off-off : c.Off-off+c.Len]
 		if err := e.writeAll(ctx, e.writeSet(), buf, c.Off, fua); err != nil {
@@ -575,13 +549,11 @@ func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error 
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
-	sp, err := e.overlaps.lock(ctx, off, n)
+	sp, err := e.beginWrite(ctx, off, n)
 	if err != nil {
 		return err
 	}
-	defer e.overlaps.unlock(sp)
-	w := e.beginWrite()
-	defer e.endWrite(w)
+	defer e.endWrite(sp)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
 		return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
 	})
@@ -592,13 +564,11 @@ func (e *Engine) Trim(ctx context.Context, off, n int64) error {
 	if err := e.writable(n, off); err != nil {
 		return err
 	}
-	sp, err := e.overlaps.lock(ctx, off, n)
+	sp, err := e.beginWrite(ctx, off, n)
 	if err != nil {
 		return err
 	}
-	defer e.overlaps.unlock(sp)
-	w := e.beginWrite()
-	defer e.endWrite(w)
+	defer e.endWrite(sp)
 	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
 		return m.conn.Trim(ctx, e.op(false), off, n)
 	})
@@ -615,7 +585,7 @@ func (e *Engine) Flush(ctx context.Context) error {
 	if err := e.usable(); err != nil {
 		return err
 	}
-	if err := e.waitWrites(ctx); err != nil {
+	if err := e.overlaps.wait(ctx); err != nil {
 		return err
 	}
 	return e.flush(ctx)

@@ -13,7 +13,8 @@ import (
 // (after a failover or a rebuild) see the block go back in time. A write
 // therefore waits, before it is sent anywhere, until every overlapping
 // write sent before it has been answered by every replica (found by the
-// jepsen harness; see docs/JEPSEN.md).
+// jepsen harness; see docs/JEPSEN.md). The same set is what Flush waits
+// for (wait).
 type overlaps struct {
 	mu       sync.Mutex
 	inflight map[*span]struct{} // guarded by mu
@@ -59,4 +60,22 @@ func (o *overlaps) unlock(s *span) {
 	delete(o.inflight, s)
 	o.mu.Unlock()
 	close(s.done)
+}
+
+// wait waits for every write registered before it was called.
+func (o *overlaps) wait(ctx context.Context) error {
+	o.mu.Lock()
+	waits := make([]chan struct{}, 0, len(o.inflight))
+	for x := range o.inflight {
+		waits = append(waits, x.done)
+	}
+	o.mu.Unlock()
+	for _, w := range waits {
+		select {
+		case <-w:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
 }
