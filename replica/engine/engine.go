@@ -501,18 +501,21 @@ type asyncWriter interface {
 // writeAll is fanOut for a write, with the same ack rule.
 func (e *Engine) writeAll(ctx context.Context, set []*member, p []byte, off int64, fua bool) error {
 	ctx = context.WithoutCancel(ctx)
-	if len(set) == 0 || len(set) > maxAsyncSet {
+	// A set too large for the stack, or a connection that cannot send
+	// without waiting (test fakes, wrappers): a goroutine per replica.
+	slow := func() error {
 		return e.fanOut(ctx, set, func(ctx context.Context, m *member) error {
 			return m.conn.WriteAt(ctx, e.op(fua), p, off)
 		})
+	}
+	if len(set) == 0 || len(set) > maxAsyncSet {
+		return slow()
 	}
 	var aw [maxAsyncSet]asyncWriter
 	for i, m := range set {
 		a, ok := m.conn.(asyncWriter)
 		if !ok {
-			return e.fanOut(ctx, set, func(ctx context.Context, m *member) error {
-				return m.conn.WriteAt(ctx, e.op(fua), p, off)
-			})
+			return slow()
 		}
 		aw[i] = a
 	}
