@@ -19,6 +19,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
+	"github.com/stor-io/stor/internal/durable"
 )
 
 // expandWait bounds how long NodeExpandVolume waits for the kernel device
@@ -93,42 +94,11 @@ func (n *nodeServer) save(r *stagedRecord) error {
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(n.dir, ".staged-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(b); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp.Name(), n.recordPath(r.VolumeID)); err != nil {
-		return err
-	}
-	return syncDir(n.dir)
+	return durable.WriteFile(n.recordPath(r.VolumeID), b)
 }
 
 func (n *nodeServer) remove(id string) error {
-	if err := os.Remove(n.recordPath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	return syncDir(n.dir)
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
+	return durable.Remove(n.recordPath(id))
 }
 
 // Registration backoff: the first retry waits registerBackoffMin, each

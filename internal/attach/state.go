@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/stor-io/stor/internal/durable"
 )
 
 // DefaultStateDir is where "stor-ctl nbd attach" records what it attached.
@@ -77,47 +79,12 @@ func SaveRecord(dir string, r *Record) error {
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(dir, ".record-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(append(b, '\n')); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp.Name(), RecordPath(dir, r.VolumeID)); err != nil {
-		return err
-	}
-	return syncDir(dir)
+	return durable.WriteFile(RecordPath(dir, r.VolumeID), append(b, '\n'))
 }
 
 // RemoveRecord removes the record of a volume, durably; no record is not an error.
 func RemoveRecord(dir, volumeID string) error {
-	err := os.Remove(RecordPath(dir, volumeID))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	return syncDir(dir)
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
+	return durable.Remove(RecordPath(dir, volumeID))
 }
 
 // Records returns every record in the state dir (unreadable ones are
