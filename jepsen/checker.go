@@ -15,8 +15,12 @@ type Op struct {
 	Client int    `json:"client"`
 	Host   string `json:"host"`  // the client host that ran it
 	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
-	Kind   string `json:"kind"`  // write, read, flush, open, final-read
+	Kind   string `json:"kind"`  // write, read, flush, open, final-read, snapshot, snapshot-delete, snapshot-read
 	Block  int    `json:"block"`
+	// Snapshot names the snapshot of a snapshot op; Replica the replica a
+	// snapshot-read read from.
+	Snapshot string `json:"snapshot,omitempty"`
+	Replica  string `json:"replica,omitempty"`
 	// Value: a write's op id; a read's result (op id, 0 for zeroes).
 	Value  uint64 `json:"value"`
 	Call   int64  `json:"call"`
@@ -37,13 +41,14 @@ type Anomalies struct {
 	Integrity       int      `json:"integrity"`       // torn or foreign block contents read
 	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
 	Expansion       int      `json:"expansion"`       // online expansions the engine never served
+	Snapshot        int      `json:"snapshot"`        // snapshots whose contents are not the volume at one point of their window
 	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
 	Details         []string `json:"details,omitempty"`
 }
 
 // Total counts the anomalies (Unknown is not one, but fails a run too).
 func (a Anomalies) Total() int {
-	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion
+	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion + a.Snapshot
 }
 
 type regInput struct {
@@ -117,20 +122,29 @@ func porcupineHistory(ops []Op, block int) []porcupine.Operation {
 	return out
 }
 
-// checkLinearizable checks every block; for each one that fails it writes
-// porcupine's visualization to visualize(block).
-func checkLinearizable(ops []Op, blocks int, timeout time.Duration, visualize func(block int) string, a *Anomalies) {
+// checkLinearizable checks every block, with the snapshots' contents
+// (from checkSnapshots) as reads; for each one that fails it writes
+// porcupine's visualization to visualize(block). A block that fails only
+// with the snapshots' reads is a snapshot anomaly.
+func checkLinearizable(ops, snapReads []Op, blocks int, timeout time.Duration, visualize func(block int) string, a *Anomalies) {
+	all := append(append([]Op(nil), ops...), snapReads...)
 	for b := range blocks {
-		h := porcupineHistory(ops, b)
+		h := porcupineHistory(all, b)
 		res, info := porcupine.CheckOperationsVerbose(registerModel, h, timeout)
 		switch res {
 		case porcupine.Ok:
 		case porcupine.Illegal:
-			a.Linearizability++
 			path := visualize(b)
 			if err := porcupine.VisualizePath(registerModel, info, path); err != nil {
 				path = "(visualization failed: " + err.Error() + ")"
 			}
+			plain := porcupineHistory(ops, b)
+			if len(plain) < len(h) && porcupine.CheckOperationsTimeout(registerModel, plain, timeout) == porcupine.Ok {
+				a.Snapshot++
+				a.Details = append(a.Details, fmt.Sprintf("snapshot: block %d is linearizable, but not with the snapshots' contents as reads in their windows; see %s", b, path))
+				continue
+			}
+			a.Linearizability++
 			a.Details = append(a.Details, fmt.Sprintf("linearizability: block %d is not linearizable (%d ops); see %s", b, len(h), path))
 		default:
 			a.Unknown++
@@ -144,7 +158,11 @@ func checkIntegrity(ops []Op, a *Anomalies) {
 	for _, o := range ops {
 		if o.Bad != "" {
 			a.Integrity++
-			a.Details = append(a.Details, fmt.Sprintf("integrity: %s of block %d by client %d at %v: %s", o.Kind, o.Block, o.Client, time.Duration(o.Call), o.Bad))
+			what := fmt.Sprintf("%s of block %d by client %d at %v", o.Kind, o.Block, o.Client, time.Duration(o.Call))
+			if o.Kind == "snapshot-read" {
+				what = fmt.Sprintf("block %d of snapshot %s on replica %s", o.Block, o.Snapshot, o.Replica)
+			}
+			a.Details = append(a.Details, fmt.Sprintf("integrity: %s: %s", what, o.Bad))
 		}
 	}
 }
@@ -241,4 +259,122 @@ func checkDurability(ops []Op, blocks int, a *Anomalies) {
 			a.Details = append(a.Details, fmt.Sprintf("durability: block %d holds write %d after the restart, older than the flushed write %d", b, w.Value, durable.Value))
 		}
 	}
+}
+
+// checkSnapshots: a ready snapshot must be the volume as it was at one
+// point of its window (from the CreateSnapshot call to the moment it was
+// seen ready), on every replica that cut it. For each snapshot it checks
+// that every replica that cut it could be read and that they agree block
+// by block; then that some single time t in the window is consistent with
+// every block's value x at once: t must be after x's write was called,
+// and before any acknowledged write to that block that began after x's
+// write was acknowledged (or, for x = zeroes, before any acknowledged
+// write to the block) had returned. Torn or foreign contents are left to
+// checkIntegrity.
+//
+// It returns each passing snapshot's contents as reads whose interval is
+// the window narrowed that way; checkLinearizable adds them to the
+// blocks' histories, so a snapshot must also agree with what reads saw.
+func checkSnapshots(ops []Op, a *Anomalies) []Op {
+	writes := map[uint64]Op{}
+	acked := map[int][]Op{} // block -> acknowledged writes
+	for _, o := range ops {
+		if o.Kind == "write" {
+			writes[o.Value] = o
+			if o.OK {
+				acked[o.Block] = append(acked[o.Block], o)
+			}
+		}
+	}
+	var names []string
+	reads := map[string][]Op{}
+	for _, o := range ops {
+		if o.Kind == "snapshot-read" {
+			if reads[o.Snapshot] == nil {
+				names = append(names, o.Snapshot)
+			}
+			reads[o.Snapshot] = append(reads[o.Snapshot], o)
+		}
+	}
+	var extra []Op
+	for k, name := range names {
+		bad := func(format string, args ...any) {
+			a.Snapshot++
+			a.Details = append(a.Details, fmt.Sprintf("snapshot: %s: ", name)+fmt.Sprintf(format, args...))
+		}
+		rs := reads[name]
+		lo, hi := rs[0].Call, rs[0].Return
+		loWhy, hiWhy := "it was requested at "+time.Duration(lo).String(), "it was seen ready at "+time.Duration(hi).String()
+		values := map[int]uint64{}
+		unreadable := map[string]bool{}
+		failed := false
+		for _, o := range rs {
+			switch {
+			case !o.OK:
+				if !unreadable[o.Replica] {
+					unreadable[o.Replica] = true
+					bad("replica %s cut it but its layer cannot be read: %s", o.Replica, o.Err)
+				}
+				failed = true
+			case o.Bad != "":
+				failed = true
+			default:
+				if v, ok := values[o.Block]; ok && v != o.Value {
+					bad("replicas disagree on block %d: %d and %d (replica %s)", o.Block, v, o.Value, o.Replica)
+					failed = true
+				} else if !ok {
+					values[o.Block] = o.Value
+				}
+			}
+		}
+		blocks := sortedInts(values)
+		for _, b := range blocks {
+			x := values[b]
+			xRet := int64(math.MinInt64)
+			if x != 0 {
+				w, ok := writes[x]
+				if !ok || w.Block != b {
+					bad("block %d holds %d, which no write to it carried", b, x)
+					failed = true
+					continue
+				}
+				if w.Call > lo {
+					lo, loWhy = w.Call, fmt.Sprintf("block %d holds write %d, which was called at %v", b, x, time.Duration(w.Call))
+				}
+				if !w.OK {
+					continue // indeterminate: it may have been the value until the end
+				}
+				xRet = w.Return
+			}
+			for _, y := range acked[b] {
+				if y.Value != x && y.Call > xRet && y.Return < hi {
+					hi, hiWhy = y.Return, fmt.Sprintf("block %d holds %d although write %d, begun after that was over, was acknowledged at %v",
+						b, x, y.Value, time.Duration(y.Return))
+				}
+			}
+		}
+		if lo >= hi {
+			bad("not the volume at any one point of its window: %s, but %s", loWhy, hiWhy)
+			continue
+		}
+		if failed {
+			continue
+		}
+		for _, b := range blocks {
+			extra = append(extra, Op{Client: snapshotClient + k, Kind: "read", Snapshot: name, Block: b, Value: values[b], Call: lo, Return: hi, OK: true})
+		}
+	}
+	return extra
+}
+
+// snapshotClient is the porcupine client id of the first snapshot's reads.
+const snapshotClient = 1000
+
+func sortedInts[V any](m map[int]V) []int {
+	var out []int
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Ints(out)
+	return out
 }

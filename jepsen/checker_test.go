@@ -63,7 +63,7 @@ func TestLinearizabilityChecker(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()
 			var a Anomalies
-			checkLinearizable(c.ops, 2, 10*time.Second, func(b int) string { return filepath.Join(dir, "viz.html") }, &a)
+			checkLinearizable(c.ops, nil, 2, 10*time.Second, func(b int) string { return filepath.Join(dir, "viz.html") }, &a)
 			if a.Linearizability != c.bad || a.Unknown != 0 {
 				t.Fatalf("anomalies %+v, want %d", a, c.bad)
 			}
@@ -120,6 +120,57 @@ func TestFencingChecker(t *testing.T) {
 	checkFencing([]Op{open(1, 0), open(2, 20), w(1, 30, true)}, &a)
 	if a.Fencing != 1 {
 		t.Fatalf("a write acknowledged at epoch 1 after epoch 2 was opened: %d anomalies, want 1", a.Fencing)
+	}
+}
+
+// snap is replica rep's read of block of snapshot name (window call..ret)
+// that returned value.
+func snap(name, rep string, block int, value uint64, call, ret int) Op {
+	return Op{Client: -1, Kind: "snapshot-read", Snapshot: name, Replica: rep, Block: block, Value: value, Call: ms(call), Return: ms(ret), OK: true}
+}
+
+func TestSnapshotChecker(t *testing.T) {
+	unreadable := snap("s", "r2", 0, 0, 40, 50)
+	unreadable.OK, unreadable.Err = false, "not found"
+	cases := []struct {
+		name string
+		ops  []Op
+		bad  int    // snapshot anomalies, from checkSnapshots and checkLinearizable together
+		why  string // in the anomaly's detail: which check found it
+	}{
+		{"the volume at its cut", []Op{write(0, 0, 1, 0, 10, true), write(0, 1, 2, 20, 30, true),
+			snap("s", "r1", 0, 1, 35, 50), snap("s", "r1", 1, 2, 35, 50), snap("s", "r2", 0, 1, 35, 50), snap("s", "r2", 1, 2, 35, 50)}, 0, ""},
+		{"a write in flight at the cut may be in or out", []Op{write(0, 0, 1, 0, 10, true), write(0, 0, 2, 30, 60, true),
+			snap("s", "r1", 0, 1, 20, 50), snap("a", "r1", 0, 2, 20, 50)}, 0, ""},
+		{"an indeterminate write may be in it", []Op{write(0, 0, 1, 0, 10, false), snap("s", "r1", 0, 1, 20, 30)}, 0, ""},
+		{"replicas disagree", []Op{write(0, 0, 1, 0, 10, true), write(0, 0, 2, 20, 30, true),
+			snap("s", "r1", 0, 2, 40, 50), snap("s", "r2", 0, 1, 40, 50)}, 1, "replicas disagree on block 0"},
+		{"acknowledged write missing", []Op{write(0, 0, 1, 0, 10, true), snap("s", "r1", 0, 0, 20, 30)}, 1, "not the volume at any one point"},
+		{"write begun after it was ready", []Op{write(0, 0, 1, 40, 50, true), snap("s", "r1", 0, 1, 20, 30)}, 1, "which was called at 40ms"},
+		// Each block alone is the volume at some point of the window, but
+		// not at the same one: block 0 must be cut before 50, block 1 after 60.
+		{"no single point", []Op{write(0, 0, 1, 0, 10, true), write(0, 0, 3, 40, 50, true), write(0, 1, 4, 60, 70, true),
+			snap("s", "r1", 0, 1, 0, 100), snap("s", "r1", 1, 4, 0, 100)}, 1, "write 3, begun after that was over, was acknowledged at 50ms"},
+		{"a cut replica cannot be read", []Op{write(0, 0, 1, 0, 10, true), snap("s", "r1", 0, 1, 40, 50), unreadable}, 1, "replica r2 cut it but its layer cannot be read"},
+		{"a value no write carried", []Op{snap("s", "r1", 0, 7, 40, 50)}, 1, "which no write to it carried"},
+		// The writes allow value 1 (they were concurrent), but a read had
+		// already seen 2 win: only the reads show the snapshot is stale.
+		{"older than a read before it", []Op{write(0, 0, 1, 0, 10, true), write(1, 0, 2, 0, 10, true), read(2, 0, 2, 20, 30),
+			snap("s", "r1", 0, 1, 40, 50)}, 1, "not with the snapshots' contents"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			var a Anomalies
+			extra := checkSnapshots(c.ops, &a)
+			checkLinearizable(c.ops, extra, 2, 10*time.Second, func(b int) string { return filepath.Join(dir, "viz.html") }, &a)
+			if a.Snapshot != c.bad || a.Linearizability != 0 || a.Unknown != 0 {
+				t.Fatalf("anomalies %+v, want %d snapshot anomalies", a, c.bad)
+			}
+			if c.bad > 0 && !strings.Contains(strings.Join(a.Details, "\n"), c.why) {
+				t.Fatalf("details %q do not say %q", a.Details, c.why)
+			}
+		})
 	}
 }
 

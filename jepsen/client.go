@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -58,6 +59,7 @@ type Response struct {
 // stor binary can run them.
 var BrokenModes = map[string]string{
 	"early-ack": "each replica write is acknowledged as soon as it is sent, before the replica answered",
+	"early-cut": "each replica's snapshot cut is acknowledged at once and made 100-600 ms later, while writes go on",
 }
 
 type clientProc struct {
@@ -180,12 +182,14 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 	case "":
 	case "early-ack":
 		connect = earlyAck(connect)
+	case "early-cut":
+		connect = earlyCut(connect)
 	default:
 		return fmt.Errorf("client: unknown broken mode %q", req.Broken)
 	}
 	eng, err := engine.Open(ctx, engine.Config{
 		Volume: req.Volume, NodeID: req.Node, Takeover: true,
-		Control:      engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster},
+		Control:      engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots},
 		Connect:      connect,
 		IOTimeout:    3 * time.Second,
 		FaultTimeout: 20 * time.Second,
@@ -229,6 +233,46 @@ func (c earlyAckConn) WriteAt(ctx context.Context, o replica.Op, p []byte, off i
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
 		_ = c.ReplicaConn.WriteAt(ctx, o, buf, off)
+	}()
+	return nil
+}
+
+// earlyCut is the "early-cut" broken mode: a replica's snapshot cut
+// returns success at once and is made 100-600 ms later, so writes the
+// engine resumed after the cut land in the snapshot, a different set on
+// each replica.
+func earlyCut(next engine.Connector) engine.Connector {
+	return func(ctx context.Context, addr, id string, epoch uint64) (engine.ReplicaConn, error) {
+		c, err := next(ctx, addr, id, epoch)
+		if err != nil {
+			return nil, err
+		}
+		cut, ok := c.(snapshotCutter)
+		if !ok {
+			return c, nil
+		}
+		return earlyCutConn{ReplicaConn: c, cut: cut}, nil
+	}
+}
+
+// snapshotCutter is the wire connection's snapshot capability the engine
+// looks for.
+type snapshotCutter interface {
+	CreateSnapshot(ctx context.Context, o replica.Op, id string) error
+}
+
+type earlyCutConn struct {
+	engine.ReplicaConn
+	cut snapshotCutter
+}
+
+func (c earlyCutConn) CreateSnapshot(ctx context.Context, o replica.Op, id string) error {
+	delay := time.Duration(100+rand.IntN(500)) * time.Millisecond
+	go func() {
+		time.Sleep(delay)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		_ = c.cut.CreateSnapshot(ctx, o, id)
 	}()
 	return nil
 }

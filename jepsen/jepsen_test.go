@@ -86,7 +86,7 @@ func TestJepsen(t *testing.T) {
 			t.Errorf("seed %d: anomalies found (rerun with -jepsen.seed=%d); history and report in %s", s, s, dir)
 		}
 	}
-	t.Log("\n| seed | duration | writes ok/failed | reads ok/failed | flushes ok | faults | anomalies | availability |\n|---|---|---|---|---|---|---|---|\n" + strings.Join(table, "\n"))
+	t.Log("\n| seed | duration | writes ok/failed | reads ok/failed | flushes ok | snapshots ready/checked/deleted | faults | anomalies | availability |\n|---|---|---|---|---|---|---|---|---|\n" + strings.Join(table, "\n"))
 	if base := os.Getenv("JEPSEN_OUT"); base != "" {
 		_ = os.WriteFile(filepath.Join(base, "table.md"), []byte(strings.Join(table, "\n")+"\n"), 0o644)
 	}
@@ -97,9 +97,9 @@ func tableRow(r *Report) string {
 	for _, n := range r.Faults {
 		faults += n
 	}
-	return fmt.Sprintf("| %d | %s | %d/%d | %d/%d | %d | %d | %d | %.2f |", r.Seed, r.Duration,
+	return fmt.Sprintf("| %d | %s | %d/%d | %d/%d | %d | %d/%d/%d | %d | %d | %.2f |", r.Seed, r.Duration,
 		r.Ops["write"]["ok"], r.Ops["write"]["failed"], r.Ops["read"]["ok"], r.Ops["read"]["failed"],
-		r.Ops["flush"]["ok"], faults, r.Anomalies.Total(), r.Availability)
+		r.Ops["flush"]["ok"], r.Ops["snapshot"]["ok"], r.SnapshotsChecked, r.Ops["snapshot-delete"]["ok"], faults, r.Anomalies.Total(), r.Availability)
 }
 
 // TestJepsenCatchesEarlyAck proves the harness can fail: an engine whose
@@ -120,5 +120,26 @@ func TestJepsenCatchesEarlyAck(t *testing.T) {
 	t.Log("\n" + rep.Summary())
 	if rep.Anomalies.Total() == 0 {
 		t.Fatalf("the early-ack engine passed every checker: the harness cannot fail")
+	}
+}
+
+// TestJepsenCatchesEarlySnapshotCut proves the snapshot checker can fail:
+// an engine whose replicas cut their snapshot layers after it resumed
+// writes (a cut acknowledged before it was made) must be caught, with no
+// fault injected at all.
+func TestJepsenCatchesEarlySnapshotCut(t *testing.T) {
+	server, self := setup(t)
+	const seed = 2
+	dir := outDir(t, "broken-early-cut")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, RunConfig{Seed: seed, Duration: 20 * time.Second, Nemeses: []string{}, NoFaults: true,
+		Blocks: 4, Broken: "early-cut", Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Log("\n" + rep.Summary())
+	if rep.Anomalies.Snapshot == 0 {
+		t.Fatalf("snapshots cut after writes resumed passed the snapshot checker: it cannot fail")
 	}
 }

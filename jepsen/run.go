@@ -56,7 +56,10 @@ type Report struct {
 	FaultErrors  int                       `json:"fault_errors"`
 	Anomalies    Anomalies                 `json:"anomalies"`
 	Availability float64                   `json:"availability"` // fraction of seconds with an acknowledged write
-	Dir          string                    `json:"dir"`
+	// SnapshotsChecked counts the ready snapshots whose contents were read
+	// back from their replicas and checked.
+	SnapshotsChecked int    `json:"snapshots_checked"`
+	Dir              string `json:"dir"`
 }
 
 // Passed reports whether every checker found nothing.
@@ -69,7 +72,7 @@ func (r *Report) Summary() string {
 	if !r.Passed() {
 		verdict = "FAIL"
 	}
-	fmt.Fprintf(&b, "jepsen %s seed=%d duration=%s broken=%q availability=%.3f\n", verdict, r.Seed, r.Duration, r.Broken, r.Availability)
+	fmt.Fprintf(&b, "jepsen %s seed=%d duration=%s broken=%q availability=%.3f snapshots-checked=%d\n", verdict, r.Seed, r.Duration, r.Broken, r.Availability, r.SnapshotsChecked)
 	kinds := sortedKeys(r.Ops)
 	for _, k := range kinds {
 		fmt.Fprintf(&b, "  ops %-10s ok=%d failed=%d\n", k, r.Ops[k]["ok"], r.Ops[k]["failed"])
@@ -78,8 +81,8 @@ func (r *Report) Summary() string {
 		fmt.Fprintf(&b, "  fault %-26s %d\n", k, r.Faults[k])
 	}
 	a := r.Anomalies
-	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d unknown=%d\n",
-		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Unknown)
+	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d snapshot=%d unknown=%d\n",
+		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Snapshot, a.Unknown)
 	for i, d := range a.Details {
 		if i == 20 {
 			fmt.Fprintf(&b, "  ... %d more in report.json\n", len(a.Details)-20)
@@ -111,8 +114,11 @@ type runner struct {
 	// expansionFailures counts expansions the engine never served.
 	expansionFailures atomic.Int64
 
+	volumeID string
+
 	mu        sync.Mutex // guards the fields below
 	history   []Op
+	snaps     []*snapOp
 	activeI   int
 	reopening map[*ClientHost]bool
 	lastOpen  map[*ClientHost]time.Time // a worker's last reopen attempt
@@ -344,11 +350,13 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 		return nil, err
 	}
 	defer c.Close()
-	if _, err := c.Control.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{
-		Name: c.Volume, SizeBytes: uint64(cfg.Blocks) * blockStride, ReplicaCount: 3}); err != nil {
+	vol, err := c.Control.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{
+		Name: c.Volume, SizeBytes: uint64(cfg.Blocks) * blockStride, ReplicaCount: 3})
+	if err != nil {
 		return nil, err
 	}
-	r := &runner{cfg: cfg, c: c, start: time.Now(), rng: rand.New(rand.NewPCG(cfg.Seed, 0x6a657073656e)), reopening: map[*ClientHost]bool{}, lastOpen: map[*ClientHost]time.Time{}}
+	r := &runner{cfg: cfg, c: c, volumeID: vol.Volume.Id, start: time.Now(), rng: rand.New(rand.NewPCG(cfg.Seed, 0x6a657073656e)),
+		reopening: map[*ClientHost]bool{}, lastOpen: map[*ClientHost]time.Time{}}
 	r.blocks.Store(int64(cfg.Blocks))
 	if err := r.reopen(ctx, c.Clients[0]); err != nil {
 		return nil, err
@@ -361,6 +369,8 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 		wg.Add(1)
 		go func() { defer wg.Done(); r.worker(wctx, i, cfg.Seed+uint64(i)*7919) }()
 	}
+	wg.Add(1)
+	go func() { defer wg.Done(); r.snapshotter(wctx, cfg.Seed) }()
 	// The schedule: quiet 1-3 s, one fault held 2-6 s, heal; repeat.
 	for wctx.Err() == nil && len(cfg.Nemeses) > 0 {
 		sleep(wctx, time.Duration(1000+r.rng.IntN(2000))*time.Millisecond)
@@ -426,6 +436,9 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 			sleep(ctx, time.Second)
 		}
 	}
+	if err := r.readSnapshots(ctx); err != nil {
+		return nil, fmt.Errorf("after the full restart: %w", err)
+	}
 	report.Duration = time.Since(r.start).Round(time.Second).String()
 	return r.check(report)
 }
@@ -484,6 +497,13 @@ func (r *runner) check(rep *Report) (*Report, error) {
 		}
 	}
 	rep.Availability = availability(ops, int64(r.cfg.Duration))
+	checked := map[string]bool{}
+	for _, o := range ops {
+		if o.Kind == "snapshot-read" {
+			checked[o.Snapshot] = true
+		}
+	}
+	rep.SnapshotsChecked = len(checked)
 	a := &rep.Anomalies
 	checkIntegrity(ops, a)
 	if n := int(r.expansionFailures.Load()); n > 0 {
@@ -492,7 +512,8 @@ func (r *runner) check(rep *Report) (*Report, error) {
 	}
 	checkFencing(ops, a)
 	checkDurability(ops, int(r.blocks.Load()), a)
-	checkLinearizable(ops, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
+	snapReads := checkSnapshots(ops, a)
+	checkLinearizable(ops, snapReads, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
 		return filepath.Join(r.cfg.Dir, fmt.Sprintf("block-%d.html", b))
 	}, a)
 	if err := writeJSONLines(filepath.Join(r.cfg.Dir, "history.jsonl"), ops); err != nil {

@@ -1,0 +1,233 @@
+package jepsen
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// The snapshot workload: while the workers write, one goroutine asks the
+// control plane for a snapshot of the volume every few seconds and waits
+// until it is ready, and now and then deletes an earlier one (its layer
+// is then merged into its neighbour on every replica, under load). A
+// snapshot's window runs from the CreateSnapshot call to the first
+// GetSnapshot that saw it ready: the engine cut it somewhere in between.
+// After the full restart every snapshot still listed is read back from
+// every replica that cut it (snapshotReads), and checkSnapshots decides
+// whether those contents are the register state at one point of the
+// window.
+
+// snapOp is one snapshot the workload asked for.
+type snapOp struct {
+	name, id string
+	call     int64
+	ready    int64 // when it was first seen ready; 0 while not yet
+	err      string
+	deleted  bool // a delete of it succeeded
+}
+
+// snapshotter creates a snapshot every 2-5 s until ctx ends, or, one
+// time in three when at least three are ready, deletes one of those
+// instead; each create waits up to 30 s for the snapshot to be ready.
+func (r *runner) snapshotter(ctx context.Context, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 0x736e6170))
+	for n := 1; ; {
+		sleep(ctx, time.Duration(2000+rng.IntN(3000))*time.Millisecond)
+		if ctx.Err() != nil {
+			return
+		}
+		if rng.IntN(3) == 0 {
+			if s := r.pickSnapshot(rng, 3); s != nil {
+				r.deleteSnapshot(ctx, s)
+				continue
+			}
+		}
+		r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n))
+		n++
+	}
+}
+
+// pickSnapshot returns a random snapshot that was seen ready and not
+// deleted, if there are at least min of them.
+func (r *runner) pickSnapshot(rng *rand.Rand, min int) *snapOp {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var ready []*snapOp
+	for _, s := range r.snaps {
+		if s.ready != 0 && !s.deleted {
+			ready = append(ready, s)
+		}
+	}
+	if len(ready) < min {
+		return nil
+	}
+	return ready[rng.IntN(len(ready))]
+}
+
+// snapshot asks for snapshot name and waits until it is ready, failed,
+// or 30 s passed (a snapshot still pending then is resolved at the end).
+func (r *runner) snapshot(ctx context.Context, name string) {
+	s := &snapOp{name: name, call: r.now()}
+	r.mu.Lock()
+	r.snaps = append(r.snaps, s)
+	r.mu.Unlock()
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	resp, err := r.c.Control.Snapshots.CreateSnapshot(cctx, &storpb.CreateSnapshotRequest{VolumeId: r.volumeID, Name: name})
+	if err != nil {
+		r.setSnap(s, func() { s.err = err.Error() })
+		return
+	}
+	id := resp.Snapshot.Id
+	r.setSnap(s, func() { s.id = id })
+	for cctx.Err() == nil {
+		g, err := r.c.Control.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+		now := r.now()
+		switch {
+		case err != nil:
+		case g.Snapshot.ReadyToUse:
+			r.setSnap(s, func() { s.ready = now })
+			return
+		case g.Snapshot.Failed:
+			r.setSnap(s, func() { s.err = "failed: " + g.Snapshot.StatusMessage })
+			return
+		}
+		sleep(cctx, 50*time.Millisecond)
+	}
+}
+
+func (r *runner) setSnap(s *snapOp, f func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	f()
+}
+
+// deleteSnapshot deletes s under load and records the attempt.
+func (r *runner) deleteSnapshot(ctx context.Context, s *snapOp) {
+	o := Op{Client: -1, Kind: "snapshot-delete", Snapshot: s.name, Call: r.now()}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	_, err := r.c.Control.Snapshots.DeleteSnapshot(cctx, &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: s.id}})
+	cancel()
+	o.Return, o.OK = r.now(), err == nil
+	if err != nil {
+		o.Err = err.Error()
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s.deleted = err == nil // not to be picked again; the final listing decides what is checked
+	r.history = append(r.history, o)
+}
+
+// readSnapshots runs after the full restart: it records every snapshot
+// the workload asked for (Kind "snapshot"; Return is when it was seen
+// ready, OK whether it was), resolving those still pending by listing
+// them now, and reads every block of every listed ready snapshot from
+// every replica that cut it (Kind "snapshot-read", one op per replica and
+// block, carrying the snapshot's window as Call and Return).
+func (r *runner) readSnapshots(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	listed := map[string]*storpb.Snapshot{}
+	for token := ""; ; {
+		resp, err := r.c.Control.Snapshots.ListSnapshots(ctx, &storpb.ListSnapshotsRequest{VolumeId: r.volumeID, PageToken: token})
+		if err != nil {
+			return fmt.Errorf("listing snapshots: %w", err)
+		}
+		for _, s := range resp.Snapshots {
+			listed[s.Name] = s
+		}
+		if token = resp.NextPageToken; token == "" {
+			break
+		}
+	}
+	at := r.now()
+	vol, err := r.c.Control.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: r.volumeID}})
+	if err != nil {
+		return err
+	}
+	servers, err := r.c.Control.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	if err != nil {
+		return err
+	}
+	dataAddr := map[string]string{}
+	for _, s := range servers.Servers {
+		dataAddr[s.Id] = s.DataAddress
+	}
+
+	r.mu.Lock()
+	snaps := append([]*snapOp(nil), r.snaps...)
+	r.mu.Unlock()
+	for _, s := range snaps {
+		o := Op{Client: -1, Kind: "snapshot", Snapshot: s.name, Call: s.call, Return: s.ready, OK: s.ready != 0, Err: s.err}
+		ls := listed[s.name]
+		if ls != nil && ls.ReadyToUse && s.ready == 0 && s.err == "" {
+			// Ready since the workload stopped waiting: it was cut by now.
+			o.Return, o.OK = at, true
+		}
+		if !o.OK && o.Err == "" {
+			o.Return, o.Err = at, "not ready at the end"
+			if ls != nil {
+				o.Err += ": " + ls.StatusMessage
+			}
+		}
+		r.record(o)
+		if !o.OK || ls == nil || !ls.ReadyToUse {
+			continue // never ready, or deleted
+		}
+		blocks := int(ls.SizeBytes / blockStride)
+		layer := replica.LayerName(ls.Id, ls.CutEpoch)
+		for _, rep := range ls.Replicas {
+			if rep.State != storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT {
+				continue
+			}
+			data, err := readLayer(ctx, dataAddr[rep.ServerId], rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
+			for b := range blocks {
+				ro := Op{Client: -1, Kind: "snapshot-read", Snapshot: s.name, Replica: rep.ReplicaId, Block: b, Call: o.Call, Return: o.Return}
+				if err != nil {
+					ro.Err = err.Error()
+				} else {
+					ro.OK = true
+					ro.Value, ro.Bad = decodeValue(data[b], b, r.cfg.Seed)
+					if ro.Bad != "" {
+						ro.Raw = data[b]
+					}
+				}
+				r.record(ro)
+			}
+		}
+	}
+	return nil
+}
+
+// readLayer reads the first block of every register of a snapshot layer
+// from one replica, without fencing it (epoch 0 open, reads at the
+// volume's current epoch).
+func readLayer(ctx context.Context, addr, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
+	if addr == "" {
+		return nil, errors.New("the replica's server has no data address")
+	}
+	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	h, err := conn.Open(ctx, replicaID, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close(ctx)
+	out := make([][]byte, blocks)
+	for b := range blocks {
+		out[b] = make([]byte, BlockSize)
+		if err := h.ReadSnapshotAt(ctx, replica.Op{Epoch: epoch}, layer, out[b], int64(b)*blockStride); err != nil {
+			return nil, fmt.Errorf("read snapshot layer %s of replica %s at block %d: %w", layer, replicaID, b, err)
+		}
+	}
+	return out, nil
+}
