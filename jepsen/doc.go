@@ -32,9 +32,12 @@
 // a SHA-256, see encodeValue) to a set of 4 KiB registers 1 MiB apart,
 // read them back and flush, while a schedule drawn from the seed injects
 // one fault at a time (Nemesis: Inject, hold 2-6 s, Heal, 1-3 s quiet).
+// Every 2-5 s the harness snapshots the volume through the control plane
+// and waits until the snapshot is ready, or deletes an earlier one.
 // Then it heals everything, flushes, kills every server and the engine
 // with SIGKILL, restarts the servers, opens the volume again and reads
-// every register. The choices (faults, victims, blocks, operations) are
+// every register, and every snapshot still listed from every replica
+// that cut it. The choices (faults, victims, blocks, operations) are
 // reproducible from the seed; the timing of real processes is not.
 //
 // # Checkers
@@ -48,7 +51,11 @@
 //     open at a higher epoch returned;
 //   - durability: after the full restart each register holds the newest
 //     write acknowledged before the last completed flush, or a later one;
-//   - expansion: after an online expansion the engine serves the new space.
+//   - expansion: after an online expansion the engine serves the new space;
+//   - snapshots: every replica that cut a ready snapshot serves the same
+//     contents, and they are the volume at one instant between the
+//     snapshot's request and the moment it was seen ready, consistent
+//     with the registers' linearizations (checkSnapshots).
 //
 // A run writes report.json, summary.txt and history.jsonl to its
 // directory, and porcupine's HTML visualization for every register whose
