@@ -18,8 +18,10 @@ type Op struct {
 	Kind   string `json:"kind"`  // write, read, flush, open, final-read, snapshot, snapshot-delete, snapshot-read
 	Block  int    `json:"block"`
 	// Snapshot names the snapshot of a snapshot op; Replica the replica a
-	// snapshot-read read from.
+	// snapshot-read read from; Clone the clone of the snapshot it read, if
+	// it read a clone's replica rather than the snapshot's layer.
 	Snapshot string `json:"snapshot,omitempty"`
+	Clone    string `json:"clone,omitempty"`
 	Replica  string `json:"replica,omitempty"`
 	// Value: a write's op id; a read's result (op id, 0 for zeroes).
 	Value  uint64 `json:"value"`
@@ -160,7 +162,7 @@ func checkIntegrity(ops []Op, a *Anomalies) {
 			a.Integrity++
 			what := fmt.Sprintf("%s of block %d by client %d at %v", o.Kind, o.Block, o.Client, time.Duration(o.Call))
 			if o.Kind == "snapshot-read" {
-				what = fmt.Sprintf("block %d of snapshot %s on replica %s", o.Block, o.Snapshot, o.Replica)
+				what = fmt.Sprintf("block %d of snapshot %s on replica %s", o.Block, groupName(o), o.Replica)
 			}
 			a.Details = append(a.Details, fmt.Sprintf("integrity: %s: %s", what, o.Bad))
 		}
@@ -286,16 +288,19 @@ func checkSnapshots(ops []Op, a *Anomalies) []Op {
 			}
 		}
 	}
+	// A group is one snapshot's layers, or one clone's replicas.
 	var names []string
 	reads := map[string][]Op{}
 	for _, o := range ops {
 		if o.Kind == "snapshot-read" {
-			if reads[o.Snapshot] == nil {
-				names = append(names, o.Snapshot)
+			key := groupName(o)
+			if reads[key] == nil {
+				names = append(names, key)
 			}
-			reads[o.Snapshot] = append(reads[o.Snapshot], o)
+			reads[key] = append(reads[key], o)
 		}
 	}
+	contents := map[string]map[int]uint64{} // group -> what it holds, when it checked out
 	var extra []Op
 	for k, name := range names {
 		bad := func(format string, args ...any) {
@@ -360,11 +365,38 @@ func checkSnapshots(ops []Op, a *Anomalies) []Op {
 		if failed {
 			continue
 		}
+		contents[name] = values
 		for _, b := range blocks {
 			extra = append(extra, Op{Client: snapshotClient + k, Kind: "read", Snapshot: name, Block: b, Value: values[b], Call: lo, Return: hi, OK: true})
 		}
 	}
+	// A clone must hold its snapshot's contents, block for block.
+	for _, name := range names {
+		o := reads[name][0]
+		if o.Clone == "" {
+			continue
+		}
+		clone, snap := contents[name], contents[o.Snapshot]
+		if clone == nil || snap == nil {
+			continue // reported above, or the snapshot was deleted (the clone was then checked on its own)
+		}
+		for _, b := range sortedInts(clone) {
+			if v, ok := snap[b]; ok && v != clone[b] {
+				a.Snapshot++
+				a.Details = append(a.Details, fmt.Sprintf("snapshot: %s: block %d holds %d, its snapshot %d", name, b, clone[b], v))
+			}
+		}
+	}
 	return extra
+}
+
+// groupName names the snapshot, or the clone of a snapshot, that a
+// snapshot-read read.
+func groupName(o Op) string {
+	if o.Clone != "" {
+		return fmt.Sprintf("%s (clone %s)", o.Snapshot, o.Clone)
+	}
+	return o.Snapshot
 }
 
 // snapshotClient is the porcupine client id of the first snapshot's reads.

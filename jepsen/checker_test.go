@@ -129,6 +129,12 @@ func snap(name, rep string, block int, value uint64, call, ret int) Op {
 	return Op{Client: -1, Kind: "snapshot-read", Snapshot: name, Replica: rep, Block: block, Value: value, Call: ms(call), Return: ms(ret), OK: true}
 }
 
+// cloned is snap read from a replica of clone clone instead.
+func cloned(o Op, clone string) Op {
+	o.Clone = clone
+	return o
+}
+
 func TestSnapshotChecker(t *testing.T) {
 	unreadable := snap("s", "r2", 0, 0, 40, 50)
 	unreadable.OK, unreadable.Err = false, "not found"
@@ -152,6 +158,14 @@ func TestSnapshotChecker(t *testing.T) {
 		{"no single point", []Op{write(0, 0, 1, 0, 10, true), write(0, 0, 3, 40, 50, true), write(0, 1, 4, 60, 70, true),
 			snap("s", "r1", 0, 1, 0, 100), snap("s", "r1", 1, 4, 0, 100)}, 1, "write 3, begun after that was over, was acknowledged at 50ms"},
 		{"a cut replica cannot be read", []Op{write(0, 0, 1, 0, 10, true), snap("s", "r1", 0, 1, 40, 50), unreadable}, 1, "replica r2 cut it but its layer cannot be read"},
+		{"a clone holds its snapshot", []Op{write(0, 0, 1, 0, 10, true),
+			snap("s", "r1", 0, 1, 20, 30), cloned(snap("s", "c1", 0, 1, 20, 30), "c"), cloned(snap("s", "c2", 0, 1, 20, 30), "c")}, 0, ""},
+		// Both values fit the writes alone; the clone is not its snapshot
+		// (and, read in the same window, they cannot both be right).
+		{"a clone that is not its snapshot", []Op{write(0, 0, 1, 0, 10, true), write(1, 0, 2, 0, 10, true),
+			snap("s", "r1", 0, 2, 20, 30), cloned(snap("s", "c1", 0, 1, 20, 30), "c")}, 2, "block 0 holds 1, its snapshot 2"},
+		{"a clone's replicas disagree", []Op{write(0, 0, 1, 0, 10, true), write(1, 0, 2, 0, 10, true),
+			cloned(snap("s", "c1", 0, 1, 20, 30), "c"), cloned(snap("s", "c2", 0, 2, 20, 30), "c")}, 1, "s (clone c): replicas disagree"},
 		{"a value no write carried", []Op{snap("s", "r1", 0, 7, 40, 50)}, 1, "which no write to it carried"},
 		// The writes allow value 1 (they were concurrent), but a read had
 		// already seen 2 win: only the reads show the snapshot is stale.

@@ -86,7 +86,7 @@ func TestJepsen(t *testing.T) {
 			t.Errorf("seed %d: anomalies found (rerun with -jepsen.seed=%d); history and report in %s", s, s, dir)
 		}
 	}
-	t.Log("\n| seed | duration | writes ok/failed | reads ok/failed | flushes ok | snapshots ready/checked/deleted | faults | anomalies | availability |\n|---|---|---|---|---|---|---|---|---|\n" + strings.Join(table, "\n"))
+	t.Log("\n| seed | duration | writes ok/failed | reads ok/failed | flushes ok | snapshots ready/checked/deleted, clones checked | faults | anomalies | availability |\n|---|---|---|---|---|---|---|---|---|\n" + strings.Join(table, "\n"))
 	if base := os.Getenv("JEPSEN_OUT"); base != "" {
 		_ = os.WriteFile(filepath.Join(base, "table.md"), []byte(strings.Join(table, "\n")+"\n"), 0o644)
 	}
@@ -97,9 +97,9 @@ func tableRow(r *Report) string {
 	for _, n := range r.Faults {
 		faults += n
 	}
-	return fmt.Sprintf("| %d | %s | %d/%d | %d/%d | %d | %d/%d/%d | %d | %d | %.2f |", r.Seed, r.Duration,
+	return fmt.Sprintf("| %d | %s | %d/%d | %d/%d | %d | %d/%d/%d, %d | %d | %d | %.2f |", r.Seed, r.Duration,
 		r.Ops["write"]["ok"], r.Ops["write"]["failed"], r.Ops["read"]["ok"], r.Ops["read"]["failed"],
-		r.Ops["flush"]["ok"], r.Ops["snapshot"]["ok"], r.SnapshotsChecked, r.Ops["snapshot-delete"]["ok"], faults, r.Anomalies.Total(), r.Availability)
+		r.Ops["flush"]["ok"], r.Ops["snapshot"]["ok"], r.SnapshotsChecked, r.Ops["snapshot-delete"]["ok"], r.ClonesChecked, faults, r.Anomalies.Total(), r.Availability)
 }
 
 // TestJepsenCatchesEarlyAck proves the harness can fail: an engine whose

@@ -58,8 +58,10 @@ type Report struct {
 	Availability float64                   `json:"availability"` // fraction of seconds with an acknowledged write
 	// SnapshotsChecked counts the ready snapshots whose contents were read
 	// back from their replicas and checked.
-	SnapshotsChecked int    `json:"snapshots_checked"`
-	Dir              string `json:"dir"`
+	SnapshotsChecked int `json:"snapshots_checked"`
+	// ClonesChecked counts the clones of those read back and checked.
+	ClonesChecked int    `json:"clones_checked"`
+	Dir           string `json:"dir"`
 }
 
 // Passed reports whether every checker found nothing.
@@ -72,7 +74,8 @@ func (r *Report) Summary() string {
 	if !r.Passed() {
 		verdict = "FAIL"
 	}
-	fmt.Fprintf(&b, "jepsen %s seed=%d duration=%s broken=%q availability=%.3f snapshots-checked=%d\n", verdict, r.Seed, r.Duration, r.Broken, r.Availability, r.SnapshotsChecked)
+	fmt.Fprintf(&b, "jepsen %s seed=%d duration=%s broken=%q availability=%.3f snapshots-checked=%d clones-checked=%d\n",
+		verdict, r.Seed, r.Duration, r.Broken, r.Availability, r.SnapshotsChecked, r.ClonesChecked)
 	kinds := sortedKeys(r.Ops)
 	for _, k := range kinds {
 		fmt.Fprintf(&b, "  ops %-10s ok=%d failed=%d\n", k, r.Ops[k]["ok"], r.Ops[k]["failed"])
@@ -119,6 +122,7 @@ type runner struct {
 	mu        sync.Mutex // guards the fields below
 	history   []Op
 	snaps     []*snapOp
+	clones    []*cloneOp
 	activeI   int
 	reopening map[*ClientHost]bool
 	lastOpen  map[*ClientHost]time.Time // a worker's last reopen attempt
@@ -497,13 +501,16 @@ func (r *runner) check(rep *Report) (*Report, error) {
 		}
 	}
 	rep.Availability = availability(ops, int64(r.cfg.Duration))
-	checked := map[string]bool{}
+	checked, clones := map[string]bool{}, map[string]bool{}
 	for _, o := range ops {
-		if o.Kind == "snapshot-read" {
+		switch {
+		case o.Kind == "snapshot-read" && o.Clone != "":
+			clones[o.Clone] = true
+		case o.Kind == "snapshot-read":
 			checked[o.Snapshot] = true
 		}
 	}
-	rep.SnapshotsChecked = len(checked)
+	rep.SnapshotsChecked, rep.ClonesChecked = len(checked), len(clones)
 	a := &rep.Anomalies
 	checkIntegrity(ops, a)
 	if n := int(r.expansionFailures.Load()); n > 0 {

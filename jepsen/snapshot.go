@@ -22,14 +22,29 @@ import (
 // every replica that cut it (snapshotReads), and checkSnapshots decides
 // whether those contents are the register state at one point of the
 // window.
+//
+// One ready snapshot in three is also cloned into a new volume at once
+// (CreateVolume with the snapshot as content source, as a PVC restored
+// from a VolumeSnapshot is), so the servers fill clones under load and
+// under faults. After the restart every clone is waited for and read back
+// from each of its replicas; its contents must be its snapshot's.
 
 // snapOp is one snapshot the workload asked for.
 type snapOp struct {
 	name, id string
 	call     int64
-	ready    int64 // when it was first seen ready; 0 while not yet
+	ready    int64  // when it was first seen ready; 0 while not yet
+	size     uint64 // its size, once ready
 	err      string
 	deleted  bool // a delete of it succeeded
+}
+
+// cloneOp is a clone of a snapshot the workload asked for.
+type cloneOp struct {
+	name string
+	snap *snapOp
+	call int64
+	err  string
 }
 
 // snapshotter creates a snapshot every 2-5 s until ctx ends, or, one
@@ -48,7 +63,9 @@ func (r *runner) snapshotter(ctx context.Context, seed uint64) {
 				continue
 			}
 		}
-		r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n))
+		if s := r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n)); s != nil && rng.IntN(3) == 0 {
+			r.clone(ctx, s, fmt.Sprintf("jepsen-clone-%d", n))
+		}
 		n++
 	}
 }
@@ -72,7 +89,8 @@ func (r *runner) pickSnapshot(rng *rand.Rand, min int) *snapOp {
 
 // snapshot asks for snapshot name and waits until it is ready, failed,
 // or 30 s passed (a snapshot still pending then is resolved at the end).
-func (r *runner) snapshot(ctx context.Context, name string) {
+// It returns the snapshot if it was seen ready.
+func (r *runner) snapshot(ctx context.Context, name string) *snapOp {
 	s := &snapOp{name: name, call: r.now()}
 	r.mu.Lock()
 	r.snaps = append(r.snaps, s)
@@ -82,7 +100,7 @@ func (r *runner) snapshot(ctx context.Context, name string) {
 	resp, err := r.c.Control.Snapshots.CreateSnapshot(cctx, &storpb.CreateSnapshotRequest{VolumeId: r.volumeID, Name: name})
 	if err != nil {
 		r.setSnap(s, func() { s.err = err.Error() })
-		return
+		return nil
 	}
 	id := resp.Snapshot.Id
 	r.setSnap(s, func() { s.id = id })
@@ -92,14 +110,32 @@ func (r *runner) snapshot(ctx context.Context, name string) {
 		switch {
 		case err != nil:
 		case g.Snapshot.ReadyToUse:
-			r.setSnap(s, func() { s.ready = now })
-			return
+			r.setSnap(s, func() { s.ready, s.size = now, g.Snapshot.SizeBytes })
+			return s
 		case g.Snapshot.Failed:
 			r.setSnap(s, func() { s.err = "failed: " + g.Snapshot.StatusMessage })
-			return
+			return nil
 		}
 		sleep(cctx, 50*time.Millisecond)
 	}
+	return nil
+}
+
+// clone asks for a 3-replica clone of snapshot s without waiting for its
+// copy: the servers fill it while the run goes on.
+func (r *runner) clone(ctx context.Context, s *snapOp, name string) {
+	c := &cloneOp{name: name, snap: s, call: r.now()}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	_, err := r.c.Control.Volumes.CreateVolume(cctx, &storpb.CreateVolumeRequest{
+		Name: name, SizeBytes: s.size, ReplicaCount: 3,
+		ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: s.id}}})
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err != nil {
+		c.err = err.Error()
+	}
+	r.clones = append(r.clones, c)
 }
 
 func (r *runner) setSnap(s *snapOp, f func()) {
@@ -186,9 +222,63 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 			if rep.State != storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT {
 				continue
 			}
-			data, err := readLayer(ctx, dataAddr[rep.ServerId], rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
+			data, err := readBlocks(ctx, dataAddr[rep.ServerId], rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
 			for b := range blocks {
 				ro := Op{Client: -1, Kind: "snapshot-read", Snapshot: s.name, Replica: rep.ReplicaId, Block: b, Call: o.Call, Return: o.Return}
+				if err != nil {
+					ro.Err = err.Error()
+				} else {
+					ro.OK = true
+					ro.Value, ro.Bad = decodeValue(data[b], b, r.cfg.Seed)
+					if ro.Bad != "" {
+						ro.Raw = data[b]
+					}
+				}
+				r.record(ro)
+			}
+		}
+	}
+	return r.readClones(ctx, dataAddr)
+}
+
+// readClones waits for every clone the workload asked for to be filled
+// (up to 90 s in all) and reads every block of its snapshot's registers
+// from each of its replicas, as "snapshot-read" ops of its snapshot (its
+// window) that name the clone.
+func (r *runner) readClones(ctx context.Context, dataAddr map[string]string) error {
+	r.mu.Lock()
+	clones := append([]*cloneOp(nil), r.clones...)
+	r.mu.Unlock()
+	deadline := time.Now().Add(90 * time.Second)
+	for _, c := range clones {
+		o := Op{Client: -1, Kind: "clone", Snapshot: c.snap.name, Clone: c.name, Call: c.call, Err: c.err}
+		var v *storpb.Volume
+		for c.err == "" {
+			resp, err := r.c.Control.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: c.name}})
+			if err == nil && resp.Volume.State == storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+				v = resp.Volume
+				break
+			}
+			if time.Now().After(deadline) {
+				o.Err = fmt.Sprintf("not filled 90 s after the restart (%v)", err)
+				if err == nil {
+					o.Err = fmt.Sprintf("not filled 90 s after the restart: %v", resp.Volume.State)
+				}
+				break
+			}
+			sleep(ctx, 200*time.Millisecond)
+		}
+		o.Return, o.OK = r.now(), v != nil
+		r.record(o)
+		if v == nil {
+			continue
+		}
+		blocks := int(c.snap.size / blockStride)
+		for _, rep := range v.Replicas {
+			data, err := readBlocks(ctx, dataAddr[rep.ServerId], rep.Id, "", v.Epoch, blocks)
+			for b := range blocks {
+				ro := Op{Client: -1, Kind: "snapshot-read", Snapshot: c.snap.name, Clone: c.name, Replica: rep.Id, Block: b,
+					Call: c.snap.call, Return: c.snap.ready}
 				if err != nil {
 					ro.Err = err.Error()
 				} else {
@@ -205,10 +295,10 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 	return nil
 }
 
-// readLayer reads the first block of every register of a snapshot layer
-// from one replica, without fencing it (epoch 0 open, reads at the
-// volume's current epoch).
-func readLayer(ctx context.Context, addr, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
+// readBlocks reads the first block of every register from one replica,
+// of snapshot layer layer, or of its head when layer is "", without
+// fencing it (epoch 0 open, reads at the volume's current epoch).
+func readBlocks(ctx context.Context, addr, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
 	if addr == "" {
 		return nil, errors.New("the replica's server has no data address")
 	}
@@ -225,8 +315,14 @@ func readLayer(ctx context.Context, addr, replicaID, layer string, epoch uint64,
 	out := make([][]byte, blocks)
 	for b := range blocks {
 		out[b] = make([]byte, BlockSize)
-		if err := h.ReadSnapshotAt(ctx, replica.Op{Epoch: epoch}, layer, out[b], int64(b)*blockStride); err != nil {
-			return nil, fmt.Errorf("read snapshot layer %s of replica %s at block %d: %w", layer, replicaID, b, err)
+		var err error
+		if layer == "" {
+			err = h.ReadAt(ctx, replica.Op{Epoch: epoch}, out[b], int64(b)*blockStride)
+		} else {
+			err = h.ReadSnapshotAt(ctx, replica.Op{Epoch: epoch}, layer, out[b], int64(b)*blockStride)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read %q of replica %s at block %d: %w", layer, replicaID, b, err)
 		}
 	}
 	return out, nil
