@@ -33,11 +33,12 @@
 // read them back and flush, while a schedule drawn from the seed injects
 // one fault at a time (Nemesis: Inject, hold 2-6 s, Heal, 1-3 s quiet).
 // Every 2-5 s the harness snapshots the volume through the control plane
-// and waits until the snapshot is ready, or deletes an earlier one.
+// and waits until the snapshot is ready (and clones one in three), or
+// deletes an earlier one.
 // Then it heals everything, flushes, kills every server and the engine
 // with SIGKILL, restarts the servers, opens the volume again and reads
-// every register, and every snapshot still listed from every replica
-// that cut it. The choices (faults, victims, blocks, operations) are
+// every register, every snapshot still listed from every replica that
+// cut it, and every clone from each of its replicas. The choices (faults, victims, blocks, operations) are
 // reproducible from the seed; the timing of real processes is not.
 //
 // # Checkers
@@ -55,7 +56,8 @@
 //   - snapshots: every replica that cut a ready snapshot serves the same
 //     contents, and they are the volume at one instant between the
 //     snapshot's request and the moment it was seen ready, consistent
-//     with the registers' linearizations (checkSnapshots).
+//     with the registers' linearizations; a clone holds its snapshot
+//     (checkSnapshots).
 //
 // A run writes report.json, summary.txt and history.jsonl to its
 // directory, and porcupine's HTML visualization for every register whose
