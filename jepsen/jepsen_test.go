@@ -113,7 +113,7 @@ func TestJepsenCatchesEarlyAck(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, RunConfig{Seed: seed, Duration: 30 * time.Second, Nemeses: []string{"kill-client", "kill-server", "pause-server"},
-		Blocks: 4, Broken: "early-ack", Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+		Blocks: 4, Broken: "early-ack", NoClones: true, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +134,7 @@ func TestJepsenCatchesEarlySnapshotCut(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, RunConfig{Seed: seed, Duration: 20 * time.Second, Nemeses: []string{}, NoFaults: true,
-		Blocks: 4, Broken: "early-cut", Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+		Blocks: 4, Broken: "early-cut", NoClones: true, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}

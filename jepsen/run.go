@@ -37,6 +37,10 @@ type RunConfig struct {
 	Pace time.Duration
 	// Broken is a BrokenModes key (the "harness can fail" tests).
 	Broken string
+	// NoClones leaves clones out of the snapshot workload. The broken-mode
+	// tests set it: a clone of a snapshot whose recorded cut was never
+	// made can never be filled, and would hold the run for 90 s.
+	NoClones bool
 	// Dir receives the data dirs, logs, history and report.
 	Dir string
 	// ServerBin, SelfBin: see ClusterConfig.

@@ -63,7 +63,7 @@ func (r *runner) snapshotter(ctx context.Context, seed uint64) {
 				continue
 			}
 		}
-		if s := r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n)); s != nil && rng.IntN(3) == 0 {
+		if s := r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n)); s != nil && rng.IntN(3) == 0 && !r.cfg.NoClones {
 			r.clone(ctx, s, fmt.Sprintf("jepsen-clone-%d", n))
 		}
 		n++
@@ -71,8 +71,8 @@ func (r *runner) snapshotter(ctx context.Context, seed uint64) {
 }
 
 // pickSnapshot returns a random snapshot that was seen ready and not
-// deleted, if there are at least min of them.
-func (r *runner) pickSnapshot(rng *rand.Rand, min int) *snapOp {
+// deleted, if there are at least atLeast of them.
+func (r *runner) pickSnapshot(rng *rand.Rand, atLeast int) *snapOp {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var ready []*snapOp
@@ -81,7 +81,7 @@ func (r *runner) pickSnapshot(rng *rand.Rand, min int) *snapOp {
 			ready = append(ready, s)
 		}
 	}
-	if len(ready) < min {
+	if len(ready) < atLeast {
 		return nil
 	}
 	return ready[rng.IntN(len(ready))]
