@@ -15,7 +15,7 @@ type Op struct {
 	Client int    `json:"client"`
 	Host   string `json:"host"`  // the client host that ran it
 	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
-	Kind   string `json:"kind"`  // write, read, flush, open, final-read, snapshot, snapshot-delete, snapshot-read
+	Kind   string `json:"kind"`  // write, read, flush, open, final-read, snapshot, snapshot-delete, clone, snapshot-read
 	Block  int    `json:"block"`
 	// Snapshot names the snapshot of a snapshot op; Replica the replica a
 	// snapshot-read read from; Clone the clone of the snapshot it read, if
@@ -43,7 +43,7 @@ type Anomalies struct {
 	Integrity       int      `json:"integrity"`       // torn or foreign block contents read
 	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
 	Expansion       int      `json:"expansion"`       // online expansions the engine never served
-	Snapshot        int      `json:"snapshot"`        // snapshots whose contents are not the volume at one point of their window
+	Snapshot        int      `json:"snapshot"`        // findings that a snapshot or clone is not the volume at one point of its window
 	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
 	Details         []string `json:"details,omitempty"`
 }
