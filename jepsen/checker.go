@@ -2,7 +2,9 @@ package jepsen
 
 import (
 	"fmt"
+	"maps"
 	"math"
+	"slices"
 	"sort"
 	"time"
 
@@ -332,7 +334,7 @@ func checkSnapshots(ops []Op, a *Anomalies) []Op {
 				}
 			}
 		}
-		blocks := sortedInts(values)
+		blocks := slices.Sorted(maps.Keys(values))
 		for _, b := range blocks {
 			x := values[b]
 			xRet := int64(math.MinInt64)
@@ -380,7 +382,7 @@ func checkSnapshots(ops []Op, a *Anomalies) []Op {
 		if clone == nil || snap == nil {
 			continue // reported above, or the snapshot was deleted (the clone was then checked on its own)
 		}
-		for _, b := range sortedInts(clone) {
+		for _, b := range slices.Sorted(maps.Keys(clone)) {
 			if v, ok := snap[b]; ok && v != clone[b] {
 				a.Snapshot++
 				a.Details = append(a.Details, fmt.Sprintf("snapshot: %s: block %d holds %d, its snapshot %d", name, b, clone[b], v))
@@ -401,12 +403,3 @@ func groupName(o Op) string {
 
 // snapshotClient is the porcupine client id of the first snapshot's reads.
 const snapshotClient = 1000
-
-func sortedInts[V any](m map[int]V) []int {
-	var out []int
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Ints(out)
-	return out
-}

@@ -5,10 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"sort"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -80,11 +81,10 @@ func (r *Report) Summary() string {
 	}
 	fmt.Fprintf(&b, "jepsen %s seed=%d duration=%s broken=%q availability=%.3f snapshots-checked=%d clones-checked=%d\n",
 		verdict, r.Seed, r.Duration, r.Broken, r.Availability, r.SnapshotsChecked, r.ClonesChecked)
-	kinds := sortedKeys(r.Ops)
-	for _, k := range kinds {
+	for _, k := range slices.Sorted(maps.Keys(r.Ops)) {
 		fmt.Fprintf(&b, "  ops %-10s ok=%d failed=%d\n", k, r.Ops[k]["ok"], r.Ops[k]["failed"])
 	}
-	for _, k := range sortedKeys(r.Faults) {
+	for _, k := range slices.Sorted(maps.Keys(r.Faults)) {
 		fmt.Fprintf(&b, "  fault %-26s %d\n", k, r.Faults[k])
 	}
 	a := r.Anomalies
@@ -99,15 +99,6 @@ func (r *Report) Summary() string {
 	}
 	fmt.Fprintf(&b, "  output: %s\n", r.Dir)
 	return b.String()
-}
-
-func sortedKeys[V any](m map[string]V) []string {
-	var out []string
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
-	return out
 }
 
 type runner struct {
@@ -233,10 +224,7 @@ func (r *runner) do(ctx context.Context, client int, ch *ClientHost, kind string
 	default:
 		o.OK, o.Epoch = true, resp.Epoch
 		if req.Op == "read" {
-			o.Value, o.Bad = decodeValue(resp.Data, block, r.cfg.Seed)
-			if o.Bad != "" {
-				o.Raw = resp.Data
-			}
+			o.decode(resp.Data, r.cfg.Seed)
 		}
 	}
 	r.record(o)

@@ -223,19 +223,7 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 				continue
 			}
 			data, err := readBlocks(ctx, dataAddr[rep.ServerId], rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
-			for b := range blocks {
-				ro := Op{Client: -1, Kind: "snapshot-read", Snapshot: s.name, Replica: rep.ReplicaId, Block: b, Call: o.Call, Return: o.Return}
-				if err != nil {
-					ro.Err = err.Error()
-				} else {
-					ro.OK = true
-					ro.Value, ro.Bad = decodeValue(data[b], b, r.cfg.Seed)
-					if ro.Bad != "" {
-						ro.Raw = data[b]
-					}
-				}
-				r.record(ro)
-			}
+			r.recordBlocks(Op{Snapshot: s.name, Replica: rep.ReplicaId, Call: o.Call, Return: o.Return}, data, err, blocks)
 		}
 	}
 	return r.readClones(ctx, dataAddr)
@@ -276,23 +264,27 @@ func (r *runner) readClones(ctx context.Context, dataAddr map[string]string) err
 		blocks := int(c.snap.size / blockStride)
 		for _, rep := range v.Replicas {
 			data, err := readBlocks(ctx, dataAddr[rep.ServerId], rep.Id, "", v.Epoch, blocks)
-			for b := range blocks {
-				ro := Op{Client: -1, Kind: "snapshot-read", Snapshot: c.snap.name, Clone: c.name, Replica: rep.Id, Block: b,
-					Call: c.snap.call, Return: c.snap.ready}
-				if err != nil {
-					ro.Err = err.Error()
-				} else {
-					ro.OK = true
-					ro.Value, ro.Bad = decodeValue(data[b], b, r.cfg.Seed)
-					if ro.Bad != "" {
-						ro.Raw = data[b]
-					}
-				}
-				r.record(ro)
-			}
+			r.recordBlocks(Op{Snapshot: c.snap.name, Clone: c.name, Replica: rep.Id, Call: c.snap.call, Return: c.snap.ready}, data, err, blocks)
 		}
 	}
 	return nil
+}
+
+// recordBlocks records what readBlocks returned as one "snapshot-read"
+// op per block, each otherwise like base.
+func (r *runner) recordBlocks(base Op, data [][]byte, err error, blocks int) {
+	base.Client, base.Kind = -1, "snapshot-read"
+	for b := range blocks {
+		o := base
+		o.Block = b
+		if err != nil {
+			o.Err = err.Error()
+		} else {
+			o.OK = true
+			o.decode(data[b], r.cfg.Seed)
+		}
+		r.record(o)
+	}
 }
 
 // readBlocks reads the first block of every register from one replica,

@@ -38,6 +38,15 @@ func encodeValue(id uint64, block int, seed uint64) []byte {
 	return b
 }
 
+// decode sets a read's Value from the block it returned, or Bad (and Raw,
+// the bytes) when they are not a value of its block.
+func (o *Op) decode(data []byte, seed uint64) {
+	o.Value, o.Bad = decodeValue(data, o.Block, seed)
+	if o.Bad != "" {
+		o.Raw = data
+	}
+}
+
 // decodeValue returns the op id a block holds (0 for zeroes), or a reason
 // it is not a value this run wrote to this block.
 func decodeValue(b []byte, block int, seed uint64) (uint64, string) {
