@@ -7,6 +7,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+
+	"github.com/stor-io/stor/internal/durable"
 )
 
 // identity is what a data directory says about its owner. It is written
@@ -82,35 +84,8 @@ func saveIdentity(dir string, ident identity) error {
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, identityFile+".tmp")
-	fh, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
-	if err != nil {
-		return fmt.Errorf("raftstore: write identity: %w", err)
-	}
-	_, err = fh.Write(append(b, '\n'))
-	if err == nil {
-		err = fh.Sync()
-	}
-	if cerr := fh.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, filepath.Join(dir, identityFile))
-	}
-	if err == nil {
-		err = syncDir(dir)
-	}
-	if err != nil {
+	if err := durable.WriteFile(filepath.Join(dir, identityFile), append(b, '\n')); err != nil {
 		return fmt.Errorf("raftstore: write identity: %w", err)
 	}
 	return nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
