@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -13,7 +12,6 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
 	"github.com/stor-io/stor/nbd/kernel"
-	"github.com/stor-io/stor/replica/engine"
 )
 
 func newNBDAttachCommand(a *app) *cobra.Command {
@@ -79,36 +77,15 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 	return cmd
 }
 
-// nbdAttachConfig is what "stor-ctl nbd attach" runs with.
+// nbdAttachConfig is what "stor-ctl nbd attach" runs with: package
+// attach's configuration (its VolumeID is looked up from Volume), the
+// volume as the command names it, and where the device path goes.
 type nbdAttachConfig struct {
+	attach.Config
 	Volume     string
 	VolumeIsID bool
-	NodeID     string
-	Takeover   bool
-	ReadOnly   bool
-	// Connections is the number of socket pairs for a new device.
-	Connections int
-	// StateDir holds the attach records. Default /run/stor/nbd.
-	StateDir string
-	// IOTimeout and DeadConnTimeout are the kernel's request and
-	// dead-connection timeouts. Defaults 30s and 120s.
-	IOTimeout       time.Duration
-	DeadConnTimeout time.Duration
-
-	Control engine.ControlPlane
-	Connect engine.Connector
-	// Timeout bounds attaching (engine.Open) and the final flush and
-	// detach. Default 10s.
-	Timeout time.Duration
-	// DrainTimeout bounds how long a stop waits for requests in flight.
-	// Default 30s.
-	DrainTimeout time.Duration
 	// Stdout gets the device path, one line.
 	Stdout io.Writer
-	Logger *slog.Logger
-
-	// kernel is the kernel's side (nil: the real one; tests fake it).
-	kernel *attach.Kernel
 }
 
 // runNBDAttach attaches the volume to a kernel device (or resumes a
@@ -136,13 +113,9 @@ func runNBDAttach(ctx context.Context, cfg nbdAttachConfig) error {
 	if err != nil {
 		return err
 	}
-	at, err := attach.Open(ctx, attach.Config{
-		VolumeID: got.GetVolume().GetId(), NodeID: cfg.NodeID, Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly,
-		Connections: cfg.Connections, StateDir: cfg.StateDir,
-		IOTimeout: cfg.IOTimeout, DeadConnTimeout: cfg.DeadConnTimeout,
-		Control: cfg.Control, Connect: cfg.Connect, Timeout: cfg.Timeout, DrainTimeout: cfg.DrainTimeout,
-		Logger: cfg.Logger, Kernel: cfg.kernel,
-	})
+	ac := cfg.Config
+	ac.VolumeID = got.GetVolume().GetId()
+	at, err := attach.Open(ctx, ac)
 	if errors.Is(err, attach.ErrAlreadyServed) {
 		return fmt.Errorf("volume %q is already served by another stor-ctl nbd attach: %w", cfg.Volume, err)
 	}

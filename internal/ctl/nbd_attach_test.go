@@ -249,14 +249,14 @@ type attachRun struct {
 
 func attachConfig(t *testing.T, c *servertest.Cluster, k *fakeKernel, dir, volume string) nbdAttachConfig {
 	cl := c.Dial()
-	return nbdAttachConfig{
-		Volume: volume, NodeID: "test-node", Connections: 2, StateDir: dir,
+	return nbdAttachConfig{Volume: volume, Config: attach.Config{
+		NodeID: "test-node", Connections: 2, StateDir: dir,
 		Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
 		Connect: engine.WireConnector(wire.ClientConfig{}),
 		Timeout: 20 * time.Second,
 		Logger:  attachTestLogger(t),
-		kernel:  k.ops(),
-	}
+		Kernel:  k.ops(),
+	}}
 }
 
 // startAttach runs runNBDAttach until the test stops it and waits for the
