@@ -102,22 +102,30 @@ func tableRow(r *Report) string {
 		r.Ops["flush"]["ok"], r.Ops["snapshot"]["ok"], r.SnapshotsChecked, r.Ops["snapshot-delete"]["ok"], r.ClonesChecked, faults, r.Anomalies.Total(), r.Availability)
 }
 
+// runBroken runs a short run with a broken mode (cfg.Broken, which also
+// names its output directory) and returns its report. Broken runs leave
+// clones out: a clone of a snapshot whose recorded cut was never made
+// could never be filled.
+func runBroken(t *testing.T, cfg RunConfig) *Report {
+	cfg.ServerBin, cfg.SelfBin = setup(t)
+	cfg.Dir, cfg.Blocks, cfg.NoClones, cfg.Logf = outDir(t, "broken-"+cfg.Broken), 4, true, t.Logf
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Log("\n" + rep.Summary())
+	return rep
+}
+
 // TestJepsenCatchesEarlyAck proves the harness can fail: an engine whose
 // replica writes are acknowledged before the replicas answered (the ack
 // rule broken) must be caught by the checkers, under the engine-kill and
 // server-kill nemeses that make early acknowledgements visible.
 func TestJepsenCatchesEarlyAck(t *testing.T) {
-	server, self := setup(t)
-	const seed = 1
-	dir := outDir(t, "broken-early-ack")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	rep, err := Run(ctx, RunConfig{Seed: seed, Duration: 30 * time.Second, Nemeses: []string{"kill-client", "kill-server", "pause-server"},
-		Blocks: 4, Broken: "early-ack", NoClones: true, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Log("\n" + rep.Summary())
+	rep := runBroken(t, RunConfig{Seed: 1, Duration: 30 * time.Second, Broken: "early-ack",
+		Nemeses: []string{"kill-client", "kill-server", "pause-server"}})
 	if rep.Anomalies.Total() == 0 {
 		t.Fatalf("the early-ack engine passed every checker: the harness cannot fail")
 	}
@@ -128,17 +136,7 @@ func TestJepsenCatchesEarlyAck(t *testing.T) {
 // writes (a cut acknowledged before it was made) must be caught, with no
 // fault injected at all.
 func TestJepsenCatchesEarlySnapshotCut(t *testing.T) {
-	server, self := setup(t)
-	const seed = 2
-	dir := outDir(t, "broken-early-cut")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	rep, err := Run(ctx, RunConfig{Seed: seed, Duration: 20 * time.Second, Nemeses: []string{}, NoFaults: true,
-		Blocks: 4, Broken: "early-cut", NoClones: true, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Log("\n" + rep.Summary())
+	rep := runBroken(t, RunConfig{Seed: 2, Duration: 20 * time.Second, Broken: "early-cut", Nemeses: []string{}, NoFaults: true})
 	if rep.Anomalies.Snapshot == 0 {
 		t.Fatalf("snapshots cut after writes resumed passed the snapshot checker: it cannot fail")
 	}
