@@ -17,7 +17,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
-	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/nbd"
 	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
@@ -50,11 +49,7 @@ func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, 
 		}
 		*nodeID = host
 	}
-	addrs, err := a.serverAddrs(cmd)
-	if err != nil {
-		return err
-	}
-	c, err := client.Dial(addrs)
+	c, addrs, err := a.dial(cmd)
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,6 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
-	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/nbd/kernel"
 )
 
@@ -54,11 +53,7 @@ errors.`,
 			// The cluster is needed only when the attach process is gone
 			// (to detach the volume); dial lazily.
 			cfg.detachVolume = func(ctx context.Context, volumeID, node string) error {
-				addrs, err := a.serverAddrs(cmd)
-				if err != nil {
-					return err
-				}
-				c, err := client.Dial(addrs)
+				c, addrs, err := a.dial(cmd)
 				if err != nil {
 					return err
 				}

@@ -239,11 +239,7 @@ func (a *app) serverAddrs(cmd *cobra.Command) ([]string, error) {
 // call dials the cluster, runs fn under --timeout and turns a gRPC error into
 // the message stor-ctl prints.
 func (a *app) call(cmd *cobra.Command, fn func(ctx context.Context, c *client.Client) error) error {
-	addrs, err := a.serverAddrs(cmd)
-	if err != nil {
-		return err
-	}
-	c, err := client.Dial(addrs)
+	c, addrs, err := a.dial(cmd)
 	if err != nil {
 		return err
 	}
@@ -281,4 +277,16 @@ func (a *app) describe(err error, addrs []string) error {
 		msg = st.Code().String()
 	}
 	return errors.New(msg)
+}
+
+// dial connects to the servers the command names (--servers or the
+// default) and returns their addresses for describe; the caller closes
+// the client.
+func (a *app) dial(cmd *cobra.Command) (*client.Client, []string, error) {
+	addrs, err := a.serverAddrs(cmd)
+	if err != nil {
+		return nil, nil, err
+	}
+	c, err := client.Dial(addrs)
+	return c, addrs, err
 }
