@@ -74,18 +74,7 @@ func (n *nodeServer) load(id string) (*stagedRecord, error) {
 	if err := attach.ValidID(id); err != nil {
 		return nil, invalidf("%v", err)
 	}
-	b, err := os.ReadFile(n.recordPath(id))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var r stagedRecord
-	if err := json.Unmarshal(b, &r); err != nil {
-		return nil, fmt.Errorf("staged record %s: %w", n.recordPath(id), err)
-	}
-	return &r, nil
+	return durable.ReadJSON[stagedRecord](n.recordPath(id))
 }
 
 // save writes a record atomically and durably.

@@ -58,18 +58,7 @@ func ValidID(id string) error {
 
 // LoadRecord reads the record of a volume; (nil, nil) if there is none.
 func LoadRecord(dir, volumeID string) (*Record, error) {
-	b, err := os.ReadFile(RecordPath(dir, volumeID))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var r Record
-	if err := json.Unmarshal(b, &r); err != nil {
-		return nil, fmt.Errorf("state file %s: %w", RecordPath(dir, volumeID), err)
-	}
-	return &r, nil
+	return durable.ReadJSON[Record](RecordPath(dir, volumeID))
 }
 
 // SaveRecord writes the record atomically and durably (a temporary file,

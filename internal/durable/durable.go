@@ -5,7 +5,9 @@
 package durable
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 )
@@ -33,6 +35,23 @@ func WriteFile(path string, data []byte) error {
 		return err
 	}
 	return syncDir(dir)
+}
+
+// ReadJSON decodes the JSON file at path, one written with WriteFile; it
+// returns (nil, nil) when there is no file.
+func ReadJSON[T any](path string) (*T, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var v T
+	if err := json.Unmarshal(b, &v); err != nil {
+		return nil, fmt.Errorf("state file %s: %w", path, err)
+	}
+	return &v, nil
 }
 
 // Remove removes path durably; a path that does not exist is not an error.

@@ -36,3 +36,23 @@ func TestWriteFileReplacesAndRemoveForgets(t *testing.T) {
 		t.Fatal("WriteFile into a missing directory succeeded")
 	}
 }
+
+func TestReadJSON(t *testing.T) {
+	type rec struct{ A int }
+	path := filepath.Join(t.TempDir(), "r.json")
+	if r, err := durable.ReadJSON[rec](path); r != nil || err != nil {
+		t.Fatalf("no file: %v, %v; want nil, nil", r, err)
+	}
+	if err := durable.WriteFile(path, []byte(`{"A": 7}`)); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := durable.ReadJSON[rec](path); err != nil || r == nil || r.A != 7 {
+		t.Fatalf("ReadJSON = %v, %v; want {7}", r, err)
+	}
+	if err := durable.WriteFile(path, []byte(`{"A": `)); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := durable.ReadJSON[rec](path); err == nil {
+		t.Fatalf("a truncated file read as %v, want an error", r)
+	}
+}
