@@ -181,9 +181,9 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 	switch req.Broken {
 	case "":
 	case "early-ack":
-		connect = earlyAck(connect)
+		connect = wrapConns(connect, earlyAck)
 	case "early-cut":
-		connect = earlyCut(connect)
+		connect = wrapConns(connect, earlyCut)
 	default:
 		return fmt.Errorf("client: unknown broken mode %q", req.Broken)
 	}
@@ -212,18 +212,21 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 	return nil
 }
 
-// earlyAck is the "early-ack" broken mode: every replica write returns
-// success as soon as it is handed to the connection, while the replica
-// has not answered yet (and may never apply it).
-func earlyAck(next engine.Connector) engine.Connector {
+// wrapConns is next with every replica connection it opens wrapped.
+func wrapConns(next engine.Connector, wrap func(engine.ReplicaConn) engine.ReplicaConn) engine.Connector {
 	return func(ctx context.Context, addr, id string, epoch uint64) (engine.ReplicaConn, error) {
 		c, err := next(ctx, addr, id, epoch)
 		if err != nil {
 			return nil, err
 		}
-		return earlyAckConn{c}, nil
+		return wrap(c), nil
 	}
 }
+
+// earlyAck is the "early-ack" broken mode: every replica write returns
+// success as soon as it is handed to the connection, while the replica
+// has not answered yet (and may never apply it).
+func earlyAck(c engine.ReplicaConn) engine.ReplicaConn { return earlyAckConn{c} }
 
 type earlyAckConn struct{ engine.ReplicaConn }
 
@@ -241,18 +244,11 @@ func (c earlyAckConn) WriteAt(ctx context.Context, o replica.Op, p []byte, off i
 // returns success at once and is made 100-600 ms later, so writes the
 // engine resumed after the cut land in the snapshot, a different set on
 // each replica.
-func earlyCut(next engine.Connector) engine.Connector {
-	return func(ctx context.Context, addr, id string, epoch uint64) (engine.ReplicaConn, error) {
-		c, err := next(ctx, addr, id, epoch)
-		if err != nil {
-			return nil, err
-		}
-		cut, ok := c.(snapshotCutter)
-		if !ok {
-			return c, nil
-		}
-		return earlyCutConn{ReplicaConn: c, cut: cut}, nil
+func earlyCut(c engine.ReplicaConn) engine.ReplicaConn {
+	if cut, ok := c.(snapshotCutter); ok {
+		return earlyCutConn{ReplicaConn: c, cut: cut}
 	}
+	return c
 }
 
 // snapshotCutter is the wire connection's snapshot capability the engine
