@@ -99,10 +99,12 @@ bench-nbd:
 # initramfs of the project's static binaries, running the kernel NBD
 # scenarios (netlink attach, ext4, a replica killed, restart survival).
 # They skip, saying what is missing, without qemu or the kernel (make
-# install-vm-tools). VM_RUN selects tests (a -run pattern).
+# install-vm-tools). VM_RUN selects tests (a -run pattern). KVM only when a
+# probe boot shows it works (else TCG, about 15 minutes under load);
+# STOR_VM_ACCEL=kvm|tcg forces one.
 VM_RUN ?= ^TestVM
 vm:
-	$(GO) test -count=1 -timeout 20m -v -run '$(VM_RUN)' ./internal/vmtest/
+	$(GO) test -count=1 -timeout 30m -v -run '$(VM_RUN)' ./internal/vmtest/
 
 # What the VM tests need: qemu, a busybox for the guest, the ext4 and xfs tools,
 # and Debian's kernel (linux-image-amd64) unpacked without installing it

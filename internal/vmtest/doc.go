@@ -17,6 +17,26 @@
 // $XDG_CACHE_HOME/stor-vm), and at /boot and /lib/modules; a test that
 // finds nothing skips, naming what is missing (vmtest.Skip).
 //
+// # The accelerator
+//
+// qemu runs the guest under KVM only when KVM really works here, which
+// opening /dev/kvm does not show: on machines of the project's kind
+// /dev/kvm may be missing, work, or open read-write while qemu then aborts
+// ("failed to set MSR 0x10a", nested virtualisation) or hangs at "Booting
+// from ROM...". So the first FindEnv of a test binary probes (DecideAccel):
+// it boots the kernel under KVM with no initramfs and accepts KVM only if
+// the kernel's banner ("Linux version ...") reaches the console within
+// ProbeTimeout (10 s; a working KVM shows it in well under one); otherwise
+// the guest runs under TCG, qemu's emulation. The decision and its reason
+// are printed once per test binary, e.g.
+//
+//	vmtest: KVM unusable (qemu-system-x86_64: error: failed to set MSR 0x10a to 0x69); using TCG
+//
+// $STOR_VM_ACCEL=kvm or =tcg forces one. A forced kvm that does not work
+// fails the test with qemu's own message (or the hang the probe saw),
+// never a hung test; tcg skips the probe. A guest that never reaches /init
+// is reported with the accelerator it ran under.
+//
 // # The guest
 //
 // The initramfs is an uncompressed newc cpio written here: busybox
@@ -57,8 +77,8 @@
 // adds xfsprogs and the xfs module (withXFS), and needs 320 MiB volumes:
 // mkfs.xfs refuses less than 300 MiB (sparse on the servers' tmpfs).
 //
-// Speed, measured on the project's machines (no KVM, so qemu emulates): the
-// kernel boots in about 4 s; Go code runs about 4x slower than on the host,
+// Speed, measured on the project's machines (TCG: no KVM, or one that does
+// not work): the kernel boots in about 4 s; Go code runs about 4x slower than on the host,
 // SHA-256 about 25x. Size data small (volumes of 64–128 MiB) and bound every
 // loop.
 package vmtest

@@ -28,9 +28,9 @@ type Env struct {
 	// Busybox is a busybox binary (static, or with its libraries found by
 	// ldd).
 	Busybox string
-	// KVM is set when /dev/kvm can be used: qemu then runs the guest at
-	// native speed.
-	KVM bool
+	// Accel is the accelerator qemu runs the guest with (AccelKVM only
+	// when a probe boot showed KVM works here; see DecideAccel) and why.
+	Accel Accel
 }
 
 // CacheDir is where make install-vm-tools unpacks the kernel:
@@ -49,9 +49,11 @@ func CacheDir() string {
 	return filepath.Join(os.TempDir(), "stor-vm")
 }
 
-// FindEnv finds qemu, busybox, and a kernel with an nbd module. It returns
-// an error wrapping ErrMissing that names what is missing and how to
-// install it.
+// FindEnv finds qemu, busybox, and a kernel with an nbd module, and
+// decides the accelerator (once per test binary, printing the decision).
+// It returns an error wrapping ErrMissing that names what is missing and
+// how to install it, or ErrAccel when $STOR_VM_ACCEL forces one that does
+// not work.
 func FindEnv() (*Env, error) {
 	var missing []string
 	e := &Env{}
@@ -75,9 +77,8 @@ func FindEnv() (*Env, error) {
 	if len(missing) > 0 {
 		return nil, fmt.Errorf("%w: %s; %s", ErrMissing, strings.Join(missing, ", "), installHint)
 	}
-	if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
-		f.Close()
-		e.KVM = true
+	if e.Accel, err = decideAccelOnce(e.Qemu, e.Kernel); err != nil {
+		return nil, err
 	}
 	return e, nil
 }
@@ -120,6 +121,9 @@ func Skip(t testing.TB) *Env {
 		t.Skip("vmtest: skipped: STOR_VM_TESTS=0 (CI runs the VM tests by themselves with make vm)")
 	}
 	e, err := FindEnv()
+	if errors.Is(err, ErrAccel) {
+		t.Fatal(err) // asked for explicitly: not a reason to skip
+	}
 	if err != nil {
 		t.Skipf("vmtest: cannot boot the test VM: %v", err)
 	}

@@ -113,8 +113,10 @@ func (e *Env) Run(ctx context.Context, s Scenario) (*Result, error) {
 		"-kernel", e.Kernel, "-initrd", initrd,
 		"-append", strings.TrimSpace("console=ttyS0 panic=-1 quiet loglevel=4 " + s.Append),
 	}
-	if e.KVM {
+	if e.Accel.Name == AccelKVM {
 		args = append(args, "-enable-kvm", "-cpu", "host")
+	} else {
+		args = append(args, "-accel", "tcg")
 	}
 	cmd := exec.CommandContext(ctx, e.Qemu, args...)
 	var out syncBuffer
@@ -129,10 +131,13 @@ func (e *Env) Run(ctx context.Context, s Scenario) (*Result, error) {
 	runErr := cmd.Run()
 	r := &Result{Console: out.String(), Duration: time.Since(start)}
 	r.Passed, r.Reason = judge(r.Console, s.Expect)
+	if r.Reason == reasonNoInit {
+		r.Reason += " (accelerator " + e.Accel.Name + ")"
+	}
 	switch {
 	case ctx.Err() != nil:
 		r.Passed = false
-		r.Reason = fmt.Sprintf("the VM did not power off within %v (%s)", s.Timeout, r.Reason)
+		r.Reason = fmt.Sprintf("the VM did not power off within %v under %s (%s)", s.Timeout, e.Accel.Name, r.Reason)
 	case runErr != nil && r.Passed:
 		r.Passed = false
 		r.Reason = fmt.Sprintf("qemu: %v", runErr)
@@ -141,6 +146,10 @@ func (e *Env) Run(ctx context.Context, s Scenario) (*Result, error) {
 	}
 	return r, nil
 }
+
+// reasonNoInit is judge's reason when the guest never ran /init (Run adds
+// the accelerator: a KVM that hangs looks just like this).
+const reasonNoInit = "the guest never reached /init"
 
 // judge decides a run from its console output.
 func judge(console string, expect []string) (bool, string) {
@@ -154,7 +163,7 @@ func judge(console string, expect []string) (bool, string) {
 			return false, strings.TrimSpace(line)
 		}
 		if !strings.Contains(console, "VMTEST BOOTED") {
-			return false, "the guest never reached /init"
+			return false, reasonNoInit
 		}
 		return false, "the scenario did not finish"
 	}
