@@ -6,6 +6,7 @@ import (
 	"errors"
 	"maps"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"k8s.io/mount-utils"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/client"
@@ -230,21 +232,21 @@ func TestNodeRestartRecovers(t *testing.T) {
 	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
 	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
 		Name: "restart", CapacityRange: &csipb.CapacityRange{RequiredBytes: 16 << 20},
-		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()},
+		VolumeCapabilities: []*csipb.VolumeCapability{mountCap()},
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	id := vol.GetVolume().GetVolumeId()
 	staging := filepath.Join(dir, "staging")
-	if _, err := node.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: rwoCap()}); err != nil {
+	if _, err := node.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCap()}); err != nil {
 		t.Fatal(err)
 	}
 	d1.Close() // as a SIGTERM'd plugin leaves things: nothing detached
 
 	// The second instance shares the first's state dir.
 	att2 := newFakeAttacher(cl.Volumes)
-	host2, _, _ := fakeHost(att2)
+	host2, mounter2, _ := fakeHost(att2)
 	d2, err := New(Config{
 		Mode: ModeNode, NodeID: c.Nodes[0].ID, StateDir: d1.cfg.StateDir,
 		Cluster:  Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
@@ -264,6 +266,38 @@ func TestNodeRestartRecovers(t *testing.T) {
 	}
 	if _, _, ok := att2.Served(id); !ok || att2.attachN != 1 {
 		t.Fatalf("the restarted plugin did not reattach the staged volume (served %v, attaches %d)", ok, att2.attachN)
+	}
+
+	// As after a reboot: host2's mount table is empty, so nothing is
+	// mounted at the staging path although the device is served again.
+	// Publishing now would bind-mount the bare directory (the node's root
+	// disk); it must be refused, and staging again must mount.
+	target := filepath.Join(dir, "target")
+	pub := &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: mountCap()}
+	if _, err := d2.node.NodePublishVolume(ctx, pub); status.Code(toStatus(err)) != codes.FailedPrecondition {
+		t.Fatalf("publish with nothing mounted at the staging path: %v, want FailedPrecondition", err)
+	}
+	if mounted, _ := mounter2.IsMountPoint(target); mounted {
+		t.Fatal("the refused publish mounted the target")
+	}
+	if _, err := d2.node.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCap()}); err != nil {
+		t.Fatal(err)
+	}
+	if mounted, err := mounter2.IsMountPoint(staging); err != nil || !mounted {
+		t.Fatalf("NodeStage of a served volume left the staging path unmounted (mounted %v, %v)", mounted, err)
+	}
+	dev, _, _ := att2.Served(id)
+	if mps, _ := mounter2.List(); !slices.ContainsFunc(mps, func(m mount.MountPoint) bool { return m.Path == staging && m.Device == dev }) {
+		t.Fatalf("the staging path is not mounted from the volume's device %s: %v", dev, mps)
+	}
+	if att2.attachN != 1 {
+		t.Fatalf("NodeStage attached again (%d attaches): the served device is the one to mount", att2.attachN)
+	}
+	if _, err := d2.node.NodePublishVolume(ctx, pub); err != nil {
+		t.Fatalf("publish after staging again: %v", err)
+	}
+	if _, err := d2.node.NodeUnpublishVolume(ctx, &csipb.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := d2.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)

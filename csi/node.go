@@ -245,22 +245,29 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 	if err != nil {
 		return nil, err
 	}
+	// Idempotent on the result, not on the record: a recorded volume whose
+	// device is served (start-up recovery serves it again after a reboot)
+	// may still have nothing mounted at the staging path; mounting it is
+	// what this call is for. Publishing the bare staging directory would
+	// send the pod's writes to the node's root disk.
+	dev := ""
 	if rec != nil {
 		if rec.StagingPath != staging || rec.Block != block || rec.FSType != fs || rec.ReadOnly != readOnly {
 			return nil, fmt.Errorf("%w: volume %q is staged at %s (block %v, fs %q, read-only %v)",
 				ErrAlreadyExists, id, rec.StagingPath, rec.Block, rec.FSType, rec.ReadOnly)
 		}
-		if _, _, ok := n.attacher.Served(id); ok {
-			return &csipb.NodeStageVolumeResponse{}, nil
+		if d, _, ok := n.attacher.Served(id); ok {
+			dev = d
 		}
 		// Recorded but not served (recovery failed): attach again below.
 	}
-	if _, err := n.getVolume(ctx, id); err != nil {
-		return nil, err
-	}
-	dev, err := n.attacher.Attach(ctx, id, readOnly)
-	if err != nil {
-		return nil, err
+	if dev == "" {
+		if _, err := n.getVolume(ctx, id); err != nil {
+			return nil, err
+		}
+		if dev, err = n.attacher.Attach(ctx, id, readOnly); err != nil {
+			return nil, err
+		}
 	}
 	fail := func(err error) (*csipb.NodeStageVolumeResponse, error) {
 		if derr := n.attacher.Detach(context.WithoutCancel(ctx), id); derr != nil {
@@ -375,6 +382,18 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 	_, block := req.GetVolumeCapability().GetAccessType().(*csipb.VolumeCapability_Block)
 	if block != rec.Block {
 		return nil, invalidf("volume %q is staged with block access %v, published with %v", id, rec.Block, block)
+	}
+	if !block {
+		// Bind-mounting a staging directory with nothing mounted on it
+		// would give the pod the node's root disk (after a reboot, before
+		// the volume is staged again).
+		mounted, err := n.host.Mounter.IsMountPoint(rec.StagingPath)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("staging path: %w", err)
+		}
+		if !mounted {
+			return nil, preconditionf("volume %q: nothing is mounted at its staging path %s; stage it again", id, rec.StagingPath)
+		}
 	}
 	opts := []string{"bind"}
 	if req.GetReadonly() || rec.ReadOnly {
