@@ -82,7 +82,7 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	}
 	k.mu.Unlock()
 	at, err := attach.Open(ctx, attach.Config{
-		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true,
+		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true, RequireAttached: true,
 		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger,
 		Control: engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
 		Connect: engine.WireConnector(wire.ClientConfig{}),

@@ -335,6 +335,9 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 		return nil, fmt.Errorf("%w: volume %q is %v, not attachable yet", ErrFailedPrecondition, v.Name, v.State)
 	case v.Attachment != nil && v.Attachment.NodeId != req.NodeId && !req.Takeover:
 		return nil, fmt.Errorf("%w: volume %q is attached to node %q", ErrFailedPrecondition, v.Name, v.Attachment.NodeId)
+	case req.RequireAttached && (v.Attachment == nil || v.Attachment.NodeId != req.NodeId):
+		return nil, fmt.Errorf("%w: volume %q is not attached to node %q (%s); only a publish attaches it",
+			ErrFailedPrecondition, v.Name, req.NodeId, describeAttachment(v.Attachment))
 	}
 	mode := req.Mode
 	if mode == storpb.AccessMode_ACCESS_MODE_UNSPECIFIED {
@@ -513,4 +516,12 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 	}
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil
+}
+
+// describeAttachment says where a volume is attached, for errors.
+func describeAttachment(a *storpb.Attachment) string {
+	if a == nil {
+		return "it is not attached"
+	}
+	return fmt.Sprintf("it is attached to node %q", a.NodeId)
 }

@@ -2717,9 +2717,16 @@ type AttachVolumeRequest struct {
 	Mode   AccessMode             `protobuf:"varint,3,opt,name=mode,proto3,enum=stor.v1.AccessMode" json:"mode,omitempty"`
 	// Attach even though the volume is attached to another node. The new
 	// epoch fences the previous holder.
-	Takeover      bool `protobuf:"varint,4,opt,name=takeover,proto3" json:"takeover,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Takeover bool `protobuf:"varint,4,opt,name=takeover,proto3" json:"takeover,omitempty"`
+	// Attach only when the volume is already attached to node_id: the new
+	// epoch fences an earlier instance on the same node, but nothing is
+	// attached that was not. The CSI node side sets it: only
+	// ControllerPublish creates an attachment, so a node plugin recovering
+	// after a force-detach cannot re-create one that no VolumeAttachment
+	// owns.
+	RequireAttached bool `protobuf:"varint,5,opt,name=require_attached,json=requireAttached,proto3" json:"require_attached,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *AttachVolumeRequest) Reset() {
@@ -2776,6 +2783,13 @@ func (x *AttachVolumeRequest) GetMode() AccessMode {
 func (x *AttachVolumeRequest) GetTakeover() bool {
 	if x != nil {
 		return x.Takeover
+	}
+	return false
+}
+
+func (x *AttachVolumeRequest) GetRequireAttached() bool {
+	if x != nil {
+		return x.RequireAttached
 	}
 	return false
 }
@@ -4169,12 +4183,13 @@ const file_control_proto_rawDesc = "" +
 	"\n" +
 	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\"?\n" +
 	"\x14ExpandVolumeResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\x9f\x01\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xca\x01\n" +
 	"\x13AttachVolumeRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x17\n" +
 	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12'\n" +
 	"\x04mode\x18\x03 \x01(\x0e2\x13.stor.v1.AccessModeR\x04mode\x12\x1a\n" +
-	"\btakeover\x18\x04 \x01(\bR\btakeover\"?\n" +
+	"\btakeover\x18\x04 \x01(\bR\btakeover\x12)\n" +
+	"\x10require_attached\x18\x05 \x01(\bR\x0frequireAttached\"?\n" +
 	"\x14AttachVolumeResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"Z\n" +
 	"\x13DetachVolumeRequest\x12*\n" +

@@ -75,6 +75,10 @@ type Config struct {
 	// NodeID): the CSI node, where ControllerUnpublish detaches. Default
 	// false: a clean stop detaches the volume (stor-ctl nbd attach).
 	KeepAttachment bool
+	// RequireAttached opens only a volume the cluster already has attached
+	// to NodeID (engine.Config.RequireAttached): the CSI node, where only
+	// ControllerPublish attaches. Default false: Open attaches.
+	RequireAttached bool
 	// Connections is the number of socket pairs for a new device; a
 	// resumed device keeps the recorded number. Default DefaultConnections.
 	Connections int
@@ -241,7 +245,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		// the new epoch fences the dead instance. If the volume was
 		// attached to another node meanwhile, it is that node's now and
 		// the resume is refused rather than fencing it.
-		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly,
+		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly, RequireAttached: cfg.RequireAttached,
 		Control: cfg.Control, Connect: cfg.Connect, Logger: log,
 	})
 	cancel()

@@ -753,3 +753,63 @@ func TestAttachKeepAttachmentAndAbandon(t *testing.T) {
 		t.Fatalf("KeepAttachment: after the clean stop the volume is attached to %v, want csi-node", v.GetAttachment())
 	}
 }
+
+// The CSI node's failover sequence: the plugin on node A stops for a
+// restart (Abandon: device and record kept), the controller force-detaches
+// A (ControllerUnpublish), A's plugin comes back and recovers. Only
+// ControllerPublish creates an attachment, so the recovery must be refused
+// and leave the volume unattached: a publish to node B then succeeds
+// without a takeover. (Before RequireAttached the recovery re-attached the
+// volume to A and every publish to B failed until someone detached by
+// hand.)
+func TestAttachRequireAttachedAfterForceDetach(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kfailover", 16*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	cl := c.Dial()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cfg := attach.Config{
+		VolumeID: vol.Id, NodeID: "node-a", KeepAttachment: true, RequireAttached: true, StateDir: dir,
+		Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
+		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Timeout: 20 * time.Second, Logger: attachTestLogger(t), Kernel: k.ops(),
+	}
+	// Not published to node-a yet: the node side may not attach it.
+	if _, err := attach.Open(ctx, cfg); err == nil || !strings.Contains(err.Error(), "not attached to node") {
+		t.Fatalf("open before any publish: %v, want a refusal", err)
+	}
+	if v := getVolume(t, c, vol.Id); v.GetAttachment() != nil {
+		t.Fatalf("a refused open attached the volume: %v", v.GetAttachment())
+	}
+	// ControllerPublish to node-a, then the plugin stages it.
+	if _, err := cl.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, NodeId: "node-a"}); err != nil {
+		t.Fatal(err)
+	}
+	at, err := attach.Open(ctx, cfg)
+	if err != nil {
+		t.Fatalf("open after the publish: %v", err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- at.Run(context.Background()) }()
+	at.Abandon() // the plugin stops for a restart
+	if err := <-done; !errors.Is(err, attach.ErrAbandoned) {
+		t.Fatalf("Run after Abandon: %v", err)
+	}
+	// The controller force-detaches node-a while its plugin is down.
+	if _, err := cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, NodeId: "node-a"}); err != nil {
+		t.Fatal(err)
+	}
+	// node-a's plugin recovers its recorded volume: refused.
+	if _, err := attach.Open(ctx, cfg); err == nil || !strings.Contains(err.Error(), "not attached to node") {
+		t.Fatalf("recovery after a force-detach: %v, want a refusal (not attached to node-a)", err)
+	}
+	if v := getVolume(t, c, vol.Id); v.GetAttachment() != nil {
+		t.Fatalf("the recovery re-created an attachment no publish made: %v", v.GetAttachment())
+	}
+	// ControllerPublish to node-b needs no takeover.
+	if _, err := cl.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, NodeId: "node-b"}); err != nil {
+		t.Fatalf("publish to node-b after node-a's recovery: %v", err)
+	}
+}

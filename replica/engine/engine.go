@@ -71,6 +71,10 @@ type Config struct {
 	// Takeover attaches even when the volume is attached to another node;
 	// the new epoch fences the previous holder.
 	Takeover bool
+	// RequireAttached opens only a volume already attached to NodeID (the
+	// CSI node: only ControllerPublish creates an attachment); otherwise
+	// Open fails with the control plane's FAILED_PRECONDITION.
+	RequireAttached bool
 	// ReadOnly attaches read-only: writes fail with replica.ErrInvalid.
 	ReadOnly bool
 	// LocalServerID is the server on this node, if any: reads prefer its
@@ -181,7 +185,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		mode = storpb.AccessMode_ACCESS_MODE_READ_ONLY
 	}
 	att, err := cfg.Control.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{
-		Volume: ref, NodeId: cfg.NodeID, Mode: mode, Takeover: cfg.Takeover,
+		Volume: ref, NodeId: cfg.NodeID, Mode: mode, Takeover: cfg.Takeover, RequireAttached: cfg.RequireAttached,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("engine: attach %s: %w", cfg.Volume, err)
