@@ -306,3 +306,38 @@ func TestNodeRestartRecovers(t *testing.T) {
 		t.Fatal("unstage left the volume served")
 	}
 }
+
+// Too few servers in the requisite topology is RESOURCE_EXHAUSTED, the CSI
+// spec's code for "unable to provision in accessible_topology" and the one
+// that makes csi-provisioner reschedule a WaitForFirstConsumer claim
+// (FAILED_PRECONDITION would not).
+func TestCreateVolumeTooFewServersInTopology(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	att := newFakeAttacher(clusterClient(t, c).Volumes)
+	host, _, _ := fakeHost(att)
+	endpoint, d := startDriver(t, c, t.TempDir(), att, host)
+	ctrl := csipb.NewControllerClient(dialCSI(t, endpoint))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, tc := range []struct {
+		name string
+		req  *csipb.CreateVolumeRequest
+	}{
+		{"no server in the requisite zone", &csipb.CreateVolumeRequest{
+			Name: "zoned", CapacityRange: &csipb.CapacityRange{RequiredBytes: 16 << 20},
+			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()},
+			AccessibilityRequirements: &csipb.TopologyRequirement{
+				Requisite: []*csipb.Topology{{Segments: map[string]string{d.zoneKey(): "zone-x"}}},
+			},
+		}},
+		{"more replicas than servers", &csipb.CreateVolumeRequest{
+			Name: "four", CapacityRange: &csipb.CapacityRange{RequiredBytes: 16 << 20},
+			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()},
+			Parameters:         map[string]string{ParamReplicas: "4"},
+		}},
+	} {
+		if _, err := ctrl.CreateVolume(ctx, tc.req); status.Code(err) != codes.ResourceExhausted {
+			t.Errorf("%s: %v, want ResourceExhausted", tc.name, err)
+		}
+	}
+}

@@ -33,8 +33,9 @@
 //
 // Segments are "topology.<driver name>/node" (the node id) and
 // "topology.<driver name>/zone" (the node's zone, when it has one).
-// Requisite topologies must hold (placement refuses otherwise,
-// RESOURCE_EXHAUSTED or FAILED_PRECONDITION); preferred ones are tried
+// Requisite topologies must hold (placement refuses otherwise with
+// RESOURCE_EXHAUSTED, too few servers or too little capacity there: the
+// code that makes csi-provisioner reschedule); preferred ones are tried
 // first, in order. Placement understands a "node" segment only when it
 // names a stor-server id: a CreateVolume whose preferred topology names
 // the node of a server puts a replica there (data locality).

@@ -273,7 +273,7 @@ func TestBadInput(t *testing.T) {
 		{"more replicas than servers", func(ctx context.Context) error {
 			_, err := cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: "four", SizeBytes: gib, ReplicaCount: 4})
 			return err
-		}, codes.FailedPrecondition},
+		}, codes.ResourceExhausted},
 		{"replica count over the limit", func(ctx context.Context) error {
 			_, err := cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: "many", SizeBytes: gib, ReplicaCount: 99})
 			return err

@@ -21,7 +21,7 @@ var codeTable = []struct {
 	{raftstore.ErrAlreadyExists, codes.AlreadyExists},
 	{raftstore.ErrInvalidArgument, codes.InvalidArgument},
 	{raftstore.ErrFailedPrecondition, codes.FailedPrecondition},
-	{raftstore.ErrInsufficientServers, codes.FailedPrecondition},
+	{raftstore.ErrInsufficientServers, codes.ResourceExhausted},
 	{raftstore.ErrInsufficientCapacity, codes.ResourceExhausted},
 	{raftstore.ErrStaleEpoch, codes.Aborted},
 	{raftstore.ErrNotLeader, codes.Unavailable},
