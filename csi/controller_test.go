@@ -341,3 +341,54 @@ func TestCreateVolumeTooFewServersInTopology(t *testing.T) {
 		}
 	}
 }
+
+// A second NodePublish at the same target with another read-only flag or
+// access type is ALREADY_EXISTS (CSI spec); the same publish again is OK.
+func TestNodePublishIncompatibleAgain(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	att := newFakeAttacher(clusterClient(t, c).Volumes)
+	host, _, _ := fakeHost(att)
+	dir := t.TempDir()
+	endpoint, _ := startDriver(t, c, dir, att, host)
+	conn := dialCSI(t, endpoint)
+	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+		Name: "twice", CapacityRange: &csipb.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{mountCap()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, staging, target := vol.GetVolume().GetVolumeId(), filepath.Join(dir, "staging"), filepath.Join(dir, "target")
+	if _, err := node.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCap()}); err != nil {
+		t.Fatal(err)
+	}
+	pub := func(cap *csipb.VolumeCapability, ro bool) error {
+		_, err := node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+			TargetPath: target, VolumeCapability: cap, Readonly: ro})
+		return err
+	}
+	if err := pub(mountCap(), false); err != nil {
+		t.Fatal(err)
+	}
+	if err := pub(mountCap(), false); err != nil {
+		t.Fatalf("the same publish again: %v", err)
+	}
+	if err := pub(mountCap(), true); status.Code(err) != codes.AlreadyExists {
+		t.Errorf("publish again read-only: %v, want AlreadyExists", err)
+	}
+	if err := pub(rwoCap(), false); status.Code(err) != codes.AlreadyExists {
+		t.Errorf("publish again as a block device: %v, want AlreadyExists", err)
+	}
+	if _, err := node.NodeUnpublishVolume(ctx, &csipb.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if err := pub(mountCap(), true); err != nil {
+		t.Fatalf("read-only publish after the unpublish: %v", err)
+	}
+	if err := pub(mountCap(), false); status.Code(err) != codes.AlreadyExists {
+		t.Errorf("read-write publish where it is published read-only: %v, want AlreadyExists", err)
+	}
+}

@@ -36,8 +36,11 @@ type stagedRecord struct {
 	Block       bool   `json:"block"`
 	FSType      string `json:"fs_type,omitempty"`
 	ReadOnly    bool   `json:"read_only"`
-	// Targets are the paths the volume is published at.
-	Targets []string `json:"targets,omitempty"`
+	// Targets are the paths the volume is published at; ReadOnlyTargets
+	// those of them published read-only. A second publish at a target
+	// must ask for the same access (ALREADY_EXISTS otherwise).
+	Targets         []string `json:"targets,omitempty"`
+	ReadOnlyTargets []string `json:"read_only_targets,omitempty"`
 }
 
 type nodeServer struct {
@@ -380,6 +383,11 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 		}
 	}
 	_, block := req.GetVolumeCapability().GetAccessType().(*csipb.VolumeCapability_Block)
+	readOnly := req.GetReadonly() || rec.ReadOnly
+	if slices.Contains(rec.Targets, target) && (block != rec.Block || readOnly != slices.Contains(rec.ReadOnlyTargets, target)) {
+		return nil, fmt.Errorf("%w: volume %q is published at %s with block access %v, read-only %v; asked for block %v, read-only %v",
+			ErrAlreadyExists, id, target, rec.Block, slices.Contains(rec.ReadOnlyTargets, target), block, readOnly)
+	}
 	if block != rec.Block {
 		return nil, invalidf("volume %q is staged with block access %v, published with %v", id, rec.Block, block)
 	}
@@ -396,7 +404,7 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 		}
 	}
 	opts := []string{"bind"}
-	if req.GetReadonly() || rec.ReadOnly {
+	if readOnly {
 		opts = append(opts, "ro")
 	}
 	source := rec.StagingPath
@@ -427,6 +435,9 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 	}
 	if !slices.Contains(rec.Targets, target) {
 		rec.Targets = append(rec.Targets, target)
+		if readOnly {
+			rec.ReadOnlyTargets = append(rec.ReadOnlyTargets, target)
+		}
 		if err := n.save(rec); err != nil {
 			return nil, fmt.Errorf("record the publication: %w", err)
 		}
@@ -457,6 +468,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csipb.NodeUnp
 	}
 	if rec != nil && slices.Contains(rec.Targets, target) {
 		rec.Targets = slices.DeleteFunc(rec.Targets, func(t string) bool { return t == target })
+		rec.ReadOnlyTargets = slices.DeleteFunc(rec.ReadOnlyTargets, func(t string) bool { return t == target })
 		if err := n.save(rec); err != nil {
 			return nil, fmt.Errorf("record the unpublication: %w", err)
 		}
