@@ -392,3 +392,38 @@ func TestNodePublishIncompatibleAgain(t *testing.T) {
 		t.Errorf("read-write publish where it is published read-only: %v, want AlreadyExists", err)
 	}
 }
+
+// NodeStage mounts XFS with nouuid (a clone carries its source's UUID and
+// must mount beside it) and grows the filesystem to the device (a restore
+// or clone into a larger claim holds its source's smaller filesystem).
+func TestNodeStageXFSNoUUIDAndGrow(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	att := newFakeAttacher(clusterClient(t, c).Volumes)
+	host, mounter, resized := fakeHost(att)
+	dir := t.TempDir()
+	endpoint, _ := startDriver(t, c, dir, att, host)
+	conn := dialCSI(t, endpoint)
+	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+		Name: "xfs", CapacityRange: &csipb.CapacityRange{RequiredBytes: 320 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{mountCapFS("xfs")},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, staging := vol.GetVolume().GetVolumeId(), filepath.Join(dir, "staging")
+	if _, err := node.NodeStageVolume(ctx, &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCapFS("xfs")}); err != nil {
+		t.Fatal(err)
+	}
+	mps, _ := mounter.List()
+	i := slices.IndexFunc(mps, func(m mount.MountPoint) bool { return m.Path == staging })
+	if i < 0 || !slices.Contains(mps[i].Opts, "nouuid") {
+		t.Errorf("xfs staged without nouuid: %v", mps)
+	}
+	dev, _, _ := att.Served(id)
+	if !slices.Contains(*resized, dev+" "+staging) {
+		t.Errorf("NodeStage did not grow the filesystem (resizes %q)", *resized)
+	}
+}

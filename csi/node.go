@@ -291,8 +291,23 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 			if readOnly {
 				opts = append(opts, "ro")
 			}
+			if fs == "xfs" && !slices.Contains(opts, "nouuid") {
+				// A clone or restored snapshot carries its source's XFS
+				// UUID; without nouuid it cannot be mounted on the node
+				// where its source is.
+				opts = append(opts, "nouuid")
+			}
 			if err := n.host.FormatAndMount(dev, staging, fs, opts); err != nil {
 				return fail(fmt.Errorf("format and mount %s on %s: %w", dev, staging, err))
+			}
+			if !readOnly {
+				// A volume restored or cloned into a larger claim holds
+				// its source's smaller filesystem: grow it to the device
+				// (a no-op for a filesystem that already fills it).
+				if err := n.host.ResizeFS(dev, staging); err != nil {
+					n.host.Mounter.Unmount(staging)
+					return fail(fmt.Errorf("grow the filesystem on %s to the volume's size: %w", dev, err))
+				}
 			}
 		}
 	}
