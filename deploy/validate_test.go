@@ -259,6 +259,9 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 			if x.Spec.AttachRequired == nil || !*x.Spec.AttachRequired {
 				fail("%s: attachRequired must be true: ControllerPublish is the fencing epoch", o.name())
 			}
+			if x.Spec.PodInfoOnMount != nil && *x.Spec.PodInfoOnMount {
+				fail("%s: podInfoOnMount is true, but stor-csi uses no pod information", o.name())
+			}
 		case *storagev1.StorageClass:
 			if x.Provisioner != driverName {
 				fail("%s: provisioner %q is not the CSIDriver %q", o.name(), x.Provisioner, driverName)
@@ -271,6 +274,16 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 	}
 	if drivers > 1 {
 		fail("%d CSIDriver objects, want one", drivers)
+	}
+
+	// The provisioner's role: what external-provisioner needs for restores
+	// (it watches the source VolumeSnapshot and updates its finalizers).
+	for _, o := range objs {
+		if r, ok := o.obj.(*rbacv1.ClusterRole); ok && strings.Contains(r.Name, "provisioner") {
+			if missing := missingVerbs(r.Rules, "snapshot.storage.k8s.io", "volumesnapshots", "get", "list", "watch", "update"); len(missing) > 0 {
+				fail("%s: volumesnapshots lacks %v (external-provisioner watches restore sources and updates their finalizers)", o.name(), missing)
+			}
+		}
 	}
 
 	// Roles and accounts that bindings name exist.
@@ -341,6 +354,7 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 			}
 		}
 		checkCSIPod(p, fail)
+		checkNodeMounts(p, fail)
 		checkServerPod(p, objs, fail)
 		for _, c := range allContainers(spec) {
 			if bin, args, ok := storBinary(c); ok {
@@ -659,4 +673,44 @@ func checkExamples(examples, base []object) []error {
 		}
 	}
 	return errs
+}
+
+// missingVerbs returns the verbs of want that no rule grants on resource
+// in group.
+func missingVerbs(rules []rbacv1.PolicyRule, group, resource string, want ...string) []string {
+	var missing []string
+	for _, v := range want {
+		granted := slices.ContainsFunc(rules, func(r rbacv1.PolicyRule) bool {
+			return slices.Contains(r.APIGroups, group) && slices.Contains(r.Resources, resource) &&
+				(slices.Contains(r.Verbs, v) || slices.Contains(r.Verbs, "*"))
+		})
+		if !granted {
+			missing = append(missing, v)
+		}
+	}
+	return missing
+}
+
+// checkNodeMounts: no container mounts the whole kubelet directory (or a
+// parent of it) from the host; the node plugin needs only its plugins and
+// pods directories. And no sidecar is given a feature gate that has gone
+// GA (Topology): the flag may be removed in any release.
+func checkNodeMounts(p podTemplate, fail func(string, ...any)) {
+	for _, c := range allContainers(p.spec) {
+		for _, m := range c.VolumeMounts {
+			v, ok := volumeNamed(p.spec, m.Name)
+			if !ok || v.HostPath == nil {
+				continue
+			}
+			host := path.Clean(v.HostPath.Path)
+			if host == "/" || host == "/var" || host == "/var/lib" || host == "/var/lib/kubelet" {
+				fail("%s: container %s mounts the host's %s; mount only /var/lib/kubelet/plugins and /var/lib/kubelet/pods", p.owner, c.Name, host)
+			}
+		}
+		for _, a := range c.Args {
+			if gates, ok := strings.CutPrefix(a, "--feature-gates="); ok && strings.Contains(gates, "Topology=") {
+				fail("%s: container %s: %s: Topology is GA, the gate must not be set", p.owner, c.Name, a)
+			}
+		}
+	}
 }
