@@ -26,7 +26,8 @@ type RebuildSource struct {
 // RebuildPlan says what to copy.
 type RebuildPlan struct {
 	// FromGeneration > 0 asks for a delta: the regions written at or after
-	// that generation (the one at which the target became faulty), plus
+	// that generation (the one at which the target stopped being healthy,
+	// kept by raftstore through failed rebuilds), plus
 	// the target's own dirty regions (writes it took that the others may
 	// not have). 0 is a full rebuild of every allocated extent.
 	FromGeneration uint64
