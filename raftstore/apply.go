@@ -378,9 +378,6 @@ func (w *writer) setReplicaState(at int64, req *storpb.SetReplicaStateRequest) (
 			w.put(bucketVolumes, v.Id, v)
 			return v, nil
 		}
-		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
-			return v, nil // already rebuilding
-		}
 		ev = eventRebuild
 	case storpb.ReplicaState_REPLICA_STATE_HEALTHY:
 		ev = eventRebuilt

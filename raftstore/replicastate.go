@@ -19,6 +19,7 @@ import (
 //	REBUILDING  fault            FAULTY      new         kept          0 (drop)    kept
 //	FAULTY      fault            (no change)
 //	FAULTY      rebuild          REBUILDING  new         kept          0           kept
+//	REBUILDING  rebuild          (no change)
 //	REBUILDING  progress         REBUILDING  kept        kept          max(kept,p) kept
 //	REBUILDING  rebuilt          HEALTHY     new         0             0           0
 //	HEALTHY     rebuilt          (no change)
@@ -39,7 +40,9 @@ import (
 //     rebuild changes: the generation g at which it stopped being HEALTHY,
 //     or 0 ("full") if it has not been HEALTHY since it was added (or its
 //     data went with its server). It holds every write made at a
-//     generation below g. A write that failed on it is acknowledged only
+//     generation below g (one it took and then lost to a machine crash is
+//     in its own dirty regions, which a delta copies too). A write that
+//     failed on it is acknowledged only
 //     after its fault is committed, and is first applied again, at the
 //     engine's generation then (>= g), on the replicas that took it, so
 //     their write history (WrittenSince(g): regions written at generation
@@ -99,9 +102,11 @@ func newReplica(v *storpb.Volume, id, serverID string, state storpb.ReplicaState
 
 // moveReplica applies ev to replica r of volume v, in a new generation of
 // v, or refuses it (see the table above). attempt is, for eventRebuilt, the
-// replica's generation when the rebuild started. A fault of a replica
-// already FAULTY, and the end of a rebuild of one already HEALTHY, change
-// nothing and are not refused (a report repeated, or raced by another).
+// replica's generation when the rebuild started. An event that finds the
+// replica already in the state it leads to (a fault of a FAULTY replica, a
+// rebuild of a REBUILDING one, the end of a rebuild of a HEALTHY one)
+// changes nothing and is not refused: a report repeated, or raced by
+// another.
 func moveReplica(v *storpb.Volume, r *storpb.Replica, ev replicaEvent, at int64, attempt uint64) error {
 	const (
 		healthy    = storpb.ReplicaState_REPLICA_STATE_HEALTHY
@@ -118,6 +123,9 @@ func moveReplica(v *storpb.Volume, r *storpb.Replica, ev replicaEvent, at int64,
 			return fmt.Errorf("%w: replica %q is the last healthy replica of volume %q", ErrFailedPrecondition, r.Id, v.Name)
 		}
 	case eventRebuild:
+		if prev == rebuilding {
+			return nil
+		}
 		if prev != faulty {
 			return fmt.Errorf("%w: replica %q is %v; only a faulty replica starts rebuilding", ErrFailedPrecondition, r.Id, prev)
 		}
