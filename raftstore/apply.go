@@ -162,14 +162,8 @@ func (w *writer) removeServer(at int64, id string) (proto.Message, error) {
 		changed := false
 		for _, r := range v.Replicas {
 			if r.ServerId == id && !r.ServerRemoved {
-				if !changed {
-					v.Generation++
-					changed = true
-				}
-				if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-					r.UnhealthySinceUnixNano = at
-				}
-				r.State, r.Generation, r.ServerRemoved = storpb.ReplicaState_REPLICA_STATE_FAULTY, v.Generation, true
+				w.must(moveReplica(v, r, eventServerRemoved, at, 0))
+				changed = true
 			}
 		}
 		if changed {
@@ -254,10 +248,7 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 		CreatedUnixNano: at, Accessibility: req.Accessibility,
 	}
 	for i, sid := range chosen {
-		v.Replicas = append(v.Replicas, &storpb.Replica{
-			Id: fmt.Sprintf("%s-r%d", id, i+1), ServerId: sid,
-			State: storpb.ReplicaState_REPLICA_STATE_HEALTHY, Generation: 1,
-		})
+		v.Replicas = append(v.Replicas, newReplica(v, fmt.Sprintf("%s-r%d", id, i+1), sid, storpb.ReplicaState_REPLICA_STATE_HEALTHY, at))
 	}
 	w.addAllocated(chosen, int64(size))
 	w.startClone(v, clone)
@@ -362,12 +353,10 @@ func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, e
 	return v, nil
 }
 
-// setReplicaState applies a data-path report. Only the current epoch may
-// change the replica set, the last healthy replica is never marked faulty
-// (the engine fails the write instead: losing the last copy is worse), and
-// HEALTHY is accepted only for a rebuild that started at the replica's
-// current generation. A FAULTY replica that becomes REBUILDING gets a delta
-// rebuild from the generation at which it became faulty.
+// setReplicaState applies a data-path report (the transitions and their
+// rules are in replicastate.go). Only the current epoch may change the
+// replica set. A REBUILDING request that carries a total is a progress
+// report of a rebuild under way, not a transition.
 func (w *writer) setReplicaState(at int64, req *storpb.SetReplicaStateRequest) (proto.Message, error) {
 	v, err := w.Volume(req.VolumeId)
 	if err != nil {
@@ -380,47 +369,31 @@ func (w *writer) setReplicaState(at int64, req *storpb.SetReplicaStateRequest) (
 	if r == nil {
 		return nil, fmt.Errorf("%w: volume %q has no replica %q", ErrNotFound, v.Name, req.ReplicaId)
 	}
-	if r.State == req.State {
-		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && req.RebuildTotalBytes > 0 {
-			r.RebuildDoneBytes, r.RebuildTotalBytes = req.RebuildDoneBytes, req.RebuildTotalBytes
-			r.RebuildResumeOffset = max(r.RebuildResumeOffset, req.RebuildResumeOffset)
-			w.put(bucketVolumes, v.Id, v)
-		}
-		return v, nil
-	}
+	var ev replicaEvent
 	switch req.State {
 	case storpb.ReplicaState_REPLICA_STATE_FAULTY:
-		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && healthyCount(v) == 1 {
-			return nil, fmt.Errorf("%w: replica %q is the last healthy replica of volume %q", ErrFailedPrecondition, r.Id, v.Name)
-		}
+		ev = eventFault
 	case storpb.ReplicaState_REPLICA_STATE_REBUILDING:
-		if r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY {
-			return nil, fmt.Errorf("%w: replica %q is %v; only a faulty replica starts rebuilding", ErrFailedPrecondition, r.Id, r.State)
+		if req.RebuildTotalBytes > 0 {
+			if err := recordProgress(v, r, req.Generation, req.RebuildDoneBytes, req.RebuildTotalBytes, req.RebuildResumeOffset); err != nil {
+				return nil, err
+			}
+			w.put(bucketVolumes, v.Id, v)
+			return v, nil
 		}
+		ev = eventRebuild
 	case storpb.ReplicaState_REPLICA_STATE_HEALTHY:
-		if r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || r.Generation != req.Generation {
-			return nil, fmt.Errorf("%w: replica %q is %v at generation %d; a rebuild from generation %d cannot mark it healthy",
-				ErrFailedPrecondition, r.Id, r.State, r.Generation, req.Generation)
-		}
+		ev = eventRebuilt
 	default:
 		return nil, fmt.Errorf("%w: replica state %v", ErrInvalidArgument, req.State)
 	}
-	from := r.Generation // for FAULTY -> REBUILDING: when it became faulty
-	v.Generation++
-	prev := r.State
-	r.State, r.Generation, r.StateSinceUnixNano = req.State, v.Generation, at
-	r.RebuildDoneBytes, r.RebuildTotalBytes, r.RebuildFromGeneration, r.RebuildResumeOffset = 0, 0, 0, 0
-	switch {
-	case req.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY:
-		r.UnhealthySinceUnixNano = 0
-	case prev == storpb.ReplicaState_REPLICA_STATE_HEALTHY:
-		r.UnhealthySinceUnixNano = at
+	gen := v.Generation
+	if err := moveReplica(v, r, ev, at, req.Generation); err != nil {
+		return nil, err
 	}
-	if req.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
-		r.RebuildFromGeneration = from
-		r.RebuildTotalBytes = req.RebuildTotalBytes
+	if v.Generation != gen {
+		w.put(bucketVolumes, v.Id, v)
 	}
-	w.put(bucketVolumes, v.Id, v)
 	return v, nil
 }
 
@@ -444,7 +417,8 @@ func healthyCount(v *storpb.Volume) int {
 }
 
 // replaceReplica removes a replica and/or adds a new one, which starts as
-// REBUILDING (full). The last healthy replica is never removed.
+// REBUILDING with a full rebuild ahead (newReplica). The last healthy
+// replica is never removed.
 func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceReplicaRequest) (proto.Message, error) {
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
@@ -469,7 +443,7 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		}
 		existing = append(existing, r.ServerId)
 	}
-	var added *storpb.Replica
+	var added string // the new replica's server
 	if !req.RemoveOnly {
 		if old == nil && len(v.Replicas) >= int(v.ReplicaCount) {
 			return nil, fmt.Errorf("%w: volume %q already has %d replicas", ErrFailedPrecondition, v.Name, len(v.Replicas))
@@ -494,16 +468,12 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		if err != nil {
 			return nil, fmt.Errorf("volume %q: new replica: %w", v.Name, err)
 		}
-		added = &storpb.Replica{
-			Id: newID, ServerId: chosen[0], State: storpb.ReplicaState_REPLICA_STATE_REBUILDING,
-			StateSinceUnixNano: at, UnhealthySinceUnixNano: at,
-		}
-		keep = append(keep, added)
+		added = chosen[0]
 	}
 	v.Generation++
-	if added != nil {
-		added.Generation = v.Generation
-		w.addAllocated([]string{added.ServerId}, int64(v.SizeBytes))
+	if added != "" {
+		keep = append(keep, newReplica(v, newID, added, storpb.ReplicaState_REPLICA_STATE_REBUILDING, at))
+		w.addAllocated([]string{added}, int64(v.SizeBytes))
 	}
 	if old != nil && !old.ServerRemoved {
 		w.addAllocated([]string{old.ServerId}, -int64(v.SizeBytes))

@@ -51,6 +51,28 @@
 // the leader (VerifyLeader). Any server can serve stale reads from its local
 // FSM (View) and watch streams of committed changes (Watch).
 //
+// # Replica states and rebuilds
+//
+// A replica is HEALTHY (in the write and read sets: it holds every
+// acknowledged write), REBUILDING (in the write set, being filled by a
+// rebuild) or FAULTY (out of both). replicastate.go states every transition
+// in one table, with what each bookkeeping field holds after it; nothing
+// else changes them. The rule that keeps data: a rebuild's starting point,
+// Replica.rebuild_from_generation, is a fact about the replica, set once
+// when it stops being healthy (the fault's generation g: it holds every
+// write made below g, and every write it may lack was applied at g or
+// later on the healthy replicas, whose write history names it) or 0 (full)
+// when it is added, and kept through any number of failed rebuilds, so a
+// retry copies what the replica missed in every absence, not only the
+// last. A full rebuild's checkpoint (rebuild_resume_offset) holds only
+// while the replica stays REBUILDING: a fault takes it out of the write
+// set and clears it. Progress reports name their attempt (the replica's
+// generation when the rebuild started), so a late report of a failed
+// attempt records nothing for a later one. A model test
+// (replicamodel_test.go) drives these transitions with random faults,
+// rebuilds, replacements and restarts against an oracle of the writes each
+// healthy replica must hold.
+//
 // # Membership and liveness
 //
 // Join registers a server in the FSM and adds it to the Raft configuration:

@@ -1260,7 +1260,15 @@ func TestFSMRemoveServerMarksReplicasFaulty(t *testing.T) {
 						}
 						rep.UnhealthySinceUnixNano = got.Replicas[i].UnhealthySinceUnixNano
 					}
+					// The replica state machine (replicastate.go): a new
+					// state since now, and nothing to rebuild from (its data
+					// went with its server).
 					rep.State, rep.Generation = storpb.ReplicaState_REPLICA_STATE_FAULTY, want.Generation
+					rep.StateSinceUnixNano = got.Replicas[i].StateSinceUnixNano
+					if rep.StateSinceUnixNano == 0 {
+						t.Errorf("volume %s replica %s: no state-since time", before.Id, rep.Id)
+					}
+					rep.RebuildFromGeneration, rep.RebuildResumeOffset, rep.RebuildDoneBytes, rep.RebuildTotalBytes = 0, 0, 0, 0
 					rep.ServerRemoved = true
 				}
 			}

@@ -183,8 +183,10 @@ func (s *Store) promoteVoters(ctx context.Context) {
 //   - a healthy or rebuilding replica on a server down longer than
 //     ReplicaGrace becomes faulty;
 //   - a faulty replica whose server has reported since the replica failed
-//     starts a delta rebuild (only regions written while it was away),
-//     while it has been unhealthy for less than ReplaceAfter;
+//     starts rebuilding, while it has been unhealthy for less than
+//     ReplaceAfter: from where it stopped being healthy (a delta of the
+//     regions written since), or in full if it never was healthy since it
+//     was added, however many rebuilds of it failed (replicastate.go);
 //   - a faulty replica unhealthy for longer than ReplaceAfter, or any
 //     replica whose server was removed, is replaced by a new replica
 //     elsewhere (full rebuild); a rebuild in progress is never replaced
@@ -234,7 +236,7 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 			case r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && !down && s.LastSeen(r.ServerId).UnixNano() > r.StateSinceUnixNano:
 				// Its server has reported since the replica failed: it is
 				// alive, and the replica can catch up.
-				s.repair(ctx, "delta rebuild", v, r, func() error {
+				s.repair(ctx, "rebuild", v, r, func() error {
 					return s.setReplica(ctx, v, r, storpb.ReplicaState_REPLICA_STATE_REBUILDING, "server "+r.ServerId+" is up")
 				})
 			}

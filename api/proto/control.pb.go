@@ -566,8 +566,12 @@ type Replica struct {
 	Generation uint64 `protobuf:"varint,4,opt,name=generation,proto3" json:"generation,omitempty"`
 	// When it entered its state (unix nanoseconds, the proposer's clock).
 	StateSinceUnixNano int64 `protobuf:"varint,5,opt,name=state_since_unix_nano,json=stateSinceUnixNano,proto3" json:"state_since_unix_nano,omitempty"`
-	// For a REBUILDING replica: copy only the regions written since this
-	// generation (a delta rebuild); 0 means a full rebuild.
+	// For a FAULTY or REBUILDING replica: where its rebuild starts, kept
+	// through any number of failed rebuilds: the generation at which it
+	// stopped being healthy (a delta rebuild copies the regions written at
+	// that generation or later), or 0 for a full rebuild (it has not been
+	// healthy since it was added, or its data is gone). 0 while HEALTHY.
+	// The state machine is raftstore/replicastate.go.
 	RebuildFromGeneration uint64 `protobuf:"varint,6,opt,name=rebuild_from_generation,json=rebuildFromGeneration,proto3" json:"rebuild_from_generation,omitempty"`
 	// Rebuild progress, reported by the rebuilder: bytes done of total.
 	RebuildDoneBytes  uint64 `protobuf:"varint,7,opt,name=rebuild_done_bytes,json=rebuildDoneBytes,proto3" json:"rebuild_done_bytes,omitempty"`
@@ -580,7 +584,9 @@ type Replica struct {
 	// counts against no server's allocation, and the leader replaces it.
 	ServerRemoved bool `protobuf:"varint,10,opt,name=server_removed,json=serverRemoved,proto3" json:"server_removed,omitempty"`
 	// A full rebuild has copied, and flushed on the target, everything below
-	// this offset: a rebuild that was interrupted resumes here.
+	// this offset, and the replica has stayed REBUILDING (in the write set)
+	// since: a rebuild that was interrupted resumes here. Any state change
+	// clears it.
 	RebuildResumeOffset uint64 `protobuf:"varint,11,opt,name=rebuild_resume_offset,json=rebuildResumeOffset,proto3" json:"rebuild_resume_offset,omitempty"`
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache
@@ -2949,13 +2955,17 @@ type SetReplicaStateRequest struct {
 	// The caller's epoch. A caller fenced by a newer attach is refused with
 	// ABORTED: a stale engine must not change the replica set.
 	Epoch uint64 `protobuf:"varint,4,opt,name=epoch,proto3" json:"epoch,omitempty"`
-	// For HEALTHY: the replica's generation when the rebuild started; if the
-	// replica changed since, the request is refused (FAILED_PRECONDITION).
+	// For HEALTHY, and for REBUILDING progress: the replica's generation
+	// when the rebuild started; if the replica changed since, the request is
+	// refused (FAILED_PRECONDITION). Progress without it (0) records no
+	// resume offset.
 	Generation uint64 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
 	// Why, for the log (e.g. the I/O error).
 	Reason string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
-	// For REBUILDING: progress of a rebuild under way (no new generation);
-	// a replica already REBUILDING only has its progress updated.
+	// For REBUILDING: progress of a rebuild under way (no new generation),
+	// when rebuild_total_bytes > 0; refused unless the replica is
+	// REBUILDING. Without a total, REBUILDING starts a rebuild of a FAULTY
+	// replica (and changes nothing for one already REBUILDING).
 	RebuildDoneBytes  uint64 `protobuf:"varint,7,opt,name=rebuild_done_bytes,json=rebuildDoneBytes,proto3" json:"rebuild_done_bytes,omitempty"`
 	RebuildTotalBytes uint64 `protobuf:"varint,8,opt,name=rebuild_total_bytes,json=rebuildTotalBytes,proto3" json:"rebuild_total_bytes,omitempty"`
 	// For REBUILDING progress: the target holds, durably, everything below

@@ -251,7 +251,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		engine.RebuildSource{Read: history[0], History: history}, dst,
 		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes), ResumeFrom: int64(r.RebuildResumeOffset)},
 		func(p engine.Progress) {
-			_, _ = vols.SetReplicaState(ctx, engine.ProgressRequest(v.Id, r.Id, v.Epoch, p))
+			_, _ = vols.SetReplicaState(ctx, engine.ProgressRequest(v.Id, r, v.Epoch, p))
 		})
 	if err != nil {
 		return err

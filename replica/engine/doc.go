@@ -22,7 +22,9 @@
 //     acknowledging, the engine applies the request once more to the
 //     replicas that took it, at the new generation, so their write history
 //     names every region the faulty replica may lack (a delta rebuild
-//     copies the regions written at or after the fault's generation).
+//     copies the regions written at or after the generation of the fault
+//     that took it out of the healthy set, however many of its rebuilds
+//     fail after: raftstore/replicastate.go).
 //  3. Flush: Flush waits for the writes that began before it, then sends a
 //     flush to every replica in the write set; each replica makes every
 //     write it completed durable, and every write the engine acknowledged

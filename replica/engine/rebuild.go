@@ -26,7 +26,8 @@ type RebuildSource struct {
 // RebuildPlan says what to copy.
 type RebuildPlan struct {
 	// FromGeneration > 0 asks for a delta: the regions written at or after
-	// that generation (the one at which the target became faulty), plus
+	// that generation (the one at which the target stopped being healthy,
+	// kept by raftstore through failed rebuilds), plus
 	// the target's own dirty regions (writes it took that the others may
 	// not have). 0 is a full rebuild of every allocated extent.
 	FromGeneration uint64
@@ -306,7 +307,7 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 				return // checkpoints are always recorded; plain progress now and then
 			}
 			lastReport = time.Now()
-			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, ProgressRequest(e.id, r.Id, e.epoch, p))
+			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, ProgressRequest(e.id, r, e.epoch, p))
 		})
 	if err != nil {
 		if ctx.Err() != nil {
@@ -344,10 +345,13 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
 }
 
-// ProgressRequest is the control-plane report of a rebuild's progress.
-func ProgressRequest(volumeID, replicaID string, epoch uint64, p Progress) *storpb.SetReplicaStateRequest {
+// ProgressRequest is the control-plane report of the progress of a
+// rebuild of r (as it was when the rebuild started: its generation names
+// the attempt, so a late report of an attempt that failed cannot record
+// its checkpoint for a later one).
+func ProgressRequest(volumeID string, r *storpb.Replica, epoch uint64, p Progress) *storpb.SetReplicaStateRequest {
 	return &storpb.SetReplicaStateRequest{
-		VolumeId: volumeID, ReplicaId: replicaID, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Epoch: epoch,
+		VolumeId: volumeID, ReplicaId: r.Id, Generation: r.Generation, State: storpb.ReplicaState_REPLICA_STATE_REBUILDING, Epoch: epoch,
 		RebuildDoneBytes: uint64(p.Done), RebuildTotalBytes: uint64(max(p.Total, 1)), RebuildResumeOffset: uint64(p.ResumeOffset),
 	}
 }
