@@ -41,6 +41,15 @@
 //     reads can see two versions of a block.
 //  5. Reads go to one healthy replica, the local one first; a replica that
 //     fails a read is marked faulty and the read is retried on another.
+//  6. A replica's error is the replica's failure, never the request's
+//     (replica.ErrInvalid included): the engine checks every request
+//     against the volume's size and alignment, and splits it to the
+//     replicas' limits, before any replica sees it. Only a stale epoch
+//     (fenced) is not a replica's own failure.
+//  7. Every replica in the write set is as large as the volume: Open grows
+//     every replica to the committed size before any I/O (a volume
+//     expanded while detached), a replica is grown before it joins the
+//     write set, and an expansion grows the replicas before the engine.
 //
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the

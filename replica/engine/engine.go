@@ -151,6 +151,10 @@ type Engine struct {
 	// replica is reported once.
 	faultMu sync.Mutex
 
+	// growMu orders growing the replicas (grow) with adding a replica to
+	// the write set (joinGrown), so every member is as large as size.
+	growMu sync.Mutex
+
 	ctx    context.Context // cancelled by Close
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -199,6 +203,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	if err := e.openReplicas(ctx, v); err != nil {
+		e.abort()
+		return nil, err
+	}
+	// A volume expanded while detached has replicas smaller than its
+	// committed size (only an engine grows them): grow them before any
+	// I/O, the reconcile's included.
+	if err := e.grow(ctx, v.SizeBytes); err != nil {
 		e.abort()
 		return nil, err
 	}
@@ -680,13 +691,17 @@ func (e *Engine) call(ctx context.Context, f func(context.Context) error) error 
 // classify decides what a replica error means for the whole request: nil
 // when the replica alone failed (the caller reports it faulty), or the
 // error the request fails with.
+//
+// replica.ErrInvalid is the replica's failure, not the request's: the
+// engine checks every request against the volume (checkRange, writable)
+// and splits it to the replicas' limits before any replica sees it, so a
+// replica that refuses one is out of line with the volume (smaller than
+// its committed size, say) while the others may have applied it.
 func (e *Engine) classify(ctx context.Context, err error) error {
 	switch {
 	case errors.Is(err, replica.ErrStaleEpoch):
 		e.fence("a replica refused our epoch")
 		return fmt.Errorf("%w: %v", ErrFenced, err)
-	case errors.Is(err, replica.ErrInvalid):
-		return err // the request itself is bad; no replica is at fault
 	case ctx.Err() != nil:
 		return ctx.Err() // a read the caller gave up on; nothing is known about the replica
 	}

@@ -120,3 +120,133 @@ func TestFailedReplicaIsRecordedOrTheEngineStops(t *testing.T) {
 		})
 	}
 }
+
+// TestOpenGrowsReplicasExpandedWhileDetached: a volume expanded while no
+// engine had it open has replicas smaller than its committed size; Open
+// grows them before serving, so the new space takes writes on every
+// replica.
+func TestOpenGrowsReplicasExpandedWhileDetached(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	if err := e.Close(ctx10(t), true); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.client.Volumes.ExpandVolume(ctx10(t), &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: f.vol.Id}, SizeBytes: 2 * volSize}); err != nil {
+		t.Fatal(err)
+	}
+	e = f.open(f.config("n1"))
+	if e.Size() != 2*volSize {
+		t.Fatalf("engine size %d, want %d", e.Size(), 2*volSize)
+	}
+	data := randomBytes(30, 4096)
+	if err := e.WriteAt(ctx10(t), data, 2*volSize-4096, false); err != nil {
+		t.Fatalf("write in the space added while detached: %v", err)
+	}
+	for i := range 3 {
+		got := f.replica(i).snapshot()
+		if len(got) != 2*volSize || !bytes.Equal(got[2*volSize-4096:], data) {
+			t.Fatalf("replica %d: %d bytes, holds the write: %v", i, len(got), len(got) == 2*volSize && bytes.Equal(got[2*volSize-4096:], data))
+		}
+	}
+	if v := f.volume(); v.Generation != 1 {
+		t.Fatalf("generation %d: growing at open marked a replica faulty", v.Generation)
+	}
+}
+
+// TestReplicaRefusingAnInRangeRequestIsFaulty: the engine checked the
+// range against the volume, so a replica that calls it invalid (here one
+// left smaller than the volume) has failed: a write is acknowledged once
+// it is recorded faulty, and a read goes to another replica.
+func TestReplicaRefusingAnInRangeRequestIsFaulty(t *testing.T) {
+	for _, op := range []string{"write", "read"} {
+		t.Run(op, func(t *testing.T) {
+			f := newFixture(t)
+			cfg := f.config("n1")
+			cfg.LocalServerID = f.vol.Replicas[2].ServerId // reads go to replica 2 first
+			e := f.open(cfg)
+			data := randomBytes(31, 4096)
+			off := int64(volSize - 4096)
+			if op == "read" {
+				if err := e.WriteAt(ctx10(t), data, off, false); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r2 := f.replica(2)
+			r2.mu.Lock()
+			r2.data = r2.data[:volSize/2] // it no longer reaches off
+			r2.mu.Unlock()
+			switch op {
+			case "write":
+				if err := e.WriteAt(ctx10(t), data, off, false); err != nil {
+					t.Fatalf("write: %v, want it acknowledged without the refusing replica", err)
+				}
+			case "read":
+				got := make([]byte, 4096)
+				if err := e.ReadAt(ctx10(t), got, off); err != nil || !bytes.Equal(got, data) {
+					t.Fatalf("read: %v (data %v), want it served by another replica", err, bytes.Equal(got, data))
+				}
+			}
+			if s := f.volume().Replicas[2].State; s != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+				t.Fatalf("replica 2 refused an in-range %s and is %v", op, s)
+			}
+			got := make([]byte, 4096)
+			if err := e.ReadAt(ctx10(t), got, off); err != nil || !bytes.Equal(got, data) {
+				t.Fatalf("read back: %v (data %v)", err, bytes.Equal(got, data))
+			}
+		})
+	}
+}
+
+// TestRejoiningReplicaIsGrownBeforeItJoins: a replica that was out of the
+// set while the volume grew comes back smaller than it; the engine grows
+// it before it joins the write set, so writes to the new space and its
+// rebuild reach it, and it becomes healthy with every write.
+func TestRejoiningReplicaIsGrownBeforeItJoins(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	if err := e.WriteAt(ctx10(t), randomBytes(32, 1<<20), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	r2 := f.replica(2)
+	r2.mu.Lock()
+	r2.failIO = true
+	r2.mu.Unlock()
+	if err := e.WriteAt(ctx10(t), randomBytes(33, 4096), 4096, false); err != nil {
+		t.Fatal(err)
+	}
+	if s := f.volume().Replicas[2].State; s != storpb.ReplicaState_REPLICA_STATE_FAULTY {
+		t.Fatalf("replica 2 is %v", s)
+	}
+	if _, err := f.client.Volumes.ExpandVolume(ctx10(t), &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: f.vol.Id}, SizeBytes: 2 * volSize}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for e.Size() != 2*volSize {
+		if time.Now().After(deadline) {
+			t.Fatalf("engine size %d after expansion", e.Size())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	missed := randomBytes(34, 64<<10) // in the new space, while replica 2 is out
+	if err := e.WriteAt(ctx10(t), missed, volSize+(1<<20), false); err != nil {
+		t.Fatal(err)
+	}
+	r2.mu.Lock()
+	r2.failIO = false
+	r2.mu.Unlock()
+	deadline = time.Now().Add(15 * time.Second)
+	for f.volume().Replicas[2].State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		if time.Now().After(deadline) {
+			t.Fatalf("replica 2 not healthy again: %v", f.volume().Replicas[2])
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	last := randomBytes(35, 4096)
+	if err := e.WriteAt(ctx10(t), last, 2*volSize-4096, false); err != nil {
+		t.Fatalf("write at the end after the rejoin: %v", err)
+	}
+	a, b, c := f.replica(0).snapshot(), f.replica(1).snapshot(), r2.snapshot()
+	if len(c) != 2*volSize || !bytes.Equal(a, b) || !bytes.Equal(a, c) {
+		t.Fatalf("replicas differ after the rejoin (replica 2 has %d bytes)", len(c))
+	}
+}
