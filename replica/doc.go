@@ -9,7 +9,9 @@
 // Volume sizes are multiples of BlockSize (4096), at most MaxSize. Offsets
 // and lengths of I/O must be multiples of SectorSize (512) and inside the
 // volume; anything else is ErrInvalid. One request carries at most MaxIO
-// bytes (WriteZeroes and Trim carry no payload and are not limited).
+// bytes; WriteZeroes and Trim carry no payload and name at most MaxZeroes
+// (1 GiB), so that what one request costs (dirty-region, history and index
+// marking) stays bounded.
 //
 // # Layout on disk
 //

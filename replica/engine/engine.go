@@ -568,9 +568,28 @@ func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error 
 		return err
 	}
 	defer e.endWrite(sp)
-	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
-		return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
+	return zeroPieces(off, n, func(off, n int64) error {
+		return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+			return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
+		})
 	})
+}
+
+// zeroPieces runs f on [off, off+n) in pieces of at most replica.MaxZeroes
+// bytes, the most one replica WriteZeroes or Trim may name (an NBD client
+// may send up to 4 GiB), stopping at the first error. An empty range is
+// one empty piece, as before the split.
+func zeroPieces(off, n int64, f func(off, n int64) error) error {
+	for {
+		k := min(n, replica.MaxZeroes)
+		if err := f(off, k); err != nil {
+			return err
+		}
+		off, n = off+k, n-k
+		if n <= 0 {
+			return nil
+		}
+	}
 }
 
 // Trim discards a range on every replica (it then reads as zeroes).
@@ -583,8 +602,10 @@ func (e *Engine) Trim(ctx context.Context, off, n int64) error {
 		return err
 	}
 	defer e.endWrite(sp)
-	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
-		return m.conn.Trim(ctx, e.op(false), off, n)
+	return zeroPieces(off, n, func(off, n int64) error {
+		return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+			return m.conn.Trim(ctx, e.op(false), off, n)
+		})
 	})
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
 )
 
@@ -248,5 +250,91 @@ func TestRejoiningReplicaIsGrownBeforeItJoins(t *testing.T) {
 	a, b, c := f.replica(0).snapshot(), f.replica(1).snapshot(), r2.snapshot()
 	if len(c) != 2*volSize || !bytes.Equal(a, b) || !bytes.Equal(a, c) {
 		t.Fatalf("replicas differ after the rejoin (replica 2 has %d bytes)", len(c))
+	}
+}
+
+// zeroConn is a replica that keeps no data: it records the WriteZeroes and
+// Trim it is sent and, as the store does, refuses one longer than
+// replica.MaxZeroes.
+type zeroConn struct {
+	engine.ReplicaConn // nil: other calls are not expected
+
+	mu     sync.Mutex
+	pieces []replica.Extent
+}
+
+func (z *zeroConn) Grow(ctx context.Context, o replica.Op, size uint64) error { return nil }
+func (z *zeroConn) Flush(ctx context.Context, o replica.Op) error              { return nil }
+func (z *zeroConn) Close(ctx context.Context) error                            { return nil }
+func (z *zeroConn) DirtyRegions(ctx context.Context, o replica.Op) ([]replica.Extent, error) {
+	return nil, nil
+}
+func (z *zeroConn) WriteZeroes(ctx context.Context, o replica.Op, off, n int64) error {
+	if n > replica.MaxZeroes {
+		return fmt.Errorf("%w: %d bytes", replica.ErrInvalid, n)
+	}
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	z.pieces = append(z.pieces, replica.Extent{Off: off, Len: n})
+	return nil
+}
+func (z *zeroConn) Trim(ctx context.Context, o replica.Op, off, n int64) error {
+	return z.WriteZeroes(ctx, o, off, n)
+}
+
+// TestLongZeroesAreSplitToTheReplicaCap: an NBD client may trim or zero up
+// to 4 GiB in one request; the engine sends the replicas pieces of at most
+// replica.MaxZeroes, covering the range exactly, so a legal request works.
+func TestLongZeroesAreSplitToTheReplicaCap(t *testing.T) {
+	f := newFixture(t)
+	const size = 8 << 30
+	if _, err := f.client.Volumes.CreateVolume(ctx10(t), &storpb.CreateVolumeRequest{Name: "big", SizeBytes: size, ReplicaCount: 3}); err != nil {
+		t.Fatal(err)
+	}
+	conns := map[string]*zeroConn{}
+	var mu sync.Mutex
+	cfg := f.config("n1")
+	cfg.Volume = "big"
+	cfg.Connect = func(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		z := &zeroConn{}
+		conns[replicaID] = z
+		return z, nil
+	}
+	e := f.open(cfg)
+	const nbdMax = 1<<32 - replica.SectorSize // the longest NBD request
+	if err := e.Trim(ctx10(t), replica.SectorSize, nbdMax); err != nil {
+		t.Fatalf("trim of %d bytes: %v", int64(nbdMax), err)
+	}
+	if err := e.WriteZeroes(ctx10(t), size-nbdMax, nbdMax, false); err != nil {
+		t.Fatalf("zeroes of %d bytes: %v", int64(nbdMax), err)
+	}
+	want := []replica.Extent{{Off: replica.SectorSize, Len: nbdMax}, {Off: size - nbdMax, Len: nbdMax}}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(conns) != 3 {
+		t.Fatalf("%d replicas opened", len(conns))
+	}
+	for id, z := range conns {
+		z.mu.Lock()
+		var got []replica.Extent
+		for _, p := range z.pieces {
+			if p.Len > replica.MaxZeroes {
+				t.Fatalf("replica %s was sent %d bytes in one request", id, p.Len)
+			}
+			if n := len(got); n > 0 && got[n-1].Off+got[n-1].Len == p.Off { // the two ranges are 512 bytes apart
+				got[n-1].Len += p.Len
+				continue
+			}
+			got = append(got, p)
+		}
+		z.mu.Unlock()
+		if len(got) != 2 || got[0] != want[0] || got[1] != want[1] {
+			t.Fatalf("replica %s was sent %v, want pieces covering %v", id, got, want)
+		}
+	}
+	if v := f.volume(); v.Generation != 1 {
+		t.Fatalf("generation %d: a replica was marked faulty", v.Generation)
 	}
 }
