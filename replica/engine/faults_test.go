@@ -264,8 +264,8 @@ type zeroConn struct {
 }
 
 func (z *zeroConn) Grow(ctx context.Context, o replica.Op, size uint64) error { return nil }
-func (z *zeroConn) Flush(ctx context.Context, o replica.Op) error              { return nil }
-func (z *zeroConn) Close(ctx context.Context) error                            { return nil }
+func (z *zeroConn) Flush(ctx context.Context, o replica.Op) error             { return nil }
+func (z *zeroConn) Close(ctx context.Context) error                           { return nil }
 func (z *zeroConn) DirtyRegions(ctx context.Context, o replica.Op) ([]replica.Extent, error) {
 	return nil, nil
 }

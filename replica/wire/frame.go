@@ -89,12 +89,12 @@ const (
 type argKind uint8
 
 const (
-	argZero  argKind = iota // must be 0
-	argInt                  // an int64: 0..MaxInt64
-	argIOLen                // an I/O length: 0..replica.MaxIO
-	argZeroLen              // a WRITE_ZEROES or TRIM length: 0..replica.MaxZeroes
-	argLimit                // an extent count: 1..MaxExtents
-	argAny                  // any uint64
+	argZero    argKind = iota // must be 0
+	argInt                    // an int64: 0..MaxInt64
+	argIOLen                  // an I/O length: 0..replica.MaxIO
+	argZeroLen                // a WRITE_ZEROES or TRIM length: 0..replica.MaxZeroes
+	argLimit                  // an extent count: 1..MaxExtents
+	argAny                    // any uint64
 )
 
 // opSpec is one row of the table that both the server's validation and
