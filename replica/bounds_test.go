@@ -55,3 +55,42 @@ func TestZeroesLongerThanTheCapAreRefused(t *testing.T) {
 		t.Fatalf("zeroes of MaxZeroes bytes: %v", err)
 	}
 }
+
+// TestZeroesMarkRunsNotRegions: the dirty-region log and the write history
+// mark a range as runs, so a maximal trim costs the same whatever the
+// region size, and what it marked reads back as one extent.
+func TestZeroesMarkRunsNotRegions(t *testing.T) {
+	const regionSize = replica.BlockSize // the smallest: 262144 regions per MaxZeroes
+	r := createBig(t, regionSize, 4*tib)
+	op := replica.Op{Epoch: 1, Generation: 3}
+	var err error
+	n := allocated(func() { err = r.Trim(op, replica.MaxZeroes, replica.MaxZeroes) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("a %d-byte trim over %d regions allocated %d bytes", replica.MaxZeroes, replica.MaxZeroes/regionSize, n)
+	if n > 256<<10 {
+		t.Fatalf("a %d-byte trim over %d regions allocated %d bytes: marking is per region", replica.MaxZeroes, replica.MaxZeroes/regionSize, n)
+	}
+	want := []replica.Extent{{Off: replica.MaxZeroes, Len: replica.MaxZeroes}}
+	dirty, err := r.DirtyRegions(op)
+	if err != nil || len(dirty) != 1 || dirty[0] != want[0] {
+		t.Fatalf("dirty regions %v (%v), want %v", dirty, err, want)
+	}
+	since, err := r.WrittenSince(op, 3)
+	if err != nil || len(since) != 1 || since[0] != want[0] {
+		t.Fatalf("written since 3: %v (%v), want %v", since, err, want)
+	}
+	if since, err := r.WrittenSince(op, 4); err != nil || len(since) != 0 {
+		t.Fatalf("written since 4: %v (%v), want none", since, err)
+	}
+	// Two flushes clear the regions (the clearing rule).
+	for range 2 {
+		if err := r.Flush(op); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if dirty, err := r.DirtyRegions(op); err != nil || len(dirty) != 0 {
+		t.Fatalf("dirty regions after two flushes: %v (%v)", dirty, err)
+	}
+}

@@ -141,10 +141,16 @@
 // The engine reads DirtyRegions when it attaches, before serving I/O, and
 // reconciles those regions; the bits are then cleared by the rule above.
 //
+// In memory, the times a region's writes last started or finished are
+// kept as runs of regions (runMap), not per region: marking a write, or a
+// WriteZeroes of a million regions, costs the runs it meets.
+//
 // # Write history
 //
 // Each write notes, for every region it touches, its Op.Generation (the
-// maximum is kept) in memory; every sync journals the changes. A request
+// maximum is kept) in memory, as runs of regions of one generation
+// (runMap: the cost of a write is the runs it meets, never its regions);
+// every sync journals the changed runs. A request
 // whose generation is higher than any seen first records it durably in the
 // epoch file. After a crash, writes since the last sync are missing from
 // the journal, but each is in a region still marked dirty and was made at
