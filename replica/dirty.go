@@ -98,19 +98,36 @@ func (d *dirtyLog) writeBytesLocked(runs [][2]uint64) error {
 		for i++; i < len(runs) && runs[i][0]/8 <= hi+64; i++ {
 			hi = max(hi, (runs[i][1]-1)/8)
 		}
+		// The bytes' current bits, filled run by run (not bit by bit).
 		buf := make([]byte, hi-lo+1)
-		for j := range buf {
-			for bit := range 8 {
-				if d.bits.has((lo+uint64(j))*8 + uint64(bit)) {
-					buf[j] |= 1 << bit
-				}
+		first, end := lo*8, (hi+1)*8
+		for from := first; ; {
+			s, e, ok := d.bits.nextRun(from)
+			if !ok || s >= end {
+				break
 			}
+			e = min(e, end)
+			setBits(buf, s-first, e-first)
+			from = e
 		}
 		if _, err := d.f.WriteAt(buf, dirtyHeaderSize+int64(lo)); err != nil {
 			return ioErr("write dirty log", err)
 		}
 	}
 	return nil
+}
+
+// setBits sets bits [a, b) of buf (bit i is bit i%8 of byte i/8).
+func setBits(buf []byte, a, b uint64) {
+	for ; a < b && a%8 != 0; a++ {
+		buf[a/8] |= 1 << (a % 8)
+	}
+	for ; a+8 <= b; a += 8 {
+		buf[a/8] = 0xff
+	}
+	for ; a < b; a++ {
+		buf[a/8] |= 1 << (a % 8)
+	}
 }
 
 func (d *dirtyLog) setTouchLocked(r0, r1, now uint64) {

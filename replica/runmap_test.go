@@ -115,3 +115,20 @@ func TestRunMapLongRangeCostsOneRun(t *testing.T) {
 		t.Fatalf("%v allocations per round, %d runs left", allocs, m.len())
 	}
 }
+
+// TestSetBits checks setBits against setting bit by bit.
+func TestSetBits(t *testing.T) {
+	for a := uint64(0); a < 40; a++ {
+		for b := a; b <= 40; b++ {
+			got := make([]byte, 5)
+			setBits(got, a, b)
+			want := make([]byte, 5)
+			for i := a; i < b; i++ {
+				want[i/8] |= 1 << (i % 8)
+			}
+			if string(got) != string(want) {
+				t.Fatalf("setBits(%d, %d) = %08b, want %08b", a, b, got, want)
+			}
+		}
+	}
+}
