@@ -2,10 +2,12 @@ package replica
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"hash/crc32"
 	"os"
+	"slices"
 	"sync"
 )
 
@@ -24,15 +26,16 @@ const (
 )
 
 // dirtyLog is the dirty-region log. Its state is O(dirty regions) and
-// O(writes in flight), whatever the volume size.
+// O(writes in flight), whatever the volume size; marking a write costs
+// the runs it meets, not its regions.
 type dirtyLog struct {
 	f          File
 	regionSize int64
 
 	mu    sync.Mutex
-	bits  blockSet                         // dirty regions: their bit is set on disk
-	touch map[uint64]*[histChunkLen]uint64 // per region: Replica.syncStarted when a write last started or finished there
-	spans map[*[2]uint64]struct{}          // regions [r0, r1] of the writes in flight
+	bits  blockSet                // dirty regions: their bit is set on disk
+	touch runMap                  // per dirty region: 1 + Replica.syncStarted when a write last started or finished there (0: none since open)
+	spans map[*[2]uint64]struct{} // regions [r0, r1] of the writes in flight
 	// prevFlush is the sync number of the previous completed Flush: a
 	// region whose last write finished before it may be cleared.
 	prevFlush uint64
@@ -76,7 +79,7 @@ func openDirtyLog(fsys FS, path string, regionSize int64, nregions uint64) (*dir
 		f.Close()
 		return nil, fmt.Errorf("%w: %s: bad header", ErrCorrupt, path)
 	}
-	d := &dirtyLog{f: f, regionSize: regionSize, touch: map[uint64]*[histChunkLen]uint64{}, spans: map[*[2]uint64]struct{}{}}
+	d := &dirtyLog{f: f, regionSize: regionSize, spans: map[*[2]uint64]struct{}{}}
 	for i, b := range buf[dirtyHeaderSize:] {
 		for bit := range 8 {
 			if r := uint64(i)*8 + uint64(bit); b&(1<<bit) != 0 && r < nregions {
@@ -95,13 +98,17 @@ func (d *dirtyLog) writeBytesLocked(runs [][2]uint64) error {
 		for i++; i < len(runs) && runs[i][0]/8 <= hi+64; i++ {
 			hi = max(hi, (runs[i][1]-1)/8)
 		}
+		// The bytes' current bits, filled run by run (not bit by bit).
 		buf := make([]byte, hi-lo+1)
-		for j := range buf {
-			for bit := range 8 {
-				if d.bits.has((lo+uint64(j))*8 + uint64(bit)) {
-					buf[j] |= 1 << bit
-				}
+		first, end := lo*8, (hi+1)*8
+		for from := first; ; {
+			s, e, ok := d.bits.nextRun(from)
+			if !ok || s >= end {
+				break
 			}
+			e = min(e, end)
+			setBits(buf, s-first, e-first)
+			from = e
 		}
 		if _, err := d.f.WriteAt(buf, dirtyHeaderSize+int64(lo)); err != nil {
 			return ioErr("write dirty log", err)
@@ -110,22 +117,31 @@ func (d *dirtyLog) writeBytesLocked(runs [][2]uint64) error {
 	return nil
 }
 
-func (d *dirtyLog) setTouchLocked(r0, r1, now uint64) {
-	for r := r0; r <= r1; r++ {
-		c := d.touch[r>>histChunkShift]
-		if c == nil {
-			c = new([histChunkLen]uint64)
-			d.touch[r>>histChunkShift] = c
-		}
-		c[r&(histChunkLen-1)] = now
+// setBits sets bits [a, b) of buf (bit i is bit i%8 of byte i/8).
+func setBits(buf []byte, a, b uint64) {
+	for ; a < b && a%8 != 0; a++ {
+		buf[a/8] |= 1 << (a % 8)
+	}
+	for ; a+8 <= b; a += 8 {
+		buf[a/8] = 0xff
+	}
+	for ; a < b; a++ {
+		buf[a/8] |= 1 << (a % 8)
 	}
 }
 
-func (d *dirtyLog) lastTouch(r uint64) uint64 {
-	if c := d.touch[r>>histChunkShift]; c != nil {
-		return c[r&(histChunkLen-1)]
+func (d *dirtyLog) setTouchLocked(r0, r1, now uint64) {
+	d.touch.set(r0, r1+1, now+1)
+}
+
+// idleLocked reports whether a region whose touch value is t has had no
+// write start or finish since the previous completed Flush began.
+func (d *dirtyLog) idleLocked(t uint64) bool {
+	last := uint64(0)
+	if t > 0 {
+		last = t - 1
 	}
-	return 0
+	return last < d.prevFlush
 }
 
 // start marks a write to regions [r0, r1] as begun and returns the token
@@ -186,15 +202,19 @@ func (d *dirtyLog) flushed(syncNum uint64) error {
 	defer d.mu.Unlock()
 	var cleared [][2]uint64
 	d.bits.runs(func(s, e uint64) bool {
-		for r := s; r < e; r++ {
-			if d.lastTouch(r) >= d.prevFlush || d.inFlightLocked(r) {
-				continue
+		pos := s
+		d.touch.each(s, e, func(a, b, t uint64) bool {
+			if a > pos && d.idleLocked(0) {
+				cleared = d.appendIdleLocked(cleared, pos, a)
 			}
-			if n := len(cleared); n > 0 && cleared[n-1][1] == r {
-				cleared[n-1][1]++
-			} else {
-				cleared = append(cleared, [2]uint64{r, r + 1})
+			if d.idleLocked(t) {
+				cleared = d.appendIdleLocked(cleared, a, b)
 			}
+			pos = b
+			return true
+		})
+		if pos < e && d.idleLocked(0) {
+			cleared = d.appendIdleLocked(cleared, pos, e)
 		}
 		return true
 	})
@@ -204,17 +224,7 @@ func (d *dirtyLog) flushed(syncNum uint64) error {
 	}
 	for _, run := range cleared {
 		d.bits.remove(run[0], run[1]-run[0])
-		for r := run[0]; r < run[1]; r++ {
-			if c := d.touch[r>>histChunkShift]; c != nil {
-				c[r&(histChunkLen-1)] = 0
-			}
-		}
-	}
-	// Drop touch chunks with no dirty region left.
-	for k := range d.touch {
-		if m, ok := d.bits.nextMember(k << histChunkShift); !ok || m>>histChunkShift != k {
-			delete(d.touch, k)
-		}
+		d.touch.set(run[0], run[1], 0)
 	}
 	// No sync: a clear that is lost leaves the region dirty, which is safe;
 	// the next set of a byte writes and syncs its current value.
@@ -227,13 +237,34 @@ func (d *dirtyLog) flushed(syncNum uint64) error {
 	return nil
 }
 
-func (d *dirtyLog) inFlightLocked(r uint64) bool {
+// appendIdleLocked appends to runs the parts of regions [a, b) that no
+// write in flight covers, coalescing with the last run.
+func (d *dirtyLog) appendIdleLocked(runs [][2]uint64, a, b uint64) [][2]uint64 {
+	var busy [][2]uint64
 	for span := range d.spans {
-		if span[0] <= r && r <= span[1] {
-			return true
+		if s, e := max(span[0], a), min(span[1]+1, b); s < e {
+			busy = append(busy, [2]uint64{s, e})
 		}
 	}
-	return false
+	slices.SortFunc(busy, func(x, y [2]uint64) int { return cmp.Compare(x[0], y[0]) })
+	add := func(s, e uint64) {
+		if n := len(runs); n > 0 && runs[n-1][1] == s {
+			runs[n-1][1] = e
+		} else {
+			runs = append(runs, [2]uint64{s, e})
+		}
+	}
+	pos := a
+	for _, x := range busy {
+		if x[0] > pos {
+			add(pos, x[0])
+		}
+		pos = max(pos, x[1])
+	}
+	if pos < b {
+		add(pos, b)
+	}
+	return runs
 }
 
 // list returns the dirty regions as runs [start, end).

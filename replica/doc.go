@@ -9,7 +9,9 @@
 // Volume sizes are multiples of BlockSize (4096), at most MaxSize. Offsets
 // and lengths of I/O must be multiples of SectorSize (512) and inside the
 // volume; anything else is ErrInvalid. One request carries at most MaxIO
-// bytes (WriteZeroes and Trim carry no payload and are not limited).
+// bytes; WriteZeroes and Trim carry no payload and name at most MaxZeroes
+// (1 GiB), so that what one request costs (dirty-region, history and index
+// marking) stays bounded.
 //
 // # Layout on disk
 //
@@ -139,10 +141,16 @@
 // The engine reads DirtyRegions when it attaches, before serving I/O, and
 // reconciles those regions; the bits are then cleared by the rule above.
 //
+// In memory, the times a region's writes last started or finished are
+// kept as runs of regions (runMap), not per region: marking a write, or a
+// WriteZeroes of a million regions, costs the runs it meets.
+//
 // # Write history
 //
 // Each write notes, for every region it touches, its Op.Generation (the
-// maximum is kept) in memory; every sync journals the changes. A request
+// maximum is kept) in memory, as runs of regions of one generation
+// (runMap: the cost of a write is the runs it meets, never its regions);
+// every sync journals the changed runs. A request
 // whose generation is higher than any seen first records it durably in the
 // epoch file. After a crash, writes since the last sync are missing from
 // the journal, but each is in a region still marked dirty and was made at

@@ -5,32 +5,28 @@ import (
 	"fmt"
 	"math"
 	"path/filepath"
-	"slices"
 	"sync"
 )
 
 // The write history: per region, the highest replica-set generation of a
-// write there, kept in memory and journaled at every sync (see doc.go,
-// "Write history"). Values are stored as generation+1 so that 0 means
-// "never written".
+// write there, kept in memory as runs of regions (runMap: a write to a
+// range costs the runs it meets, not its regions) and journaled at every
+// sync (see doc.go, "Write history"). Values are stored as generation+1 so
+// that 0 means "never written".
 //
 // A journal batch payload is validFrom u64 followed by records of region
 // u64, count u64, value u64 (value = generation+1 of regions
 // [region, region+count)). Replay takes the maximum per region and the
 // validFrom of the last batch.
 
-const (
-	histChunkShift = 12
-	histChunkLen   = 1 << histChunkShift
-	histRecSize    = 24
-)
+const histRecSize = 24
 
 type history struct {
 	mu        sync.Mutex
-	chunks    map[uint64]*[histChunkLen]uint64 // guarded by mu
-	pending   blockSet                         // guarded by mu: regions changed since the last persist
-	validFrom uint64                           // guarded by mu
-	validNew  bool                             // guarded by mu: validFrom not yet journaled
+	vals      runMap // guarded by mu: per region, generation+1 of its latest write
+	pending   runMap // guarded by mu: regions changed since the last persist (value 1)
+	validFrom uint64 // guarded by mu
+	validNew  bool   // guarded by mu: validFrom not yet journaled
 
 	// Guarded by Replica.flushMu.
 	jnl       *journal
@@ -58,7 +54,7 @@ func openHistory(fsys FS, path string, nregions uint64) (*history, error) {
 	if err != nil {
 		return nil, err
 	}
-	h := &history{chunks: map[uint64]*[histChunkLen]uint64{}, jnl: j}
+	h := &history{jnl: j}
 	for _, p := range payloads {
 		if len(p) < 8 || (len(p)-8)%histRecSize != 0 {
 			j.close()
@@ -71,9 +67,7 @@ func openHistory(fsys FS, path string, nregions uint64) (*history, error) {
 				j.close()
 				return nil, fmt.Errorf("%w: %s: bad history record %d+%d", ErrCorrupt, path, start, n)
 			}
-			for r := start; r < start+n; r++ {
-				h.raiseLocked(r, v, false)
-			}
+			h.vals.raise(start, start+n, v, nil)
 			h.jnlRecs++
 		}
 	}
@@ -83,27 +77,6 @@ func openHistory(fsys FS, path string, nregions uint64) (*history, error) {
 
 func (h *history) close() error { return h.jnl.close() }
 
-func (h *history) raiseLocked(r, v uint64, track bool) {
-	c := h.chunks[r>>histChunkShift]
-	if c == nil {
-		c = new([histChunkLen]uint64)
-		h.chunks[r>>histChunkShift] = c
-	}
-	if c[r&(histChunkLen-1)] < v {
-		c[r&(histChunkLen-1)] = v
-		if track {
-			h.pending.add(r, 1)
-		}
-	}
-}
-
-func (h *history) get(r uint64) uint64 {
-	if c := h.chunks[r>>histChunkShift]; c != nil {
-		return c[r&(histChunkLen-1)]
-	}
-	return 0
-}
-
 // note records a write at generation gen to regions [r0, r1].
 func (h *history) note(r0, r1, gen uint64) {
 	v := gen + 1
@@ -112,9 +85,7 @@ func (h *history) note(r0, r1, gen uint64) {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for r := r0; r <= r1; r++ {
-		h.raiseLocked(r, v, true)
-	}
+	h.vals.raise(r0, r1+1, v, func(s, e uint64) { h.pending.set(s, e, 1) })
 }
 
 // since returns the runs of regions [start, end) with a write at
@@ -130,50 +101,34 @@ func (h *history) since(gen uint64) ([][2]uint64, error) {
 	if gen == math.MaxUint64 {
 		v = gen
 	}
-	keys := make([]uint64, 0, len(h.chunks))
-	for k := range h.chunks {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
 	var runs [][2]uint64
-	for _, k := range keys {
-		for i, val := range h.chunks[k] {
-			if val < v {
-				continue
-			}
-			r := k<<histChunkShift | uint64(i)
-			if n := len(runs); n > 0 && runs[n-1][1] == r {
-				runs[n-1][1] = r + 1
-			} else {
-				runs = append(runs, [2]uint64{r, r + 1})
-			}
+	h.vals.all(func(s, e, val uint64) bool {
+		if val < v {
+			return true
 		}
-	}
+		if n := len(runs); n > 0 && runs[n-1][1] == s {
+			runs[n-1][1] = e
+		} else {
+			runs = append(runs, [2]uint64{s, e})
+		}
+		return true
+	})
 	return runs, nil
 }
 
-// records encodes regions as runs of equal values.
-func (h *history) recordsLocked(each func(fn func(start, end uint64) bool)) ([]byte, int) {
+// recordsLocked encodes the values of the regions in ranges (a runMap
+// whose runs name them) as records of runs of equal values.
+func (h *history) recordsLocked(ranges *runMap) ([]byte, int) {
 	var b []byte
 	n := 0
-	emit := func(s, e, v uint64) {
-		if v == 0 {
-			return
-		}
-		b = binary.BigEndian.AppendUint64(b, s)
-		b = binary.BigEndian.AppendUint64(b, e-s)
-		b = binary.BigEndian.AppendUint64(b, v)
-		n++
-	}
-	each(func(start, end uint64) bool {
-		s, v := start, h.get(start)
-		for r := start + 1; r < end; r++ {
-			if rv := h.get(r); rv != v {
-				emit(s, r, v)
-				s, v = r, rv
-			}
-		}
-		emit(s, end, v)
+	ranges.all(func(start, end, _ uint64) bool {
+		h.vals.each(start, end, func(s, e, v uint64) bool {
+			b = binary.BigEndian.AppendUint64(b, s)
+			b = binary.BigEndian.AppendUint64(b, e-s)
+			b = binary.BigEndian.AppendUint64(b, v)
+			n++
+			return true
+		})
 		return true
 	})
 	return b, n
@@ -188,15 +143,11 @@ func (h *history) persistLocked() error {
 		return nil
 	}
 	changed := h.pending
-	h.pending = blockSet{}
-	recs, n := h.recordsLocked(changed.runs)
+	h.pending = runMap{}
+	recs, n := h.recordsLocked(&changed)
 	compact := h.jnlRecs+n > h.compactAt
 	if compact {
-		var all blockSet
-		for k := range h.chunks {
-			all.add(k<<histChunkShift, histChunkLen)
-		}
-		recs, n = h.recordsLocked(all.runs)
+		recs, n = h.recordsLocked(&h.vals)
 	}
 	validFrom := h.validFrom
 	h.validNew = false
@@ -210,7 +161,7 @@ func (h *history) persistLocked() error {
 	}
 	if err != nil {
 		h.mu.Lock()
-		changed.runs(func(s, e uint64) bool { h.pending.add(s, e-s); return true })
+		changed.all(func(s, e, _ uint64) bool { h.pending.set(s, e, 1); return true })
 		h.validNew = true
 		h.mu.Unlock()
 		return err

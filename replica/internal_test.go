@@ -243,30 +243,33 @@ func slicesEqual(a, b []uint64) bool {
 
 // TestCheckRange is the validation table of request ranges.
 func TestCheckRange(t *testing.T) {
-	const size = 1 << 20
+	const size = 4 << 30
 	for _, c := range []struct {
-		off, n  int64
-		bounded bool
-		ok      bool
+		off, n int64
+		limit  int64
+		ok     bool
 	}{
-		{0, 0, true, true},
-		{0, size, false, true},
-		{size, 0, true, true},
-		{size - 512, 512, true, true},
-		{0, MaxIO, true, size >= MaxIO},
-		{-512, 512, true, false},
-		{0, -512, true, false},
-		{1, 512, true, false},
-		{0, 511, true, false},
-		{size, 512, true, false},
-		{size - 512, 1024, true, false},
-		{512, 1<<63 - 512, false, false},
-		{1<<63 - 512, 512, false, false},
-		{0, MaxIO + 512, true, false},
+		{0, 0, MaxIO, true},
+		{0, MaxZeroes, MaxZeroes, true},
+		{size, 0, MaxIO, true},
+		{size - 512, 512, MaxIO, true},
+		{0, MaxIO, MaxIO, true},
+		{size - MaxZeroes, MaxZeroes, MaxZeroes, true},
+		{-512, 512, MaxIO, false},
+		{0, -512, MaxIO, false},
+		{1, 512, MaxIO, false},
+		{0, 511, MaxIO, false},
+		{size, 512, MaxIO, false},
+		{size - 512, 1024, MaxIO, false},
+		{512, 1<<63 - 512, MaxZeroes, false},
+		{1<<63 - 512, 512, MaxZeroes, false},
+		{0, MaxIO + 512, MaxIO, false},
+		{0, MaxZeroes + 512, MaxZeroes, false},
+		{0, size, MaxZeroes, false},
 	} {
-		err := checkRange(c.off, c.n, size, c.bounded)
+		err := checkRange(c.off, c.n, size, c.limit)
 		if (err == nil) != c.ok || (err != nil && !errors.Is(err, ErrInvalid)) {
-			t.Errorf("checkRange(%d, %d, bounded %v) = %v, want ok=%v", c.off, c.n, c.bounded, err, c.ok)
+			t.Errorf("checkRange(%d, %d, limit %d) = %v, want ok=%v", c.off, c.n, c.limit, err, c.ok)
 		}
 	}
 }

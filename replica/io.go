@@ -10,8 +10,9 @@ var zeroBlock [BlockSize]byte
 var blockPool = sync.Pool{New: func() any { return new([BlockSize]byte) }}
 
 // checkRange validates a request of n bytes at off against a view of size
-// bytes. bounded requests carry a payload and are limited to MaxIO.
-func checkRange(off, n int64, size uint64, bounded bool) error {
+// bytes; a request is at most limit bytes (MaxIO for one that carries a
+// payload, MaxZeroes for WriteZeroes and Trim).
+func checkRange(off, n int64, size uint64, limit int64) error {
 	switch {
 	case off < 0:
 		return fmt.Errorf("%w: negative offset %d", ErrInvalid, off)
@@ -19,8 +20,8 @@ func checkRange(off, n int64, size uint64, bounded bool) error {
 		return fmt.Errorf("%w: negative length %d", ErrInvalid, n)
 	case off%SectorSize != 0 || n%SectorSize != 0:
 		return fmt.Errorf("%w: offset %d or length %d is not a multiple of %d", ErrInvalid, off, n, SectorSize)
-	case bounded && n > MaxIO:
-		return fmt.Errorf("%w: length %d exceeds the %d-byte limit", ErrInvalid, n, MaxIO)
+	case n > limit:
+		return fmt.Errorf("%w: length %d exceeds the %d-byte limit", ErrInvalid, n, limit)
 	case uint64(off) > size || uint64(n) > size-uint64(off):
 		return fmt.Errorf("%w: %d bytes at %d are past the end of the %d-byte volume", ErrInvalid, n, off, size)
 	}
@@ -33,7 +34,7 @@ func (r *Replica) ReadAt(o Op, p []byte, off int64) error {
 		return err
 	}
 	defer r.mu.RUnlock()
-	if err := checkRange(off, int64(len(p)), r.size.Load(), true); err != nil {
+	if err := checkRange(off, int64(len(p)), r.size.Load(), MaxIO); err != nil {
 		return err
 	}
 	if len(p) == 0 {
@@ -109,7 +110,7 @@ func (r *Replica) WriteAt(o Op, p []byte, off int64) error {
 		return err
 	}
 	defer r.mu.RUnlock()
-	if err := checkRange(off, int64(len(p)), r.size.Load(), true); err != nil {
+	if err := checkRange(off, int64(len(p)), r.size.Load(), MaxIO); err != nil {
 		return err
 	}
 	return r.writeLocked(o, off, int64(len(p)), true, func(h *layer) error {
@@ -119,13 +120,14 @@ func (r *Replica) WriteAt(o Op, p []byte, off int64) error {
 
 // WriteZeroes makes [off, off+n) read as zeroes: whole blocks become holes
 // in the head (punched) that mask older layers; partial blocks are
-// zero-filled. n is not limited to MaxIO (no payload is carried).
+// zero-filled. n is limited to MaxZeroes, not MaxIO (no payload is
+// carried).
 func (r *Replica) WriteZeroes(o Op, off, n int64) error {
 	if err := r.enter(o); err != nil {
 		return err
 	}
 	defer r.mu.RUnlock()
-	if err := checkRange(off, n, r.size.Load(), false); err != nil {
+	if err := checkRange(off, n, r.size.Load(), MaxZeroes); err != nil {
 		return err
 	}
 	return r.writeLocked(o, off, n, true, func(h *layer) error {

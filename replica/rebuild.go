@@ -72,7 +72,7 @@ func (r *Replica) RebuildWrite(o Op, p []byte, off int64) error {
 		return err
 	}
 	defer r.mu.RUnlock()
-	if err := checkRange(off, int64(len(p)), r.size.Load(), true); err != nil {
+	if err := checkRange(off, int64(len(p)), r.size.Load(), MaxIO); err != nil {
 		return err
 	}
 	st := r.rebuild

@@ -98,7 +98,7 @@ func (r *Replica) ReadSnapshotAt(o Op, id string, p []byte, off int64) error {
 	if i < 0 {
 		return fmt.Errorf("%w: snapshot %q of replica %s", ErrNotFound, id, r.id)
 	}
-	if err := checkRange(off, int64(len(p)), r.layers[i].size, true); err != nil {
+	if err := checkRange(off, int64(len(p)), r.layers[i].size, MaxIO); err != nil {
 		return err
 	}
 	return r.readViewLocked(i, p, off)

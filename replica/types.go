@@ -8,6 +8,12 @@ const (
 	SectorSize = 512
 	// MaxIO is the most bytes one request may carry.
 	MaxIO = 8 << 20
+	// MaxZeroes is the most bytes one WriteZeroes or Trim may name. They
+	// carry no payload, but each marks its range in the dirty-region log,
+	// the write history and the head's index: a cap keeps what one
+	// request costs a server bounded whatever the peer sends. (NBD's
+	// 32-bit lengths name up to 4 GiB; the engine splits them.)
+	MaxZeroes = 1 << 30
 )
 
 // Op is what every data request carries: the caller's epoch (for fencing),

@@ -14,11 +14,15 @@
 //     after every replica in the engine's write set applied it. When one
 //     fails, the engine first has the leader commit that replica as faulty
 //     (SetReplicaState, fenced by the epoch) and only then returns. If the
-//     leader cannot be reached the write waits (bounded by the caller's
-//     context); it is never acknowledged on a guess. If the failing replica
-//     is the last healthy one, the write fails with an I/O error and the
-//     engine stops serving (other replicas may have taken the write; the
-//     next open reconciles them). Before
+//     leader cannot be reached the write waits (bounded by FaultTimeout);
+//     it is never acknowledged on a guess. markFaulty returns nil only once
+//     the replica is committed faulty (or confirmed out of the set); every
+//     other answer (faultAnswers, one table of control-plane codes: the
+//     last healthy replica, a timeout, a code it does not expect) fences
+//     the engine or stops it: the write fails with an I/O error and the
+//     engine serves nothing more, so a replica that missed a write applied
+//     elsewhere is never read from again (the next open reconciles the
+//     replicas). Before
 //     acknowledging, the engine applies the request once more to the
 //     replicas that took it, at the new generation, so their write history
 //     names every region the faulty replica may lack (a delta rebuild
@@ -39,6 +43,15 @@
 //     reads can see two versions of a block.
 //  5. Reads go to one healthy replica, the local one first; a replica that
 //     fails a read is marked faulty and the read is retried on another.
+//  6. A replica's error is the replica's failure, never the request's
+//     (replica.ErrInvalid included): the engine checks every request
+//     against the volume's size and alignment, and splits it to the
+//     replicas' limits, before any replica sees it. Only a stale epoch
+//     (fenced) is not a replica's own failure.
+//  7. Every replica in the write set is as large as the volume: Open grows
+//     every replica to the committed size before any I/O (a volume
+//     expanded while detached), a replica is grown before it joins the
+//     write set, and an expansion grows the replicas before the engine.
 //
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the

@@ -155,6 +155,10 @@ type Engine struct {
 	// replica is reported once.
 	faultMu sync.Mutex
 
+	// growMu orders growing the replicas (grow) with adding a replica to
+	// the write set (joinGrown), so every member is as large as size.
+	growMu sync.Mutex
+
 	ctx    context.Context // cancelled by Close
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -203,6 +207,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	if err := e.openReplicas(ctx, v); err != nil {
+		e.abort()
+		return nil, err
+	}
+	// A volume expanded while detached has replicas smaller than its
+	// committed size (only an engine grows them): grow them before any
+	// I/O, the reconcile's included.
+	if err := e.grow(ctx, v.SizeBytes); err != nil {
 		e.abort()
 		return nil, err
 	}
@@ -561,9 +572,28 @@ func (e *Engine) WriteZeroes(ctx context.Context, off, n int64, fua bool) error 
 		return err
 	}
 	defer e.endWrite(sp)
-	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
-		return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
+	return zeroPieces(off, n, func(off, n int64) error {
+		return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+			return m.conn.WriteZeroes(ctx, e.op(fua), off, n)
+		})
 	})
+}
+
+// zeroPieces runs f on [off, off+n) in pieces of at most replica.MaxZeroes
+// bytes, the most one replica WriteZeroes or Trim may name (an NBD client
+// may send up to 4 GiB), stopping at the first error. An empty range is
+// one empty piece, as before the split.
+func zeroPieces(off, n int64, f func(off, n int64) error) error {
+	for {
+		k := min(n, replica.MaxZeroes)
+		if err := f(off, k); err != nil {
+			return err
+		}
+		off, n = off+k, n-k
+		if n <= 0 {
+			return nil
+		}
+	}
 }
 
 // Trim discards a range on every replica (it then reads as zeroes).
@@ -576,8 +606,10 @@ func (e *Engine) Trim(ctx context.Context, off, n int64) error {
 		return err
 	}
 	defer e.endWrite(sp)
-	return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
-		return m.conn.Trim(ctx, e.op(false), off, n)
+	return zeroPieces(off, n, func(off, n int64) error {
+		return e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
+			return m.conn.Trim(ctx, e.op(false), off, n)
+		})
 	})
 }
 
@@ -684,13 +716,17 @@ func (e *Engine) call(ctx context.Context, f func(context.Context) error) error 
 // classify decides what a replica error means for the whole request: nil
 // when the replica alone failed (the caller reports it faulty), or the
 // error the request fails with.
+//
+// replica.ErrInvalid is the replica's failure, not the request's: the
+// engine checks every request against the volume (checkRange, writable)
+// and splits it to the replicas' limits before any replica sees it, so a
+// replica that refuses one is out of line with the volume (smaller than
+// its committed size, say) while the others may have applied it.
 func (e *Engine) classify(ctx context.Context, err error) error {
 	switch {
 	case errors.Is(err, replica.ErrStaleEpoch):
 		e.fence("a replica refused our epoch")
 		return fmt.Errorf("%w: %v", ErrFenced, err)
-	case errors.Is(err, replica.ErrInvalid):
-		return err // the request itself is bad; no replica is at fault
 	case ctx.Err() != nil:
 		return ctx.Err() // a read the caller gave up on; nothing is known about the replica
 	}
@@ -703,9 +739,55 @@ func (e *Engine) fence(why string) {
 	}
 }
 
+// faultAnswer is what the control plane's answer to "record this replica
+// faulty" means for the engine.
+type faultAnswer int
+
+const (
+	// faultStop: the failure cannot be recorded. The replica may lack a
+	// write the others applied and is still in the set: the engine stops
+	// serving rather than acknowledge, or read from it.
+	faultStop faultAnswer = iota
+	// faultRecorded: committed; go on without the replica.
+	faultRecorded
+	// faultFenced: the control plane refused our epoch.
+	faultFenced
+	// faultLastHealthy: the replica is the last healthy one and stays
+	// healthy in Raft; nothing can serve the request, and other replicas
+	// (rebuilding ones) may have taken it: stop serving; the next open
+	// reconciles them.
+	faultLastHealthy
+	// faultGone: the replica may have left the set (moved or removed)
+	// after the request was sent; confirm it against the committed
+	// volume, then go on without it.
+	faultGone
+	// faultRetry: no answer yet (no leader, a leader change mid-call, a
+	// transient server failure): ask again until FaultTimeout, then stop.
+	faultRetry
+)
+
+// faultAnswers is the one table of control-plane codes for a fault report.
+// A code not in it is faultStop: an answer the engine does not understand
+// never lets it go on with a replica that missed a write.
+var faultAnswers = map[codes.Code]faultAnswer{
+	codes.OK:                 faultRecorded,
+	codes.Aborted:            faultFenced,
+	codes.FailedPrecondition: faultLastHealthy,
+	codes.NotFound:           faultGone,
+	codes.Unavailable:        faultRetry,
+	codes.DeadlineExceeded:   faultRetry,
+	codes.Canceled:           faultRetry,
+	codes.Internal:           faultRetry,
+	codes.Unknown:            faultRetry,
+	codes.ResourceExhausted:  faultRetry,
+}
+
 // markFaulty commits the replica as faulty in Raft, waiting through leader
-// elections (Unavailable) until ctx ends, and then drops it from the
-// write set.
+// elections until FaultTimeout, and then drops it from the write set. It
+// returns nil only once the replica is recorded faulty (or confirmed out
+// of the set); any other outcome fences the engine or stops it (see
+// faultAnswers), so a replica that missed a write is never read from
+// again by this engine, whatever the control plane answered.
 func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error {
 	e.logger.Warn("replica failed; recording it faulty", "replica", replicaID, "reason", reason)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.FaultTimeout)
@@ -718,55 +800,51 @@ func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error
 			VolumeId: e.id, ReplicaId: replicaID, State: storpb.ReplicaState_REPLICA_STATE_FAULTY,
 			Epoch: e.epoch, Reason: reason,
 		})
-		switch status.Code(err) {
-		case codes.OK:
+		switch faultAnswers[status.Code(err)] {
+		case faultRecorded:
 			e.applyVolume(resp.Volume)
 			return nil
-		case codes.Aborted:
+		case faultFenced:
 			e.fence("the control plane refused our epoch")
 			return fmt.Errorf("%w: %v", ErrFenced, err)
-		case codes.FailedPrecondition:
-			// The last healthy replica failed: nothing can serve the
-			// request, and other replicas (rebuilding ones) may have taken
-			// it. Stop serving; the next open reconciles them.
-			if e.broken.CompareAndSwap(false, true) {
-				e.logger.Error("the last healthy replica failed; the engine stops serving", "replica", replicaID, "reason", reason)
-			}
-			return fmt.Errorf("%w: volume %s: replica %s failed (%s) and is the last healthy one: %v", ErrIO, e.name, replicaID, reason, err)
-		case codes.NotFound:
-			// The replica left the set (moved or removed) after the request
-			// was sent: the ack rule does not need it. Confirm against the
-			// committed volume and go on without it.
+		case faultLastHealthy:
+			return e.stop(replicaID, fmt.Errorf("replica %s failed (%s) and is the last healthy one: %v", replicaID, reason, err))
+		case faultGone:
 			v, gerr := e.cfg.Control.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: e.id}})
-			if gerr == nil && findReplica(v.Volume, replicaID) == nil {
+			switch {
+			case gerr == nil && findReplica(v.Volume, replicaID) == nil:
 				e.applyVolume(v.Volume)
 				return nil
-			}
-			if status.Code(gerr) == codes.NotFound {
+			case status.Code(gerr) == codes.NotFound:
 				e.fence("the volume was deleted")
 				return fmt.Errorf("%w: volume %s was deleted", ErrFenced, e.name)
+			case gerr != nil && faultAnswers[status.Code(gerr)] != faultRetry:
+				return e.stop(replicaID, fmt.Errorf("replica %s failed (%s); its removal could not be confirmed: %v", replicaID, reason, gerr))
 			}
-			if gerr != nil && status.Code(gerr) != codes.Unavailable && status.Code(gerr) != codes.DeadlineExceeded {
-				return fmt.Errorf("%w: volume %s: %v", ErrIO, e.name, gerr)
-			}
-			// The view is unclear (no leader): wait and ask again.
-		case codes.Unavailable, codes.DeadlineExceeded:
-			// No leader: wait. Never acknowledge on a guess.
+			// The view is unclear (no leader, or the volume still lists
+			// the replica): wait and ask again.
+		case faultRetry:
+			// Never acknowledge on a guess: wait and ask again.
 		default:
-			return fmt.Errorf("%w: volume %s: report replica %s faulty: %v", ErrIO, e.name, replicaID, err)
+			return e.stop(replicaID, fmt.Errorf("replica %s failed (%s) and could not be recorded faulty: %v", replicaID, reason, err))
 		}
 		select {
 		case <-ctx.Done():
-			// The replica may now differ from the others and is still in
-			// the set: stop serving rather than read from it.
-			if e.broken.CompareAndSwap(false, true) {
-				e.logger.Error("a replica failure could not be recorded; the engine stops serving", "replica", replicaID)
-			}
-			return fmt.Errorf("%w: volume %s: replica %s failed and the control plane could not be reached to record it: %v", ErrIO, e.name, replicaID, ctx.Err())
+			return e.stop(replicaID, fmt.Errorf("replica %s failed (%s) and the control plane could not be reached to record it: %v (last answer: %v)", replicaID, reason, ctx.Err(), err))
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, time.Second)
 	}
+}
+
+// stop makes the engine stop serving (every later call fails with ErrIO)
+// because a failed replica could not be recorded faulty: it may now differ
+// from the others and is still in the set.
+func (e *Engine) stop(replicaID string, cause error) error {
+	if e.broken.CompareAndSwap(false, true) {
+		e.logger.Error("a replica failure could not be recorded; the engine stops serving", "replica", replicaID, "err", cause)
+	}
+	return fmt.Errorf("%w: volume %s: %v", ErrIO, e.name, cause)
 }
 
 // applyVolume brings the write set in line with a committed volume: its

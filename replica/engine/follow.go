@@ -76,7 +76,7 @@ func (e *Engine) onVolume(v *storpb.Volume) {
 		return
 	}
 	if v.SizeBytes > e.size.Load() {
-		if err := e.grow(v.SizeBytes); err != nil {
+		if err := e.grow(e.ctx, v.SizeBytes); err != nil {
 			e.logger.Warn("grow replicas", "size", v.SizeBytes, "err", err)
 		}
 	}
@@ -86,10 +86,16 @@ func (e *Engine) onVolume(v *storpb.Volume) {
 	e.cutSnapshots(v)
 }
 
-// grow grows every replica, then the engine: no write may reach past the
-// end of a replica that has not grown yet.
-func (e *Engine) grow(size uint64) error {
-	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.IOTimeout)
+// grow grows every replica in the write set to size, then the engine: no
+// write may reach past the end of a replica that has not grown yet. A
+// replica at size already is left as it is (Grow to the same size is a
+// no-op); one that fails to grow is recorded faulty. growMu orders it
+// with joins (joinGrown), so a replica joining meanwhile is not left
+// behind at the old size.
+func (e *Engine) grow(ctx context.Context, size uint64) error {
+	e.growMu.Lock()
+	defer e.growMu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
 	defer cancel()
 	err := e.fanOut(ctx, e.writeSet(), func(ctx context.Context, m *member) error {
 		return m.conn.Grow(ctx, e.op(false), size)
@@ -97,9 +103,30 @@ func (e *Engine) grow(size uint64) error {
 	if err != nil {
 		return err
 	}
-	e.size.Store(size)
-	e.logger.Info("volume grew", "size", size)
+	if e.size.Swap(size) != size {
+		e.logger.Info("volume grew", "size", size)
+	}
 	return nil
+}
+
+// joinGrown grows a replica joining the set to the engine's size, then
+// adds it to the write set (unless it is there already; it reports
+// whether it added it). A replica that was away during an expansion is
+// smaller than the volume.
+func (e *Engine) joinGrown(ctx context.Context, r *storpb.Replica, conn ReplicaConn) (bool, error) {
+	e.growMu.Lock()
+	defer e.growMu.Unlock()
+	err := e.call(ctx, func(ctx context.Context) error { return conn.Grow(ctx, e.op(false), e.size.Load()) })
+	if err != nil {
+		return false, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, raced := e.members[r.Id]; raced {
+		return false, nil
+	}
+	e.members[r.Id] = &member{info: r, conn: conn}
+	return true, nil
 }
 
 // addNewReplicas opens replicas that joined the set (as rebuilding), so
@@ -136,14 +163,14 @@ func (e *Engine) addNewReplicas(v *storpb.Volume) (added bool) {
 			e.logger.Warn("open new replica; will retry", "replica", r.Id, "server", r.ServerId, "err", err)
 			continue
 		}
-		e.mu.Lock()
-		if _, raced := e.members[r.Id]; raced {
-			e.mu.Unlock()
+		joined, err := e.joinGrown(e.ctx, r, conn)
+		if err != nil {
+			e.logger.Warn("grow new replica; will retry", "replica", r.Id, "server", r.ServerId, "err", err)
+		}
+		if !joined {
 			conn.Close(e.ctx)
 			continue
 		}
-		e.members[r.Id] = &member{info: r, conn: conn}
-		e.mu.Unlock()
 		added = true
 		e.logger.Info("replica joined the write set", "replica", r.Id, "server", r.ServerId)
 	}

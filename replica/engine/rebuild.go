@@ -315,7 +315,7 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 		}
 		log.Warn("rebuild failed", "err", err)
 		if cerr := e.classify(ctx, err); cerr != nil {
-			return // fenced, or a bad request
+			return // fenced
 		}
 		// Blame the replica the error came from. A history failure is
 		// that replica's: blaming the read source instead took a replica

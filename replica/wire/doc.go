@@ -58,8 +58,8 @@
 //	   3 PING             -      0               0                 -                -
 //	   4 READ             yes    offset          bytes <= MaxIO    -                data (exactly length bytes)
 //	   5 WRITE            yes    offset          bytes <= MaxIO    data (length)    -
-//	   6 WRITE_ZEROES     yes    offset          bytes             -                -
-//	   7 TRIM             yes    offset          bytes             -                -
+//	   6 WRITE_ZEROES     yes    offset          bytes <= 1 GiB    -                -
+//	   7 TRIM             yes    offset          bytes <= 1 GiB    -                -
 //	   8 FLUSH            yes    0               0                 -                -
 //	   9 GROW             yes    0               new size          -                -
 //	  10 SNAPSHOT_CREATE  yes    0               0                 snapshot id      -
@@ -128,7 +128,8 @@
 //   - Unknown op, unknown flags, fields that must be zero, a payload the op
 //     does not take: an ErrUnknownOp or ErrProtocol reply; the connection
 //     goes on.
-//   - Out-of-range arguments (an I/O above MaxIO, an offset above
+//   - Out-of-range arguments (an I/O above MaxIO, a WRITE_ZEROES or TRIM
+//     above replica.MaxZeroes (1 GiB), an offset above
 //     MaxInt64, an id too long): a replica.ErrInvalid reply.
 //   - An unknown handle: an ErrBadHandle reply.
 //

@@ -89,11 +89,12 @@ const (
 type argKind uint8
 
 const (
-	argZero  argKind = iota // must be 0
-	argInt                  // an int64: 0..MaxInt64
-	argIOLen                // an I/O length: 0..replica.MaxIO
-	argLimit                // an extent count: 1..MaxExtents
-	argAny                  // any uint64
+	argZero    argKind = iota // must be 0
+	argInt                    // an int64: 0..MaxInt64
+	argIOLen                  // an I/O length: 0..replica.MaxIO
+	argZeroLen                // a WRITE_ZEROES or TRIM length: 0..replica.MaxZeroes
+	argLimit                  // an extent count: 1..MaxExtents
+	argAny                    // any uint64
 )
 
 // opSpec is one row of the table that both the server's validation and
@@ -112,8 +113,8 @@ var opSpecs = [opMax]opSpec{
 	OpPing:           {"PING", false, payloadNone, argZero, argZero},
 	OpRead:           {"READ", true, payloadNone, argInt, argIOLen},
 	OpWrite:          {"WRITE", true, payloadData, argInt, argIOLen},
-	OpWriteZeroes:    {"WRITE_ZEROES", true, payloadNone, argInt, argInt},
-	OpTrim:           {"TRIM", true, payloadNone, argInt, argInt},
+	OpWriteZeroes:    {"WRITE_ZEROES", true, payloadNone, argInt, argZeroLen},
+	OpTrim:           {"TRIM", true, payloadNone, argInt, argZeroLen},
 	OpFlush:          {"FLUSH", true, payloadNone, argZero, argZero},
 	OpGrow:           {"GROW", true, payloadNone, argZero, argAny},
 	OpSnapshotCreate: {"SNAPSHOT_CREATE", true, payloadID, argZero, argZero},
@@ -276,6 +277,10 @@ func checkArg(op Opcode, name string, k argKind, v uint64) error {
 	case argIOLen:
 		if v > replica.MaxIO {
 			return fmt.Errorf("wire: %v: %s %d exceeds %d: %w", op, name, v, replica.MaxIO, replica.ErrInvalid)
+		}
+	case argZeroLen:
+		if v > replica.MaxZeroes {
+			return fmt.Errorf("wire: %v: %s %d exceeds %d: %w", op, name, v, replica.MaxZeroes, replica.ErrInvalid)
 		}
 	case argLimit:
 		if v == 0 || v > MaxExtents {

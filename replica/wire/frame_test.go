@@ -26,7 +26,7 @@ func validRequests() []struct {
 		{RequestHeader{Op: OpPing, ID: 3}, nil},
 		{RequestHeader{Op: OpRead, ID: 4, Handle: 1, Epoch: 3, Generation: 2, Off: 4096, Len: 4096}, nil},
 		{RequestHeader{Op: OpWrite, ID: 5, Handle: 1, Flags: FlagFUA, Epoch: 3, Generation: 2, Off: 8192, Len: 4096}, data},
-		{RequestHeader{Op: OpWriteZeroes, ID: 6, Handle: 1, Off: 0, Len: 1 << 40}, nil},
+		{RequestHeader{Op: OpWriteZeroes, ID: 6, Handle: 1, Off: 0, Len: replica.MaxZeroes}, nil},
 		{RequestHeader{Op: OpTrim, ID: 7, Handle: 1, Off: 1 << 20, Len: 1 << 20}, nil},
 		{RequestHeader{Op: OpFlush, ID: 8, Handle: 1, Epoch: math.MaxUint64}, nil},
 		{RequestHeader{Op: OpGrow, ID: 9, Handle: 1, Len: math.MaxUint64}, nil},

@@ -82,6 +82,9 @@ func checkRange(op Opcode, off, n int64) error {
 	if off < 0 || n < 0 {
 		return fmt.Errorf("wire: %v at %d length %d: negative: %w", op, off, n, replica.ErrInvalid)
 	}
+	if n > replica.MaxZeroes {
+		return fmt.Errorf("wire: %v of %d bytes exceeds %d: %w", op, n, replica.MaxZeroes, replica.ErrInvalid)
+	}
 	return nil
 }
 
