@@ -146,6 +146,7 @@ type Engine struct {
 	last       *storpb.Volume            // the latest committed state seen on the watch
 	cutting    bool                      // a snapshot cut goroutine runs (snapshot.go)
 	cutAgain   bool                      // the volume changed while it ran: look again
+	cutPoints  map[string][]string       // snapshot id -> replicas cut at the point this engine fixed (snapshot.go)
 
 	// faultMu serialises reports to the control plane so one failing
 	// replica is reported once.
