@@ -2,10 +2,12 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -42,6 +44,9 @@ import (
 // fixes the point, and the engine remembers which replicas confirmed it
 // (cutPoints); a retry sends no cut, and records those replicas (if still
 // healthy) as CUT and every other pending one as MISSED.
+//
+// A detached volume has no engine: CutDetached opens one for the cut
+// (below), at an epoch of its own.
 
 // snapshotCutter is the ReplicaConn capability to cut a snapshot layer
 // (the wire client has it). A replica without it is recorded as missed.
@@ -239,4 +244,116 @@ func (e *Engine) forgetCut(id string) {
 	e.mu.Lock()
 	delete(e.cutPoints, id)
 	e.mu.Unlock()
+}
+
+// CutDetached cuts the pending snapshots of a volume that is not attached
+// (DESIGN.md "Snapshots, clones, expansion"). An engine that died, or a
+// zombie of one still writing after its detach, may have left the
+// replicas different in their dirty regions, so they cannot each cut
+// where they stand. Instead CutDetached, like Open:
+//
+//  1. fences the volume at a new epoch of its own (a detach with
+//     fence_detached, refused while the volume is attached);
+//  2. opens its replicas at that epoch, which fences every older engine
+//     on each of them (a healthy replica that does not open is recorded
+//     faulty, as Open does);
+//  3. reconciles the dirty regions from one healthy replica (the local
+//     one when cfg.LocalServerID has one);
+//
+// then cuts each pending snapshot as an attached engine does (one point,
+// recorded at the new epoch; a pending replica not healthy in the write
+// set is recorded as missed), and closes. No engine writes at that epoch,
+// so every replica's layer holds the same data. cfg is an engine Config
+// whose Control has Snapshots; Takeover and ReadOnly are unused.
+//
+// If the volume is attached, CutDetached does nothing: the attached
+// engine cuts. An attach meanwhile raises the epoch again: the replicas
+// refuse the rest of this cut, the control plane refuses its record, and
+// the attached engine cuts the snapshots itself. A cut that fails (or a
+// server that crashes during it) leaves its layers unrecorded at an epoch
+// the volume has left; the servers merge them away, and a retry fences
+// anew.
+func CutDetached(ctx context.Context, cfg Config) error {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return err
+	}
+	if cfg.Control.Snapshots == nil {
+		return errors.New("engine: config: Control.Snapshots is required to cut snapshots")
+	}
+	cfg.Control.Volumes = cutVolumes{cfg.Control.Volumes, ctx}
+	resp, err := cfg.Control.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: cfg.ref(), FenceDetached: true})
+	if status.Code(err) == codes.FailedPrecondition {
+		cfg.Logger.Info("no detached snapshot cut: the volume is attached; its engine cuts", "volume", cfg.Volume, "why", err)
+		return nil
+	} else if err != nil {
+		return fmt.Errorf("engine: fence %s for a snapshot cut: %w", cfg.Volume, err)
+	}
+	v := resp.Volume
+	if len(v.PendingSnapshotIds) == 0 {
+		return nil // recorded meanwhile (by an engine attached and detached since)
+	}
+	e := newEngine(cfg, v)
+	e.logger.Info("detached volume fenced for a snapshot cut", "snapshots", v.PendingSnapshotIds)
+	if err := e.refreshServers(ctx); err != nil {
+		e.abort()
+		return err
+	}
+	if err := e.openReplicas(ctx, v); err != nil {
+		e.abort()
+		return err
+	}
+	if err := e.reconcile(ctx); err != nil {
+		e.abort()
+		return err
+	}
+	var errs []error
+	for _, id := range v.PendingSnapshotIds {
+		if err := e.cutSnapshot(id); err != nil {
+			errs = append(errs, fmt.Errorf("engine: cut snapshot %s of %s: %w", id, v.Name, err))
+		}
+	}
+	if err := e.Close(ctx, false); err != nil {
+		errs = append(errs, fmt.Errorf("engine: close %s after a snapshot cut: %w", v.Name, err))
+	}
+	return errors.Join(errs...)
+}
+
+// cutVolumes bounds a detached cut's reports of failed replicas by the
+// cut's context. An engine that serves I/O waits up to FaultTimeout for
+// the control plane, whatever its caller's context, because it must not
+// acknowledge a write on a guess; a detached cut acknowledges nothing, so
+// when its context ends (its server shuts down) it gives up instead, and
+// is retried.
+type cutVolumes struct {
+	storpb.VolumeServiceClient
+	ctx context.Context
+}
+
+func (c cutVolumes) SetReplicaState(ctx context.Context, in *storpb.SetReplicaStateRequest, opts ...grpc.CallOption) (*storpb.SetReplicaStateResponse, error) {
+	if err := c.ctx.Err(); err != nil {
+		return nil, status.FromContextError(err).Err()
+	}
+	ctx, cancel := c.bound(ctx)
+	defer cancel()
+	return c.VolumeServiceClient.SetReplicaState(ctx, in, opts...)
+}
+
+func (c cutVolumes) GetVolume(ctx context.Context, in *storpb.GetVolumeRequest, opts ...grpc.CallOption) (*storpb.GetVolumeResponse, error) {
+	if err := c.ctx.Err(); err != nil {
+		return nil, status.FromContextError(err).Err()
+	}
+	ctx, cancel := c.bound(ctx)
+	defer cancel()
+	return c.VolumeServiceClient.GetVolume(ctx, in, opts...)
+}
+
+// bound returns ctx, also cancelled when the cut's context ends.
+func (c cutVolumes) bound(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(c.ctx, func() { cancel(context.Cause(c.ctx)) })
+	return ctx, func() {
+		stop()
+		cancel(nil)
+	}
 }
