@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/servertest"
@@ -247,6 +249,119 @@ func TestSnapshotDetachedRacingAnAttach(t *testing.T) {
 		}
 		if err := e.Close(ctx, true); err != nil {
 			t.Fatalf("round %d: close: %v", round, err)
+		}
+	}
+}
+
+// crashingCut makes a detached cut die half-way, as its server would if
+// killed: it cuts only replica survivor, and its control plane answers
+// nothing (so no fault and no cut is ever recorded).
+type crashingCut struct {
+	survivor string
+}
+
+type cutter interface {
+	CreateSnapshot(ctx context.Context, o replica.Op, id string) error
+}
+
+type crashingConn struct {
+	engine.ReplicaConn
+	id       string
+	survivor string
+}
+
+func (c crashingConn) CreateSnapshot(ctx context.Context, o replica.Op, id string) error {
+	if c.id != c.survivor {
+		return errors.New("injected: the cutting server died")
+	}
+	return c.ReplicaConn.(cutter).CreateSnapshot(ctx, o, id)
+}
+
+func (cc crashingCut) connect(next engine.Connector) engine.Connector {
+	return func(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
+		c, err := next(ctx, addr, replicaID, epoch)
+		if err != nil {
+			return nil, err
+		}
+		return crashingConn{c, replicaID, cc.survivor}, nil
+	}
+}
+
+type deadVolumes struct{ storpb.VolumeServiceClient }
+
+func (deadVolumes) SetReplicaState(ctx context.Context, _ *storpb.SetReplicaStateRequest, _ ...grpc.CallOption) (*storpb.SetReplicaStateResponse, error) {
+	return nil, status.Error(codes.Unavailable, "injected: the cutting server died")
+}
+
+type deadSnapshots struct{ storpb.SnapshotServiceClient }
+
+func (deadSnapshots) RecordSnapshotCut(ctx context.Context, _ *storpb.RecordSnapshotCutRequest, _ ...grpc.CallOption) (*storpb.RecordSnapshotCutResponse, error) {
+	return nil, status.Error(codes.Unavailable, "injected: the cutting server died")
+}
+
+// TestSnapshotDetachedCutDyingHalfWay: a detached cut fences the volume,
+// cuts one replica and dies before recording anything (its server was
+// killed). The servers' own cut then fences anew and cuts every replica at
+// one point; the dead cut's layer, at an epoch the volume has left, is
+// merged away. (The servers' cut may also start first or meanwhile: it
+// then fences the dying one. Either way the end state is the same.)
+func TestSnapshotDetachedCutDyingHalfWay(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	leader := c.Leader(10 * time.Second)
+	const size = 1 << 20
+	v := createVolume(t, c.Client(leader), "dying-cut", size, 3)
+	ctx := ctxT(t, 2*time.Minute)
+	base := make([]byte, size)
+	for b := uint64(0); b < size/snapBlock; b++ {
+		copy(base[b*snapBlock:], blockData(b, 1))
+	}
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, base, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	v = getVolume(t, c, leader, v.Id)
+	survivor := v.Replicas[2].Id
+	// The engine dies with a write on one replica only, so cuts at
+	// different points would differ.
+	writeOneReplica(t, c, v, survivor, e.Epoch(), blockData(3, 2), 3*snapBlock)
+	s := createSnapshot(t, c, leader, v.Id, "dying-cut") // cut by no one: the volume is attached
+	detach(t, c, leader, v.Id, "node-1")
+
+	cfg := c.EngineConfig(v.Id, "a-server")
+	cfg.VolumeIsID = true
+	cfg.Connect = crashingCut{survivor}.connect(cfg.Connect)
+	cfg.Control.Volumes = deadVolumes{cfg.Control.Volumes}
+	cfg.Control.Snapshots = deadSnapshots{cfg.Control.Snapshots}
+	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	err := engine.CutDetached(dctx, cfg)
+	cancel()
+	t.Logf("the dying cut: %v", err)
+	if err == nil {
+		t.Log("the servers' cut got in first; the dying cut found nothing to do")
+	}
+
+	s = waitSnapshot(t, c, leader, s.Id, 30*time.Second, "snapshot ready", func(s *storpb.Snapshot) bool { return s.ReadyToUse || s.Failed })
+	if cutCount(s) != 3 {
+		t.Fatalf("snapshot cut on %d replicas, want 3: %v", cutCount(s), s)
+	}
+	requireOneCutPoint(t, c, v, s)
+	// Every layer of this snapshot but the recorded one is merged away.
+	deadline := time.Now().Add(30 * time.Second)
+	for epoch := uint64(1); epoch < s.CutEpoch; epoch++ {
+		for _, r := range v.Replicas {
+			for {
+				_, err := c.ReadSnapshot(v.Id, replica.LayerName(s.Id, epoch), r.Id, s.SizeBytes)
+				if errors.Is(err, replica.ErrNotFound) {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("replica %s still has an unrecorded layer of the snapshot cut at epoch %d (read: %v)", r.Id, epoch, err)
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
 		}
 	}
 }

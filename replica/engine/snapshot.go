@@ -331,8 +331,8 @@ type cutVolumes struct {
 }
 
 func (c cutVolumes) SetReplicaState(ctx context.Context, in *storpb.SetReplicaStateRequest, opts ...grpc.CallOption) (*storpb.SetReplicaStateResponse, error) {
-	if err := c.ctx.Err(); err != nil {
-		return nil, status.FromContextError(err).Err()
+	if err := c.ended(); err != nil {
+		return nil, err
 	}
 	ctx, cancel := c.bound(ctx)
 	defer cancel()
@@ -340,12 +340,22 @@ func (c cutVolumes) SetReplicaState(ctx context.Context, in *storpb.SetReplicaSt
 }
 
 func (c cutVolumes) GetVolume(ctx context.Context, in *storpb.GetVolumeRequest, opts ...grpc.CallOption) (*storpb.GetVolumeResponse, error) {
-	if err := c.ctx.Err(); err != nil {
-		return nil, status.FromContextError(err).Err()
+	if err := c.ended(); err != nil {
+		return nil, err
 	}
 	ctx, cancel := c.bound(ctx)
 	defer cancel()
 	return c.VolumeServiceClient.GetVolume(ctx, in, opts...)
+}
+
+// ended is the answer once the cut's context has ended: Canceled, whether
+// it was cancelled or timed out (an engine waits on DeadlineExceeded, as
+// on a leader election).
+func (c cutVolumes) ended() error {
+	if err := c.ctx.Err(); err != nil {
+		return status.Errorf(codes.Canceled, "engine: the detached cut ended: %v", err)
+	}
+	return nil
 }
 
 // bound returns ctx, also cancelled when the cut's context ends.
