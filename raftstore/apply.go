@@ -340,14 +340,31 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 	return v, nil
 }
 
+// detachVolume ends v's attachment and raises its epoch: the engine that
+// held it, or a zombie of it on a lost node, is fenced by every replica
+// its servers fence at the new epoch, and by its own watch. No engine holds
+// the new epoch, so it is the point a detached snapshot is cut at (below).
+//
+// With fence_detached the volume must be detached already: the epoch is
+// raised without attaching it. A server cutting a detached volume's
+// snapshots takes its replicas this way (internal/server/snapshots.go), so
+// that two such cuts, or a crashed one and its retry, never share an epoch.
 func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, error) {
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
 		return nil, err
 	}
-	if v.Attachment == nil || (req.NodeId != "" && v.Attachment.NodeId != req.NodeId) {
+	switch {
+	case req.FenceDetached && v.Attachment != nil:
+		return nil, fmt.Errorf("%w: volume %q is attached to node %q; only a detached volume is fenced without an attach",
+			ErrFailedPrecondition, v.Name, v.Attachment.NodeId)
+	case req.FenceDetached && req.NodeId != "":
+		return nil, fmt.Errorf("%w: fence a detached volume: node id %q given; a fence names no node", ErrInvalidArgument, req.NodeId)
+	case req.FenceDetached:
+	case v.Attachment == nil || (req.NodeId != "" && v.Attachment.NodeId != req.NodeId):
 		return v, nil // not attached there: nothing to do
 	}
+	v.Epoch++
 	v.Attachment = nil
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil

@@ -172,6 +172,10 @@ func cmdDetachVolume(id, node string) command {
 	return command{Op: opDetachVolume, Body: &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: node}}
 }
 
+func cmdFenceDetached(id, node string) command {
+	return command{Op: opDetachVolume, Body: &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: node, FenceDetached: true}}
+}
+
 func cmdSetReplicaState(volumeID, replicaID string, st storpb.ReplicaState, epoch, generation uint64) command {
 	return command{Op: opSetReplicaState, Body: &storpb.SetReplicaStateRequest{
 		VolumeId: volumeID, ReplicaId: replicaID, State: st, Epoch: epoch, Generation: generation,
@@ -681,8 +685,8 @@ func replayWorkload() []command {
 		cmdAttachVolume("vol-1", "node-1", false),      // epoch 1
 		cmdAttachVolume("vol-1", "node-2", true),       // epoch 2
 		cmdCreateSnapshot("snap-1", "vol-1", "snap-1"), //
-		cmdDetachVolume("vol-1", ""),                   //
-		cmdAttachVolume("vol-1", "node-1", false),      // epoch 3
+		cmdDetachVolume("vol-1", ""),                   // epoch 3
+		cmdAttachVolume("vol-1", "node-1", false),      // epoch 4
 		cmdExpandVolume("vol-1", 2*mib),                //
 		cmdCreateVolume("vol-2", "pvc-2", mib, 2),      //
 		cmdAttachVolume("vol-2", "node-2", false),      // vol-2 epoch 1
@@ -704,8 +708,8 @@ func TestFSMReplayIsIdempotent(t *testing.T) {
 			}
 		}
 	}
-	if got := readVolume(t, f, "vol-1").Epoch; got != 3 {
-		t.Fatalf("vol-1 epoch %d after the workload, want 3", got)
+	if got := readVolume(t, f, "vol-1").Epoch; got != 4 {
+		t.Fatalf("vol-1 epoch %d after the workload, want 4", got)
 	}
 	want := dumpState(t, f)
 
@@ -741,8 +745,8 @@ func TestFSMReplayIsIdempotent(t *testing.T) {
 	if !ok || r.err != nil {
 		t.Fatalf("new entry answered %#v", out[2])
 	}
-	if got := r.msg.(*storpb.Volume).Epoch; got != 4 {
-		t.Fatalf("new attach answered epoch %d, want 4", got)
+	if got := r.msg.(*storpb.Volume).Epoch; got != 5 {
+		t.Fatalf("new attach answered epoch %d, want 5", got)
 	}
 	want = dumpState(t, f)
 	all := append(slices.Clone(logs), fresh...)
@@ -758,12 +762,12 @@ func TestFSMReplayIsIdempotent(t *testing.T) {
 	requireSameState(t, want, dumpState(t, f), "reopened state")
 	assertSkipped(t, f, all)
 	requireSameState(t, want, dumpState(t, f), "reopened state after replay")
-	if got := readVolume(t, f, "vol-1").Epoch; got != 4 {
-		t.Fatalf("vol-1 epoch %d after replay, want 4", got)
+	if got := readVolume(t, f, "vol-1").Epoch; got != 5 {
+		t.Fatalf("vol-1 epoch %d after replay, want 5", got)
 	}
 	// And the next entry applies.
 	res := applyLogs(t, f, commandLogs(t, n+2, cmdAttachVolume("vol-1", "node-1", true)))
-	if res[0].err != nil || res[0].msg.(*storpb.Volume).Epoch != 5 {
+	if res[0].err != nil || res[0].msg.(*storpb.Volume).Epoch != 6 {
 		t.Fatalf("entry %d after restart: %v", n+2, res[0])
 	}
 	if got := f.AppliedIndex(); got != n+2 {
@@ -935,6 +939,8 @@ func TestFSMRefusedCommandsLeaveNoTrace(t *testing.T) {
 		{"attach: empty node", cmdAttachVolume("vol-b", "", false), ErrInvalidArgument},
 		{"attach: unknown", cmdAttachVolume("nope", "node-1", false), ErrNotFound},
 		{"detach: unknown", cmdDetachVolume("nope", ""), ErrNotFound},
+		{"fence detached: attached", cmdFenceDetached("vol-a", ""), ErrFailedPrecondition},
+		{"fence detached: a node named", cmdFenceDetached("vol-b", "node-1"), ErrInvalidArgument},
 		{"snapshot: unknown volume", cmdCreateSnapshot("sn", "nope", "new"), ErrNotFound},
 		{"snapshot: name taken for another volume", cmdCreateSnapshot("sn", "vol-a", "snap-b"), ErrAlreadyExists},
 		{"snapshot: empty name", cmdCreateSnapshot("sn", "vol-a", ""), ErrInvalidArgument},
@@ -1474,5 +1480,45 @@ func TestFSMConcurrentViews(t *testing.T) {
 	wg.Wait()
 	if got, want := f.AppliedIndex(), base+40; got != want {
 		t.Errorf("AppliedIndex() = %d, want %d", got, want)
+	}
+}
+
+// TestDetachRaisesTheEpoch: a detach fences the engine that held the
+// volume (and any zombie of it) by a new epoch, an idempotent detach (not
+// attached there) changes nothing, and a fence of a detached volume raises
+// the epoch without attaching it.
+func TestDetachRaisesTheEpoch(t *testing.T) {
+	f := openTestFSM(t, "")
+	mustApply(t, f,
+		cmdInitCluster("c1"),
+		cmdRegisterServer("s1", "a", gib, nil),
+		cmdRegisterServer("s2", "b", gib, nil),
+		cmdCreateVolume("vol-1", "pvc-1", mib, 2),
+		cmdAttachVolume("vol-1", "node-1", false), // epoch 1
+	)
+	steps := []struct {
+		what     string
+		cmd      command
+		epoch    uint64
+		attached bool
+	}{
+		{"detach from another node: no-op", cmdDetachVolume("vol-1", "node-2"), 1, true},
+		{"detach", cmdDetachVolume("vol-1", "node-1"), 2, false},
+		{"detach again: no-op", cmdDetachVolume("vol-1", "node-1"), 2, false},
+		{"detach again, any node: no-op", cmdDetachVolume("vol-1", ""), 2, false},
+		{"fence detached", cmdFenceDetached("vol-1", ""), 3, false},
+		{"fence detached again", cmdFenceDetached("vol-1", ""), 4, false},
+		{"attach", cmdAttachVolume("vol-1", "node-2", false), 5, true},
+		{"detach, any node", cmdDetachVolume("vol-1", ""), 6, false},
+	}
+	for _, s := range steps {
+		r := mustApply(t, f, s.cmd)[0]
+		v := readVolume(t, f, "vol-1")
+		if v.Epoch != s.epoch || (v.Attachment != nil) != s.attached {
+			t.Fatalf("%s: epoch %d, attachment %v; want epoch %d, attached %v", s.what, v.Epoch, v.Attachment, s.epoch, s.attached)
+		}
+		if got := r.msg.(*storpb.Volume).GetEpoch(); got != s.epoch {
+			t.Fatalf("%s: answered epoch %d, want %d", s.what, got, s.epoch)
+		}
 	}
 }

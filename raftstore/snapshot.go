@@ -20,13 +20,17 @@ import (
 //     through RecordSnapshotCut; the snapshot is ready when no replica is
 //     PENDING and at least one has CUT, failed when none could.
 //   - Every cut of one snapshot must be made at the same volume epoch (the
-//     first recorded cut fixes cut_epoch): writes need an attach, and an
-//     attach raises the epoch, so cuts at one epoch of a detached volume,
-//     or by one engine while it held writes, are cuts at the same point. A
-//     cut reported at another epoch is recorded as MISSED. On a replica the
-//     layer is named replica.LayerName(snapshot id, epoch of the cut), so a
-//     cut at one epoch is never taken for a cut at another (a stray layer
-//     is merged away by its server).
+//     first recorded cut fixes cut_epoch), and every epoch has at most one
+//     writer: an attach raises the epoch for its engine, a detach raises it
+//     so that no engine (nor a zombie of the last one) holds it, and a
+//     server cutting a detached volume's snapshots first raises it for
+//     itself (DetachVolume with fence_detached) and reconciles the
+//     replicas. The one engine of an epoch cuts each snapshot at one point
+//     (replica/engine/snapshot.go), so cuts recorded at one epoch are cuts
+//     at the same point. A cut reported at another epoch is recorded as
+//     MISSED. On a replica the layer is named replica.LayerName(snapshot
+//     id, epoch of the cut), so a cut at one epoch is never taken for a
+//     cut at another (a stray layer is merged away by its server).
 //   - A clone (CreateVolume with a content source) starts CREATING with
 //     clone_snapshot_id naming what its replicas are filled from; a volume
 //     source is snapshotted implicitly (snapshot id "<clone id>-source").
@@ -205,7 +209,7 @@ func (w *writer) recordCut(req *storpb.RecordSnapshotCutRequest) (proto.Message,
 		}
 		switch {
 		case slices.Contains(req.CutReplicaIds, r.ReplicaId):
-			if !CutAllowed(s, req.Epoch) {
+			if !cutAllowed(s, req.Epoch) {
 				r.State = snapMissed
 				r.Reason = fmt.Sprintf("cut at epoch %d, after the volume was attached again (the other replicas cut at epoch %d)", req.Epoch, s.CutEpoch)
 				continue
@@ -350,10 +354,10 @@ func (w *writer) recordCloneCopied(req *storpb.RecordCloneCopiedRequest) (proto.
 	return v, nil
 }
 
-// CutAllowed reports whether a replica of s's volume may still cut s at
+// cutAllowed reports whether a replica of s's volume may still cut s at
 // epoch: no replica has cut yet, or they cut at that same epoch (no write
 // can have happened in between). Otherwise the replica missed the cut.
-func CutAllowed(s *storpb.Snapshot, epoch uint64) bool {
+func cutAllowed(s *storpb.Snapshot, epoch uint64) bool {
 	for _, r := range s.Replicas {
 		if r.State == snapCut {
 			return s.CutEpoch == epoch

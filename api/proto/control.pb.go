@@ -2845,11 +2845,18 @@ func (x *AttachVolumeResponse) GetVolume() *Volume {
 	return nil
 }
 
+// DetachVolume ends the volume's attachment and raises its epoch, which
+// fences the engine that held it (and any zombie of it still writing).
 type DetachVolumeRequest struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Volume *VolumeRef             `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
 	// If set, detach only when attached to this node (otherwise a no-op).
-	NodeId        string `protobuf:"bytes,2,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	NodeId string `protobuf:"bytes,2,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// Only for a volume that is not attached: raise its epoch without
+	// attaching it, fencing every engine at an older one; refused
+	// (FAILED_PRECONDITION) while the volume is attached. A server that cuts
+	// the snapshots of a detached volume takes its replicas this way.
+	FenceDetached bool `protobuf:"varint,3,opt,name=fence_detached,json=fenceDetached,proto3" json:"fence_detached,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2896,6 +2903,13 @@ func (x *DetachVolumeRequest) GetNodeId() string {
 		return x.NodeId
 	}
 	return ""
+}
+
+func (x *DetachVolumeRequest) GetFenceDetached() bool {
+	if x != nil {
+		return x.FenceDetached
+	}
+	return false
 }
 
 type DetachVolumeResponse struct {
@@ -4201,10 +4215,11 @@ const file_control_proto_rawDesc = "" +
 	"\btakeover\x18\x04 \x01(\bR\btakeover\x12)\n" +
 	"\x10require_attached\x18\x05 \x01(\bR\x0frequireAttached\"?\n" +
 	"\x14AttachVolumeResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"Z\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\x81\x01\n" +
 	"\x13DetachVolumeRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x17\n" +
-	"\anode_id\x18\x02 \x01(\tR\x06nodeId\"?\n" +
+	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12%\n" +
+	"\x0efence_detached\x18\x03 \x01(\bR\rfenceDetached\"?\n" +
 	"\x14DetachVolumeResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xe1\x02\n" +
 	"\x16SetReplicaStateRequest\x12\x1b\n" +

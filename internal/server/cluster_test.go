@@ -368,8 +368,8 @@ func TestAttachFencingEpochAndTakeover(t *testing.T) {
 	d = retry(t, 5*time.Second, func(ctx context.Context) (*storpb.DetachVolumeResponse, error) {
 		return cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Name: "v"}, NodeId: "b"})
 	})
-	if d.Volume.Attachment != nil || d.Volume.Epoch != 3 {
-		t.Fatalf("after detach: %v", d.Volume)
+	if d.Volume.Attachment != nil || d.Volume.Epoch != 4 {
+		t.Fatalf("after detach: %v; want epoch 4 (a detach fences the holder)", d.Volume)
 	}
 
 	// A full cluster restart replays the log; no attach may apply twice.
@@ -379,8 +379,8 @@ func TestAttachFencingEpochAndTakeover(t *testing.T) {
 	for i := range c.Nodes {
 		c.Start(i)
 	}
-	if v := attach("c", false); v.Epoch != 4 {
-		t.Fatalf("after full restart, attach gave epoch %d, want 4", v.Epoch)
+	if v := attach("c", false); v.Epoch != 5 {
+		t.Fatalf("after full restart, attach gave epoch %d, want 5", v.Epoch)
 	}
 }
 

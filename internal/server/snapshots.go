@@ -10,17 +10,21 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
 )
 
 // The data plane's share of snapshots and clones, run by every reconcile
 // for this server's replicas (see raftstore/snapshot.go for the records):
 //
-//   - cut: a snapshot pending on a local replica of a detached volume is
-//     cut here and recorded. If another replica already cut at an older
-//     epoch (the volume was attached since, so it may have been written),
-//     the replica is recorded as missed instead. An attached volume's
-//     engine cuts its replicas itself, with writes held.
+//   - cut: the snapshots pending on a detached volume are cut by one
+//     server, the one with the volume's first healthy replica (by id)
+//     whose server is up: engine.CutDetached fences the volume at a new
+//     epoch, opens and reconciles its replicas, cuts each at that one
+//     point and records the cuts (a replica it could not open or cut is
+//     recorded as missed). Servers that see it otherwise (a lagging view)
+//     only cost a retry: each cut fences at its own epoch. An attached
+//     volume's engine cuts its replicas itself, with writes held.
 //   - copy: a local replica of a clone (CREATING) whose source snapshot is
 //     ready is filled from a replica that holds the snapshot's layer,
 //     pulled over the replica data protocol (extents, then snapshot reads;
@@ -74,12 +78,8 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
 	var unknown []layerRef // local layers with no record in our view
 	for id, p := range desired {
 		v, rep := p.vol, p.rep
-		for _, sid := range v.PendingSnapshotIds {
-			s := w.snaps[sid]
-			if s == nil || snapshotEntry(s, id) != storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING || v.Attachment != nil {
-				continue
-			}
-			d.runTask("cut/"+id+"/"+sid, func() error { return d.cutDetached(v, s, id) })
+		if v.Attachment == nil && len(v.PendingSnapshotIds) > 0 && detachedCutter(v, w.servers) == id {
+			d.runTask("cut/"+v.Id, func() error { return d.cutDetached(v) })
 		}
 		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && !slices.Contains(v.CloneDoneReplicaIds, id) {
 			if s := w.snaps[v.CloneSnapshotId]; s != nil && s.ReadyToUse {
@@ -186,34 +186,40 @@ func (d *dataPlane) runTask(key string, fn func() error) {
 	}()
 }
 
-// cutDetached cuts snapshot s on local replica id of detached volume v,
-// or records the replica as missed when it can no longer cut at the point
-// the others did.
-func (d *dataPlane) cutDetached(v *storpb.Volume, s *storpb.Snapshot, id string) error {
-	ctx, cancel := context.WithTimeout(d.s.ctx, 30*time.Second)
+// detachedCutter is the replica whose server cuts detached volume v's
+// pending snapshots: the first healthy one (by id) whose server is up; ""
+// if none.
+func detachedCutter(v *storpb.Volume, servers map[string]*storpb.Server) string {
+	var ids []string
+	for _, r := range v.Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && !r.ServerRemoved &&
+			servers[r.ServerId].GetState() == storpb.ServerState_SERVER_STATE_UP {
+			ids = append(ids, r.Id)
+		}
+	}
+	if len(ids) == 0 {
+		return ""
+	}
+	return slices.Min(ids)
+}
+
+// cutDetached cuts the pending snapshots of detached volume v (see the
+// file comment). An attach that got in first makes it a no-op: the
+// attached engine cuts them.
+func (d *dataPlane) cutDetached(v *storpb.Volume) error {
+	ctx, cancel := context.WithTimeout(d.s.ctx, 2*time.Minute)
 	defer cancel()
-	snaps := storpb.NewSnapshotServiceClient(d.s.selfConn())
-	req := &storpb.RecordSnapshotCutRequest{SnapshotId: s.Id, Epoch: v.Epoch}
-	if raftstore.CutAllowed(s, v.Epoch) {
-		r, err := d.store.Get(id)
-		if err != nil {
-			return err
-		}
-		if err := r.CreateSnapshot(replica.Op{Epoch: v.Epoch, Generation: v.Generation}, replica.LayerName(s.Id, v.Epoch)); err != nil {
-			return fmt.Errorf("cut snapshot %s on %s: %w", s.Name, id, err)
-		}
-		req.CutReplicaIds = []string{id}
-	} else {
-		req.MissedReplicaIds = []string{id}
-		req.Reason = fmt.Sprintf("the volume was attached (epoch %d) after the other replicas cut at epoch %d", v.Epoch, s.CutEpoch)
-	}
-	snap, err := snaps.RecordSnapshotCut(ctx, req)
-	if err != nil {
-		return fmt.Errorf("record cut of %s on %s: %w", s.Name, id, err)
-	}
-	d.s.logger.Info("snapshot cut at the replica (detached volume)", "snapshot", s.Name, "replica", id,
-		"cut", len(req.CutReplicaIds) > 0, "ready", snap.Snapshot.ReadyToUse)
-	return nil
+	conn := d.s.selfConn()
+	return engine.CutDetached(ctx, engine.Config{
+		Volume: v.Id, VolumeIsID: true, NodeID: d.s.cfg.ID, LocalServerID: d.s.cfg.ID,
+		Control: engine.ControlPlane{
+			Volumes:   storpb.NewVolumeServiceClient(conn),
+			Cluster:   storpb.NewClusterServiceClient(conn),
+			Snapshots: storpb.NewSnapshotServiceClient(conn),
+		},
+		Connect: engine.WireConnector(wire.ClientConfig{Dial: d.s.cfg.Dial}),
+		Logger:  d.s.logger,
+	})
 }
 
 // mergeLayer deletes snapshot layer sid of r (merging it up).

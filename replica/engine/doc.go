@@ -9,7 +9,10 @@
 //     opens each replica at that epoch; every request carries it. When any
 //     replica refuses the epoch, or the control plane does, a newer attach
 //     exists: the engine is fenced, and every later call fails with
-//     ErrFenced without touching a replica.
+//     ErrFenced without touching a replica. A detach raises the epoch too,
+//     so an engine that outlives its detach (a zombie on a lost node) is
+//     fenced by its watch or, blind, by the replicas, which their servers
+//     fence at the volume's committed epoch.
 //  2. The ack rule: a write (WriteAt, WriteZeroes, Trim) returns nil only
 //     after every replica in the engine's write set applied it. When one
 //     fails, the engine first has the leader commit that replica as faulty
@@ -56,7 +59,10 @@
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the
 // replicas, changes to the replica set update the write set, and pending
-// snapshots are cut with writes held (snapshot.go).
+// snapshots are cut with writes held (snapshot.go). A detached volume's
+// snapshots are cut by CutDetached, which fences the volume at an epoch of
+// its own, opens and reconciles its replicas as Open does, and cuts them
+// at one point.
 //
 // # Concurrency
 //

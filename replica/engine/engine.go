@@ -150,6 +150,7 @@ type Engine struct {
 	last       *storpb.Volume            // the latest committed state seen on the watch
 	cutting    bool                      // a snapshot cut goroutine runs (snapshot.go)
 	cutAgain   bool                      // the volume changed while it ran: look again
+	cutPoints  map[string][]string       // snapshot id -> replicas cut at the point this engine fixed (snapshot.go)
 
 	// faultMu serialises reports to the control plane so one failing
 	// replica is reported once.
@@ -168,40 +169,22 @@ type Engine struct {
 // the regions an unclean stop may have left different, and starts
 // following the volume's changes. The returned engine serves I/O.
 func Open(ctx context.Context, cfg Config) (*Engine, error) {
-	if err := cfg.Validate(); err != nil {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
 		return nil, err
-	}
-	if cfg.IOTimeout == 0 {
-		cfg.IOTimeout = 10 * time.Second
-	}
-	if cfg.FaultTimeout == 0 {
-		cfg.FaultTimeout = 2 * time.Minute
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	ref := &storpb.VolumeRef{Name: cfg.Volume}
-	if cfg.VolumeIsID {
-		ref = &storpb.VolumeRef{Id: cfg.Volume}
 	}
 	mode := storpb.AccessMode_ACCESS_MODE_READ_WRITE
 	if cfg.ReadOnly {
 		mode = storpb.AccessMode_ACCESS_MODE_READ_ONLY
 	}
 	att, err := cfg.Control.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{
-		Volume: ref, NodeId: cfg.NodeID, Mode: mode, Takeover: cfg.Takeover, RequireAttached: cfg.RequireAttached,
+		Volume: cfg.ref(), NodeId: cfg.NodeID, Mode: mode, Takeover: cfg.Takeover, RequireAttached: cfg.RequireAttached,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("engine: attach %s: %w", cfg.Volume, err)
 	}
 	v := att.Volume
-	e := &Engine{
-		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
-		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
-		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
-	}
-	e.size.Store(v.SizeBytes)
-	e.ctx, e.cancel = context.WithCancel(context.Background())
+	e := newEngine(cfg, v)
 	if err := e.refreshServers(ctx); err != nil {
 		e.abort()
 		return nil, err
@@ -230,6 +213,43 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}()
 	e.startRebuilds()
 	return e, nil
+}
+
+// withDefaults validates c and returns it with its defaults filled in.
+func (c Config) withDefaults() (Config, error) {
+	if err := c.Validate(); err != nil {
+		return c, err
+	}
+	if c.IOTimeout == 0 {
+		c.IOTimeout = 10 * time.Second
+	}
+	if c.FaultTimeout == 0 {
+		c.FaultTimeout = 2 * time.Minute
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// ref names the volume c opens.
+func (c *Config) ref() *storpb.VolumeRef {
+	if c.VolumeIsID {
+		return &storpb.VolumeRef{Id: c.Volume}
+	}
+	return &storpb.VolumeRef{Name: c.Volume}
+}
+
+// newEngine returns an engine for v at v's epoch with no replica opened.
+func newEngine(cfg Config, v *storpb.Volume) *Engine {
+	e := &Engine{
+		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
+		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
+		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
+	}
+	e.size.Store(v.SizeBytes)
+	e.ctx, e.cancel = context.WithCancel(context.Background())
+	return e
 }
 
 // abort releases what a failed Open acquired. The attachment stays: the
