@@ -66,10 +66,10 @@ func (c *controllerServer) getVolume(ctx context.Context, id string) (*storpb.Vo
 	return resp.GetVolume(), nil
 }
 
-func (c *controllerServer) csiVolume(v *storpb.Volume, accessible []*csipb.Topology) *csipb.Volume {
+func (c *controllerServer) csiVolume(v *storpb.Volume) *csipb.Volume {
 	out := &csipb.Volume{
 		VolumeId: v.GetId(), CapacityBytes: int64(v.GetSizeBytes()),
-		AccessibleTopology: accessible,
+		AccessibleTopology: c.d.accessibleTopology(v),
 	}
 	if fs := v.GetParameters()[ParamFSType]; fs != "" {
 		out.VolumeContext = map[string]string{ParamFSType: fs}
@@ -86,9 +86,8 @@ func (c *controllerServer) csiVolume(v *storpb.Volume, accessible []*csipb.Topol
 }
 
 // CreateVolume creates (or returns, by name) a volume. The accessible
-// topology it returns is the request's requisite topology (a stor volume
-// can be attached from any node that reaches the cluster; the requisite
-// is what the CO asked the volume to be usable from), or none.
+// topology it returns is the zones the requisite restricts its replicas
+// to, or none; never a node (see accessibleTopology).
 func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVolumeRequest) (*csipb.CreateVolumeResponse, error) {
 	if req.GetName() == "" {
 		return nil, invalidf("CreateVolume: no name")
@@ -155,7 +154,7 @@ func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVo
 	if err != nil {
 		return nil, err
 	}
-	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume(), req.GetAccessibilityRequirements().GetRequisite())}, nil
+	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume())}, nil
 }
 
 // DeleteVolume deletes a volume; an unknown one is success.
@@ -379,7 +378,7 @@ func (c *controllerServer) ListVolumes(ctx context.Context, req *csipb.ListVolum
 	resp := &csipb.ListVolumesResponse{NextToken: next}
 	for _, v := range vols[start:end] {
 		resp.Entries = append(resp.Entries, &csipb.ListVolumesResponse_Entry{
-			Volume: c.csiVolume(v, c.d.fromStorTopology(v.GetAccessibility().GetRequisite())),
+			Volume: c.csiVolume(v),
 			Status: &csipb.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
 		})
 	}
@@ -402,7 +401,7 @@ func (c *controllerServer) ControllerGetVolume(ctx context.Context, req *csipb.C
 		return nil, err
 	}
 	return &csipb.ControllerGetVolumeResponse{
-		Volume: c.csiVolume(v, c.d.fromStorTopology(v.GetAccessibility().GetRequisite())),
+		Volume: c.csiVolume(v),
 		Status: &csipb.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
 	}, nil
 }

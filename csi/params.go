@@ -141,10 +141,15 @@ func (d *Driver) zoneKey() string { return "topology." + d.cfg.DriverName + "/zo
 // placement requirement. Any node that reaches the cluster can attach a
 // stor volume, so a node segment only expresses where the volume will be
 // used: node segments (preferred first, then requisite) become placement
-// preferences (a replica on that node, for data locality), never a
-// restriction. Zone segments of the requisite topologies restrict the
-// replicas to those zones (a requisite topology without a zone restricts
-// nothing); preferred zones are preferences.
+// preferences (a replica on the server whose id or Kubernetes node that
+// is, for data locality), never a restriction. The zones of the requisite
+// topologies restrict the replicas to those zones, each zone once; a
+// requisite topology without a zone restricts nothing. Preferred zones are
+// preferences.
+//
+// With csi-provisioner's non-strict topology (deploy/) the requisite holds
+// the segment of every node that has the selected node's topology keys: a
+// claim can place replicas in every zone the nodes report.
 func (d *Driver) placement(req *csipb.TopologyRequirement) (requisite, preferred []*storpb.Topology, err error) {
 	req_, err := d.toStorTopology(req.GetRequisite())
 	if err != nil {
@@ -154,16 +159,17 @@ func (d *Driver) placement(req *csipb.TopologyRequirement) (requisite, preferred
 	if err != nil {
 		return nil, nil, err
 	}
-	unrestricted := false
+	zones := map[string]bool{}
 	for _, t := range req_ {
-		if z, ok := t.Segments["zone"]; ok {
-			requisite = append(requisite, &storpb.Topology{Segments: map[string]string{"zone": z}})
-		} else {
-			unrestricted = true
+		z, ok := t.Segments["zone"]
+		if !ok {
+			requisite = nil
+			break
 		}
-	}
-	if unrestricted {
-		requisite = nil
+		if !zones[z] {
+			zones[z] = true
+			requisite = append(requisite, &storpb.Topology{Segments: map[string]string{"zone": z}})
+		}
 	}
 	seen := map[string]bool{}
 	for _, t := range append(pref, req_...) {
@@ -196,19 +202,25 @@ func (d *Driver) toStorTopology(ts []*csipb.Topology) ([]*storpb.Topology, error
 	return out, nil
 }
 
-func (d *Driver) fromStorTopology(ts []*storpb.Topology) []*csipb.Topology {
+// accessibleTopology is a volume's accessible_topology, which
+// csi-provisioner turns into the PV's node affinity: what constrains
+// access, and nothing else. That is the zones its replicas are restricted
+// to (the requisite placement recorded, zones only, each once), or no
+// topology at all (reachable from every node). Never a node segment: a PV
+// pinned to the nodes of its birth would refuse every node added later,
+// while any node that reaches the cluster can attach the volume.
+func (d *Driver) accessibleTopology(v *storpb.Volume) []*csipb.Topology {
 	var out []*csipb.Topology
-	for _, t := range ts {
-		seg := map[string]string{}
-		for k, v := range t.GetSegments() {
-			switch k {
-			case "node":
-				seg[d.nodeKey()] = v
-			case "zone":
-				seg[d.zoneKey()] = v
-			}
+	seen := map[string]bool{}
+	for _, t := range v.GetAccessibility().GetRequisite() {
+		z, ok := t.GetSegments()["zone"]
+		if !ok {
+			return nil // a requisite topology without a zone: anywhere
 		}
-		out = append(out, &csipb.Topology{Segments: seg})
+		if !seen[z] {
+			seen[z] = true
+			out = append(out, &csipb.Topology{Segments: map[string]string{d.zoneKey(): z}})
+		}
 	}
 	return out
 }
