@@ -1,7 +1,11 @@
 package csi
 
 import (
+	"cmp"
 	"fmt"
+	"math"
+	"math/bits"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -225,27 +229,85 @@ func (d *Driver) accessibleTopology(v *storpb.Volume) []*csipb.Topology {
 	return out
 }
 
-// serverMatches reports whether a server lies in one of the topologies
-// (any server when there are none).
-func serverMatches(s *storpb.Server, ts []*storpb.Topology) bool {
-	if len(ts) == 0 {
-		return true
+// capacityZones returns the zones a claim from a node in zone can place
+// replicas in, under csi-provisioner's non-strict topology: its requisite
+// is the segment of every node with the selected node's topology keys,
+// so a node with a zone brings the zones of every node that reports one
+// (registered nodes report the zone their node plugin gives NodeGetInfo;
+// a node record is never removed, so a zone whose nodes are all gone still
+// counts),
+// and a node without one brings a requisite term without a zone, which
+// restricts nothing (all is true).
+func capacityZones(zone string, hasZone bool, nodes []*storpb.Node) (zones map[string]bool, all bool) {
+	if !hasZone {
+		return nil, true
 	}
-	for _, t := range ts {
-		ok := true
-		for k, v := range t.GetSegments() {
-			switch k {
-			case "node":
-				ok = ok && s.GetId() == v
-			case "zone":
-				ok = ok && s.GetZone() == v
-			}
-		}
-		if ok {
-			return true
+	zones = map[string]bool{zone: true}
+	for _, n := range nodes {
+		if n.GetZone() != "" {
+			zones[n.GetZone()] = true
 		}
 	}
-	return false
+	return zones, false
+}
+
+// capacity computes GetCapacity's answer over the free bytes of the
+// servers placement may use (see placeFree in raftstore: an unreported
+// capacity is unlimited, math.MaxUint64) for volumes of the given replica
+// count, on distinct servers:
+//
+//   - maximum is the largest volume that fits: the replicas-th largest
+//     free space (0 with fewer servers than replicas);
+//   - available is the most volume bytes the servers can hold together:
+//     the largest C with sum(min(free_i, C)) >= replicas*C (a volume puts
+//     at most one replica on a server, so a server can hold at most C of
+//     them), which is min over k < replicas of (the free bytes of all but
+//     the k largest) / (replicas - k).
+//
+// Both are clamped to MaxVolumeSize / math.MaxInt64 and rounded down to
+// BlockSize.
+func capacity(free []uint64, replicas int) (available, maximum uint64) {
+	if replicas < 1 || len(free) < replicas {
+		return 0, 0
+	}
+	free = slices.Clone(free)
+	slices.SortFunc(free, func(a, b uint64) int { return cmp.Compare(b, a) })
+	maximum = min(free[replicas-1], MaxVolumeSize) / BlockSize * BlockSize
+	var rest uint64 // free bytes of all but the k largest, saturating
+	for _, f := range free[replicas-1:] {
+		rest = satAdd(rest, f)
+	}
+	available = math.MaxUint64
+	for k := replicas - 1; k >= 0; k-- {
+		available = min(available, rest/uint64(replicas-k))
+		if k > 0 {
+			rest = satAdd(rest, free[k-1])
+		}
+	}
+	return min(available, math.MaxInt64) / BlockSize * BlockSize, maximum
+}
+
+func satAdd(a, b uint64) uint64 {
+	s, carry := bits.Add64(a, b, 0)
+	if carry != 0 {
+		return math.MaxUint64
+	}
+	return s
+}
+
+// serverFree is a server's free bytes as placement counts them:
+// unlimited (math.MaxUint64) when it has not reported a capacity, 0 when
+// it is over-allocated.
+func serverFree(s *storpb.Server) uint64 {
+	total, allocated := s.GetCapacityBytes(), s.GetAllocatedBytes()
+	switch {
+	case total == 0:
+		return math.MaxUint64
+	case allocated >= total:
+		return 0
+	default:
+		return total - allocated
+	}
 }
 
 // health is a volume's health as the cluster records it: DEGRADED when

@@ -2,15 +2,57 @@ package csi
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/server"
 	"github.com/stor-io/stor/internal/servertest"
 )
+
+func TestCapacity(t *testing.T) {
+	const g = 1 << 30
+	for _, tc := range []struct {
+		name           string
+		free           []uint64
+		replicas       int
+		avail, maximum uint64
+	}{
+		{"fewer servers than replicas", []uint64{g, g}, 3, 0, 0},
+		{"three equal", []uint64{g, g, g}, 3, g, g},
+		{"three unequal, replicas 3", []uint64{3 * g, 2 * g, g}, 3, g, g},
+		// Two replicas over 3+2+1 GiB: at most min(6/2, (2+1)/1) = 3 GiB
+		// of volumes; the largest volume is the second largest free space.
+		{"three unequal, replicas 2", []uint64{3 * g, 2 * g, g}, 2, 3 * g, 2 * g},
+		// One huge server cannot hold two replicas of one volume.
+		{"one huge server", []uint64{100 * g, g, g}, 2, 2 * g, g},
+		{"one replica", []uint64{g, 2 * g}, 1, 3 * g, 2 * g},
+		{"rounded down to blocks", []uint64{g + 100, g + 100}, 2, g, g},
+		{"unreported capacity is unlimited", []uint64{math.MaxUint64, math.MaxUint64}, 2, math.MaxInt64 / BlockSize * BlockSize, MaxVolumeSize},
+		{"none", nil, 1, 0, 0},
+	} {
+		avail, maximum := capacity(tc.free, tc.replicas)
+		if avail != tc.avail || maximum != tc.maximum {
+			t.Errorf("%s: capacity(%v, %d) = %d, %d; want %d, %d", tc.name, tc.free, tc.replicas, avail, maximum, tc.avail, tc.maximum)
+		}
+	}
+}
+
+func TestCapacityZones(t *testing.T) {
+	nodes := []*storpb.Node{{Id: "w1", Zone: "a"}, {Id: "w2", Zone: "b"}, {Id: "w3"}}
+	if _, all := capacityZones("", false, nodes); !all {
+		t.Error("a segment without a zone restricts placement")
+	}
+	zones, all := capacityZones("c", true, nodes)
+	if all || len(zones) != 3 || !zones["a"] || !zones["b"] || !zones["c"] {
+		t.Errorf("zone c with nodes in a, b and none: %v, all %v; want a, b, c", zones, all)
+	}
+}
 
 // zonedCluster is three servers in zones zone-a, zone-b, zone-c with the
 // given capacities, each on Kubernetes node k8s-<zone>, and a driver
@@ -55,6 +97,57 @@ func (d *Driver) seg(node, zone string) map[string]string {
 		m[d.zoneKey()] = zone
 	}
 	return m
+}
+
+// GetCapacity for the segments csi-provisioner's capacity controller asks
+// about (a Kubernetes node that runs no stor-server, with its zone; a zone
+// alone) answers what CreateVolume then really gives: with three servers
+// in three zones and three replicas, the smallest server's free space.
+// Before, a node segment had to name a server id (every real node got 0,
+// and the scheduler rejected every node for every WaitForFirstConsumer
+// claim), and a zone segment counted only that zone's one server (0 for
+// three replicas).
+func TestGetCapacityIsWhatAClaimGets(t *testing.T) {
+	const g = 1 << 30
+	_, d, ctrl := zonedCluster(t, [3]uint64{3 * g, 2 * g, g + 5*BlockSize})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	params := map[string]string{ParamReplicas: "3"}
+	want := int64(g + 5*BlockSize)
+	for _, seg := range []map[string]string{
+		d.seg("worker-a", "zone-a"),
+		{d.zoneKey(): "zone-b"},
+		nil,
+	} {
+		var topo *csipb.Topology
+		if seg != nil {
+			topo = &csipb.Topology{Segments: seg}
+		}
+		got, err := ctrl.GetCapacity(ctx, &csipb.GetCapacityRequest{
+			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, Parameters: params, AccessibleTopology: topo,
+		})
+		if err != nil {
+			t.Fatalf("GetCapacity %v: %v", seg, err)
+		}
+		if got.GetAvailableCapacity() != want || got.GetMaximumVolumeSize().GetValue() != want {
+			t.Errorf("GetCapacity %v: available %d, maximum %d; want %d and %d", seg, got.GetAvailableCapacity(), got.GetMaximumVolumeSize().GetValue(), want, want)
+		}
+	}
+	access := provisionerRequirement(d, 0, d.seg("worker-a", "zone-a"), d.seg("worker-b", "zone-b"), d.seg("worker-c", "zone-c"))
+	create := func(name string, size int64) error {
+		_, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+			Name: name, CapacityRange: &csipb.CapacityRange{RequiredBytes: size},
+			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, Parameters: params,
+			AccessibilityRequirements: access,
+		})
+		return err
+	}
+	if err := create("too-big", want+BlockSize); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("CreateVolume one block above the maximum: %v, want ResourceExhausted", err)
+	}
+	if err := create("just-fits", want); err != nil {
+		t.Fatalf("CreateVolume of the maximum GetCapacity gave: %v", err)
+	}
 }
 
 // hasAccess reports whether a node with these labels matches the node
