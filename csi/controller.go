@@ -66,10 +66,10 @@ func (c *controllerServer) getVolume(ctx context.Context, id string) (*storpb.Vo
 	return resp.GetVolume(), nil
 }
 
-func (c *controllerServer) csiVolume(v *storpb.Volume, accessible []*csipb.Topology) *csipb.Volume {
+func (c *controllerServer) csiVolume(v *storpb.Volume) *csipb.Volume {
 	out := &csipb.Volume{
 		VolumeId: v.GetId(), CapacityBytes: int64(v.GetSizeBytes()),
-		AccessibleTopology: accessible,
+		AccessibleTopology: c.d.accessibleTopology(v),
 	}
 	if fs := v.GetParameters()[ParamFSType]; fs != "" {
 		out.VolumeContext = map[string]string{ParamFSType: fs}
@@ -86,9 +86,8 @@ func (c *controllerServer) csiVolume(v *storpb.Volume, accessible []*csipb.Topol
 }
 
 // CreateVolume creates (or returns, by name) a volume. The accessible
-// topology it returns is the request's requisite topology (a stor volume
-// can be attached from any node that reaches the cluster; the requisite
-// is what the CO asked the volume to be usable from), or none.
+// topology it returns is the zones the requisite restricts its replicas
+// to, or none; never a node (see accessibleTopology).
 func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVolumeRequest) (*csipb.CreateVolumeResponse, error) {
 	if req.GetName() == "" {
 		return nil, invalidf("CreateVolume: no name")
@@ -155,7 +154,7 @@ func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVo
 	if err != nil {
 		return nil, err
 	}
-	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume(), req.GetAccessibilityRequirements().GetRequisite())}, nil
+	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume())}, nil
 }
 
 // DeleteVolume deletes a volume; an unknown one is success.
@@ -379,7 +378,7 @@ func (c *controllerServer) ListVolumes(ctx context.Context, req *csipb.ListVolum
 	resp := &csipb.ListVolumesResponse{NextToken: next}
 	for _, v := range vols[start:end] {
 		resp.Entries = append(resp.Entries, &csipb.ListVolumesResponse_Entry{
-			Volume: c.csiVolume(v, c.d.fromStorTopology(v.GetAccessibility().GetRequisite())),
+			Volume: c.csiVolume(v),
 			Status: &csipb.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
 		})
 	}
@@ -402,7 +401,7 @@ func (c *controllerServer) ControllerGetVolume(ctx context.Context, req *csipb.C
 		return nil, err
 	}
 	return &csipb.ControllerGetVolumeResponse{
-		Volume: c.csiVolume(v, c.d.fromStorTopology(v.GetAccessibility().GetRequisite())),
+		Volume: c.csiVolume(v),
 		Status: &csipb.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
 	}, nil
 }
@@ -439,11 +438,15 @@ func (c *controllerServer) ControllerListVolumeHealth(ctx context.Context, req *
 	return &csipb.ControllerListVolumeHealthResponse{Entries: bad[start:end], NextToken: next}, nil
 }
 
-// GetCapacity: available_capacity is the free bytes of the up servers in
-// the topology divided by the replica count (every byte of a volume is
-// stored that many times); maximum_volume_size is the largest volume
-// placement can fit there: the replica-count-th largest free space among
-// those servers (replicas go to distinct servers).
+// GetCapacity answers what a claim from the given topology segment can
+// really get: csi-provisioner (--enable-capacity) calls it once per
+// segment its nodes report and per StorageClass, and the scheduler rejects
+// a node whose segment's maximum_volume_size is below the claim. So it is
+// computed over the servers a CreateVolume for that claim could place
+// replicas on: up servers, in the zones capacityZones gives (a node
+// segment never restricts placement, it is a preference; a zone restricts
+// to the zones the provisioner's requisite would hold), with the
+// StorageClass's replica count. See capacity for the two numbers.
 func (c *controllerServer) GetCapacity(ctx context.Context, req *csipb.GetCapacityRequest) (*csipb.GetCapacityResponse, error) {
 	if len(req.GetVolumeCapabilities()) > 0 {
 		if err := checkCaps(req.GetVolumeCapabilities()); err != nil {
@@ -454,34 +457,43 @@ func (c *controllerServer) GetCapacity(ctx context.Context, req *csipb.GetCapaci
 	if err != nil {
 		return nil, err
 	}
-	var topo []*storpb.Topology
-	if req.GetAccessibleTopology() != nil {
-		if topo, err = c.d.toStorTopology([]*csipb.Topology{req.GetAccessibleTopology()}); err != nil {
+	var zone string
+	var hasZone bool
+	if t := req.GetAccessibleTopology(); t != nil {
+		seg, err := c.d.toStorTopology([]*csipb.Topology{t})
+		if err != nil {
 			return nil, err
 		}
+		zone, hasZone = seg[0].Segments["zone"]
 	}
 	cctx, cancel := c.d.call(ctx)
 	defer cancel()
+	var nodes []*storpb.Node
+	if hasZone {
+		resp, err := c.d.cfg.Cluster.Cluster.ListNodes(cctx, &storpb.ListNodesRequest{})
+		switch {
+		case clusterCode(err) == codes.Unimplemented:
+			// A cluster older than the node registry: the zones the
+			// nodes report are unknown, and non-strict topology puts
+			// every one of them in the requisite.
+			hasZone = false
+		case err != nil:
+			return nil, err
+		}
+		nodes = resp.GetNodes()
+	}
+	zones, all := capacityZones(zone, hasZone, nodes)
 	resp, err := c.d.cfg.Cluster.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
 	if err != nil {
 		return nil, err
 	}
 	var free []uint64
-	var total uint64
 	for _, s := range resp.GetServers() {
-		if s.GetState() != storpb.ServerState_SERVER_STATE_UP || !serverMatches(s, topo) {
-			continue
+		if s.GetState() == storpb.ServerState_SERVER_STATE_UP && (all || zones[s.GetZone()]) {
+			free = append(free, serverFree(s))
 		}
-		f := s.GetCapacityBytes() - min(s.GetCapacityBytes(), s.GetAllocatedBytes())
-		free = append(free, f)
-		total += f
 	}
-	sort.Slice(free, func(i, j int) bool { return free[i] > free[j] })
-	var maxSize uint64
-	if len(free) >= int(params.replicas) {
-		maxSize = min(free[params.replicas-1], MaxVolumeSize) / BlockSize * BlockSize
-	}
-	avail := total / uint64(params.replicas) / BlockSize * BlockSize
+	avail, maxSize := capacity(free, int(params.replicas))
 	return &csipb.GetCapacityResponse{
 		AvailableCapacity: int64(avail),
 		MaximumVolumeSize: wrapperspb.Int64(int64(maxSize)),

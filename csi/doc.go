@@ -31,14 +31,43 @@
 //
 // # Topology
 //
-// Segments are "topology.<driver name>/node" (the node id) and
-// "topology.<driver name>/zone" (the node's zone, when it has one).
-// Requisite topologies must hold (placement refuses otherwise with
-// RESOURCE_EXHAUSTED, too few servers or too little capacity there: the
-// code that makes csi-provisioner reschedule); preferred ones are tried
-// first, in order. Placement understands a "node" segment only when it
-// names a stor-server id: a CreateVolume whose preferred topology names
-// the node of a server puts a replica there (data locality).
+// Topology states what really constrains access: the zone. Any node can
+// reach any volume over the network, so a node is never a constraint,
+// only a wish for data locality.
+//
+// NodeGetInfo reports "topology.<driver name>/node" (the node id, the
+// Kubernetes node name) and "topology.<driver name>/zone" (the node's
+// zone, when it has one). The node key stays: it is how csi-provisioner
+// tells CreateVolume the pod's selected node (without --strict-topology,
+// deploy/'s setting, the requisite holds the segment of every node with
+// the selected node's keys and the preferred list starts with the
+// selected node's), and it gives every node its own CSIStorageCapacity.
+//
+// CreateVolume: the zones of the requisite restrict the replicas to those
+// zones (none when a requisite segment has no zone); node segments and
+// preferred zones are preferences, tried in order. Placement matches a
+// "node" segment against each server's id and the Kubernetes node it runs
+// on (stor-server --k8s-node, deploy/ passes spec.nodeName), so the
+// selected node's server, if it runs one, gets the first replica (data
+// locality). Too few servers or too little capacity in the requisite
+// zones is RESOURCE_EXHAUSTED (the code that makes csi-provisioner
+// reschedule). The accessible_topology returned (and in ListVolumes,
+// ControllerGetVolume) is those zones, each once, or nothing: never a
+// node key, which would pin the PV's nodeAffinity to the nodes of its
+// birth and refuse every node added later.
+//
+// GetCapacity answers for a segment what a claim from a node with that
+// segment can really get, since the scheduler rejects a node whose
+// CSIStorageCapacity is below the claim: the servers are the up servers
+// CreateVolume could use for it (a node key restricts nothing; a zone
+// admits the zones of every registered node that has one, as the
+// provisioner's requisite would; no zone admits every server), with the
+// StorageClass's replica count. maximum_volume_size is the replicas-th
+// largest free space among them; available_capacity the most volume bytes
+// they hold together with each volume's replicas on distinct servers.
+// A StorageClass with allowedTopologies narrower than that is answered
+// too generously; CreateVolume then refuses with RESOURCE_EXHAUSTED and
+// the provisioner reschedules.
 //
 // # Nodes
 //

@@ -184,6 +184,9 @@ func (n *nodeServer) NodeGetCapabilities(context.Context, *csipb.NodeGetCapabili
 	return &csipb.NodeGetCapabilitiesResponse{Capabilities: out}, nil
 }
 
+// NodeGetInfo reports the node id and its topology: the node key (how
+// csi-provisioner names the selected node to CreateVolume, for locality;
+// never returned in a volume's accessible topology) and the zone, if any.
 func (n *nodeServer) NodeGetInfo(context.Context, *csipb.NodeGetInfoRequest) (*csipb.NodeGetInfoResponse, error) {
 	seg := map[string]string{n.d.nodeKey(): n.d.cfg.NodeID}
 	if n.d.cfg.Zone != "" {

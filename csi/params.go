@@ -1,7 +1,11 @@
 package csi
 
 import (
+	"cmp"
 	"fmt"
+	"math"
+	"math/bits"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -141,10 +145,15 @@ func (d *Driver) zoneKey() string { return "topology." + d.cfg.DriverName + "/zo
 // placement requirement. Any node that reaches the cluster can attach a
 // stor volume, so a node segment only expresses where the volume will be
 // used: node segments (preferred first, then requisite) become placement
-// preferences (a replica on that node, for data locality), never a
-// restriction. Zone segments of the requisite topologies restrict the
-// replicas to those zones (a requisite topology without a zone restricts
-// nothing); preferred zones are preferences.
+// preferences (a replica on the server whose id or Kubernetes node that
+// is, for data locality), never a restriction. The zones of the requisite
+// topologies restrict the replicas to those zones, each zone once; a
+// requisite topology without a zone restricts nothing. Preferred zones are
+// preferences.
+//
+// With csi-provisioner's non-strict topology (deploy/) the requisite holds
+// the segment of every node that has the selected node's topology keys: a
+// claim can place replicas in every zone the nodes report.
 func (d *Driver) placement(req *csipb.TopologyRequirement) (requisite, preferred []*storpb.Topology, err error) {
 	req_, err := d.toStorTopology(req.GetRequisite())
 	if err != nil {
@@ -154,16 +163,17 @@ func (d *Driver) placement(req *csipb.TopologyRequirement) (requisite, preferred
 	if err != nil {
 		return nil, nil, err
 	}
-	unrestricted := false
+	zones := map[string]bool{}
 	for _, t := range req_ {
-		if z, ok := t.Segments["zone"]; ok {
-			requisite = append(requisite, &storpb.Topology{Segments: map[string]string{"zone": z}})
-		} else {
-			unrestricted = true
+		z, ok := t.Segments["zone"]
+		if !ok {
+			requisite = nil
+			break
 		}
-	}
-	if unrestricted {
-		requisite = nil
+		if !zones[z] {
+			zones[z] = true
+			requisite = append(requisite, &storpb.Topology{Segments: map[string]string{"zone": z}})
+		}
 	}
 	seen := map[string]bool{}
 	for _, t := range append(pref, req_...) {
@@ -196,44 +206,108 @@ func (d *Driver) toStorTopology(ts []*csipb.Topology) ([]*storpb.Topology, error
 	return out, nil
 }
 
-func (d *Driver) fromStorTopology(ts []*storpb.Topology) []*csipb.Topology {
+// accessibleTopology is a volume's accessible_topology, which
+// csi-provisioner turns into the PV's node affinity: what constrains
+// access, and nothing else. That is the zones its replicas are restricted
+// to (the requisite placement recorded, zones only, each once), or no
+// topology at all (reachable from every node). Never a node segment: a PV
+// pinned to the nodes of its birth would refuse every node added later,
+// while any node that reaches the cluster can attach the volume.
+func (d *Driver) accessibleTopology(v *storpb.Volume) []*csipb.Topology {
 	var out []*csipb.Topology
-	for _, t := range ts {
-		seg := map[string]string{}
-		for k, v := range t.GetSegments() {
-			switch k {
-			case "node":
-				seg[d.nodeKey()] = v
-			case "zone":
-				seg[d.zoneKey()] = v
-			}
+	seen := map[string]bool{}
+	for _, t := range v.GetAccessibility().GetRequisite() {
+		z, ok := t.GetSegments()["zone"]
+		if !ok {
+			return nil // a requisite topology without a zone: anywhere
 		}
-		out = append(out, &csipb.Topology{Segments: seg})
+		if !seen[z] {
+			seen[z] = true
+			out = append(out, &csipb.Topology{Segments: map[string]string{d.zoneKey(): z}})
+		}
 	}
 	return out
 }
 
-// serverMatches reports whether a server lies in one of the topologies
-// (any server when there are none).
-func serverMatches(s *storpb.Server, ts []*storpb.Topology) bool {
-	if len(ts) == 0 {
-		return true
+// capacityZones returns the zones a claim from a node in zone can place
+// replicas in, under csi-provisioner's non-strict topology: its requisite
+// is the segment of every node with the selected node's topology keys,
+// so a node with a zone brings the zones of every node that reports one
+// (registered nodes report the zone their node plugin gives NodeGetInfo;
+// a node record is never removed, so a zone whose nodes are all gone still
+// counts),
+// and a node without one brings a requisite term without a zone, which
+// restricts nothing (all is true).
+func capacityZones(zone string, hasZone bool, nodes []*storpb.Node) (zones map[string]bool, all bool) {
+	if !hasZone {
+		return nil, true
 	}
-	for _, t := range ts {
-		ok := true
-		for k, v := range t.GetSegments() {
-			switch k {
-			case "node":
-				ok = ok && s.GetId() == v
-			case "zone":
-				ok = ok && s.GetZone() == v
-			}
-		}
-		if ok {
-			return true
+	zones = map[string]bool{zone: true}
+	for _, n := range nodes {
+		if n.GetZone() != "" {
+			zones[n.GetZone()] = true
 		}
 	}
-	return false
+	return zones, false
+}
+
+// capacity computes GetCapacity's answer over the free bytes of the
+// servers placement may use (see placeFree in raftstore: an unreported
+// capacity is unlimited, math.MaxUint64) for volumes of the given replica
+// count, on distinct servers:
+//
+//   - maximum is the largest volume that fits: the replicas-th largest
+//     free space (0 with fewer servers than replicas);
+//   - available is the most volume bytes the servers can hold together:
+//     the largest C with sum(min(free_i, C)) >= replicas*C (a volume puts
+//     at most one replica on a server, so a server can hold at most C of
+//     them), which is min over k < replicas of (the free bytes of all but
+//     the k largest) / (replicas - k).
+//
+// Both are clamped to MaxVolumeSize / math.MaxInt64 and rounded down to
+// BlockSize.
+func capacity(free []uint64, replicas int) (available, maximum uint64) {
+	if replicas < 1 || len(free) < replicas {
+		return 0, 0
+	}
+	free = slices.Clone(free)
+	slices.SortFunc(free, func(a, b uint64) int { return cmp.Compare(b, a) })
+	maximum = min(free[replicas-1], MaxVolumeSize) / BlockSize * BlockSize
+	var rest uint64 // free bytes of all but the k largest, saturating
+	for _, f := range free[replicas-1:] {
+		rest = satAdd(rest, f)
+	}
+	available = math.MaxUint64
+	for k := replicas - 1; k >= 0; k-- {
+		available = min(available, rest/uint64(replicas-k))
+		if k > 0 {
+			rest = satAdd(rest, free[k-1])
+		}
+	}
+	return min(available, math.MaxInt64) / BlockSize * BlockSize, maximum
+}
+
+func satAdd(a, b uint64) uint64 {
+	s, carry := bits.Add64(a, b, 0)
+	if carry != 0 {
+		return math.MaxUint64
+	}
+	return s
+}
+
+// serverFree is a server's free bytes as placement counts them:
+// unlimited (math.MaxUint64) when it has not reported a capacity, 0 when
+// it is over-allocated.
+func serverFree(s *storpb.Server) uint64 {
+	total, allocated := s.GetCapacityBytes(), s.GetAllocatedBytes()
+	switch {
+	case total == 0:
+		return math.MaxUint64
+	case allocated >= total:
+		return 0
+	default:
+		return total - allocated
+	}
 }
 
 // health is a volume's health as the cluster records it: DEGRADED when

@@ -24,8 +24,9 @@
 // CSI socket shared by the driver and each sidecar, the kubelet
 // registration path, environment variables used in arguments, volumes
 // mounted, probe ports, the storage servers' --join list against the
-// StatefulSet's size, and the flags passed to stor-server against its
-// flag set. Another test feeds deliberately broken copies through the
+// StatefulSet's size, stor-server's --k8s-node from the pod's spec.nodeName
+// (data locality), and the flags passed to stor-server against its flag
+// set. Another test feeds deliberately broken copies through the
 // same checks and asserts each is caught with the expected message; another
 // runs node-zone against a fake API server.
 package deploy

@@ -531,6 +531,18 @@ func checkServerPod(p podTemplate, objs []object, fail func(string, ...any)) {
 	probe("readiness", c.ReadinessProbe, server.HealthReadiness)
 	probe("liveness", c.LivenessProbe, server.HealthLiveness)
 
+	// Data locality: CSI's selected node is a Kubernetes node, which
+	// placement matches against the server's --k8s-node; only the pod's
+	// spec.nodeName is that.
+	node, ok := flagValue(args, "k8s-node")
+	m := envRef.FindStringSubmatch(node)
+	switch {
+	case !ok:
+		fail("%s: stor-server has no --k8s-node: no volume gets a replica on the node that uses it", p.owner)
+	case m == nil || m[0] != node || fieldRefOf(*c, m[1]) != "spec.nodeName":
+		fail("%s: stor-server --k8s-node=%s is not $(VAR) of the pod's spec.nodeName", p.owner, node)
+	}
+
 	var sts *appsv1.StatefulSet
 	for _, o := range objs {
 		if s, ok := o.obj.(*appsv1.StatefulSet); ok && o.name() == p.owner {
@@ -576,6 +588,16 @@ func checkServerPod(p podTemplate, objs []object, fail func(string, ...any)) {
 }
 
 func must(s string, _ bool) string { return s }
+
+// fieldRefOf returns the downward-API field env var name of c reads, or "".
+func fieldRefOf(c corev1.Container, name string) string {
+	for _, e := range c.Env {
+		if e.Name == name && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+			return e.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	return ""
+}
 
 func deref(s *string) string {
 	if s == nil {

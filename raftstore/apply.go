@@ -117,11 +117,11 @@ func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, err
 	switch {
 	case err == nil:
 		s.Address, s.RaftAddress, s.DataAddress = in.Address, in.RaftAddress, in.DataAddress
-		s.Zone, s.Labels, s.CapacityBytes = in.Zone, in.Labels, in.CapacityBytes
+		s.Zone, s.Labels, s.CapacityBytes, s.KubernetesNode = in.Zone, in.Labels, in.CapacityBytes, in.KubernetesNode
 	default:
 		s = &storpb.Server{
 			Id: in.Id, Address: in.Address, RaftAddress: in.RaftAddress, DataAddress: in.DataAddress,
-			Zone: in.Zone, Labels: in.Labels, CapacityBytes: in.CapacityBytes,
+			Zone: in.Zone, Labels: in.Labels, CapacityBytes: in.CapacityBytes, KubernetesNode: in.KubernetesNode,
 			State: storpb.ServerState_SERVER_STATE_UP, JoinedUnixNano: at, LastSeenUnixNano: at,
 		}
 	}

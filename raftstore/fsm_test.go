@@ -1522,3 +1522,35 @@ func TestDetachRaisesTheEpoch(t *testing.T) {
 		}
 	}
 }
+
+// A server's Kubernetes node is committed when it registers and when it
+// changes (a pod rescheduled to another node heartbeats with the new one).
+func TestRegisterServerKubernetesNode(t *testing.T) {
+	f := openTestFSM(t, "")
+	reg := func(node string) command {
+		c := cmdRegisterServer("s1", "a", 1<<30, nil)
+		c.Body.(*storpb.Server).KubernetesNode = node
+		return c
+	}
+	get := func() *storpb.Server {
+		var s *storpb.Server
+		if err := f.View(func(r *Reader) error { var err error; s, err = r.Server("s1"); return err }); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	mustApply(t, f, cmdInitCluster("c1"), reg("worker-1"))
+	cur := get()
+	if cur.GetKubernetesNode() != "worker-1" {
+		t.Fatalf("registered Kubernetes node %q, want worker-1", cur.GetKubernetesNode())
+	}
+	moved := proto.Clone(cur).(*storpb.Server)
+	moved.KubernetesNode = "worker-2"
+	if !serverInfoChanged(cur, moved) {
+		t.Error("a heartbeat from another Kubernetes node is not a change to commit")
+	}
+	mustApply(t, f, reg("worker-2"))
+	if got := get().GetKubernetesNode(); got != "worker-2" {
+		t.Errorf("re-registered Kubernetes node %q, want worker-2", got)
+	}
+}

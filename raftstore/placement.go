@@ -12,7 +12,8 @@ import (
 // Topology segment keys the placement understands. A segment with any other
 // key is matched against the server's label of that name.
 const (
-	// TopologyKeyNode matches a server's id.
+	// TopologyKeyNode matches a server's id or the Kubernetes node it runs
+	// on (its kubernetes_node).
 	TopologyKeyNode = "node"
 	// TopologyKeyZone matches a server's zone.
 	TopologyKeyZone = "zone"
@@ -36,8 +37,10 @@ type PlaceRequest struct {
 }
 
 // TopologyMatches reports whether server s lies in topology t: every segment
-// of t must match. Key [TopologyKeyNode] compares to the server's id,
-// [TopologyKeyZone] to its zone, any other key to the server's label of that
+// of t must match. Key [TopologyKeyNode] matches the server's id or its
+// Kubernetes node (kubernetes_node; an unset one matches nothing): CSI names
+// Kubernetes nodes, stor-ctl and tests name servers. [TopologyKeyZone]
+// compares to the server's zone, any other key to the server's label of that
 // name; a missing label never matches, not even an empty value. A nil or
 // empty topology matches every server; a nil server matches nothing.
 func TopologyMatches(t *storpb.Topology, s *storpb.Server) bool {
@@ -48,7 +51,7 @@ func TopologyMatches(t *storpb.Topology, s *storpb.Server) bool {
 	for k, v := range t.GetSegments() {
 		switch k {
 		case TopologyKeyNode:
-			if s.GetId() != v {
+			if s.GetId() != v && (s.GetKubernetesNode() == "" || s.GetKubernetesNode() != v) {
 				return false
 			}
 		case TopologyKeyZone:
@@ -97,7 +100,8 @@ func TopologyMatches(t *storpb.Topology, s *storpb.Server) bool {
 // The first pick is the exception, following CSI: if any eligible server
 // matches a preferred topology, the first replica goes to a server matching
 // the first preferred topology that has an eligible server — for data
-// locality, a preferred {"node": id} puts the primary on that node — even
+// locality, a preferred {"node": n} puts the primary on the server whose id
+// or Kubernetes node is n — even
 // when another zone holds fewer replicas. Rules 1, 3 and 4 choose among
 // those servers.
 //

@@ -35,6 +35,8 @@ func placeCap(capacity, allocated uint64) placeOpt {
 	return func(s *storpb.Server) { s.CapacityBytes, s.AllocatedBytes = capacity, allocated }
 }
 
+func placeK8sNode(n string) placeOpt { return func(s *storpb.Server) { s.KubernetesNode = n } }
+
 func placeLabel(k, v string) placeOpt {
 	return func(s *storpb.Server) {
 		if s.Labels == nil {
@@ -69,7 +71,7 @@ func place3x2(opts map[string][]placeOpt) []*storpb.Server {
 }
 
 func TestTopologyMatches(t *testing.T) {
-	srv := placeSrv("s1", "a", placeLabel("rack", "r1"), placeLabel("zone", "b"), placeLabel("empty", ""))
+	srv := placeSrv("s1", "a", placeLabel("rack", "r1"), placeLabel("zone", "b"), placeLabel("empty", ""), placeK8sNode("worker-1"))
 	noZone := placeSrv("s2", "")
 	tests := []struct {
 		name string
@@ -79,6 +81,10 @@ func TestTopologyMatches(t *testing.T) {
 	}{
 		{"node matches id", placeTopo("node", "s1"), srv, true},
 		{"node mismatch", placeTopo("node", "s2"), srv, false},
+		{"node matches the Kubernetes node", placeTopo("node", "worker-1"), srv, true},
+		{"node mismatches another Kubernetes node", placeTopo("node", "worker-2"), srv, false},
+		{"empty node never matches an unset Kubernetes node", placeTopo("node", ""), noZone, false},
+		{"Kubernetes node and zone", placeTopo("node", "worker-1", "zone", "a"), srv, true},
 		{"zone matches", placeTopo("zone", "a"), srv, true},
 		{"zone label does not override zone field", placeTopo("zone", "b"), srv, false},
 		{"empty zone matches empty zone", placeTopo("zone", ""), noZone, true},
@@ -887,4 +893,29 @@ func placeFormatRequest(req PlaceRequest) string {
 	a := req.Accessibility
 	return fmt.Sprintf("replicas=%d size=%d existing=%q requisite=%v preferred=%v (accessibility nil: %v)",
 		req.Replicas, req.SizeBytes, req.Existing, a.GetRequisite(), a.GetPreferred(), a == nil)
+}
+
+// A preferred "node" segment naming the Kubernetes node a server runs on
+// (not its id) puts the primary on that server: CSI's selected node is a
+// Kubernetes node, deploy/'s server ids are pod names.
+func TestPlacePreferredKubernetesNode(t *testing.T) {
+	servers := []*storpb.Server{
+		placeSrv("stor-server-0", "a", placeK8sNode("worker-a")),
+		placeSrv("stor-server-1", "a", placeK8sNode("worker-b")),
+		placeSrv("stor-server-2", "b", placeK8sNode("worker-c")),
+		placeSrv("stor-server-3", "b", placeK8sNode("worker-d")),
+	}
+	for _, tc := range []struct{ node, want string }{
+		{"worker-b", "stor-server-1"},
+		{"worker-d", "stor-server-3"},
+		{"stor-server-3", "stor-server-3"}, // a server id still matches
+	} {
+		got, err := Place(servers, PlaceRequest{
+			Replicas:      2,
+			Accessibility: placeAccess(nil, []*storpb.Topology{placeTopo("node", tc.node)}),
+		})
+		if err != nil || len(got) != 2 || got[0] != tc.want {
+			t.Errorf("preferred node %s: placed %v, %v; want the primary on %s", tc.node, got, err, tc.want)
+		}
+	}
 }

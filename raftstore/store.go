@@ -598,7 +598,8 @@ func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 
 func serverInfoChanged(cur, in *storpb.Server) bool {
 	return cur.Address != in.Address || cur.RaftAddress != in.RaftAddress || cur.DataAddress != in.DataAddress ||
-		cur.Zone != in.Zone || cur.CapacityBytes != in.CapacityBytes || !mapsEqual(cur.Labels, in.Labels)
+		cur.Zone != in.Zone || cur.CapacityBytes != in.CapacityBytes || !mapsEqual(cur.Labels, in.Labels) ||
+		cur.KubernetesNode != in.KubernetesNode
 }
 
 func mapsEqual(a, b map[string]string) bool {

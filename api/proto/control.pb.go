@@ -363,8 +363,14 @@ type Server struct {
 	// the leader in memory; the committed value changes on state transitions.
 	LastSeenUnixNano int64 `protobuf:"varint,10,opt,name=last_seen_unix_nano,json=lastSeenUnixNano,proto3" json:"last_seen_unix_nano,omitempty"`
 	JoinedUnixNano   int64 `protobuf:"varint,11,opt,name=joined_unix_nano,json=joinedUnixNano,proto3" json:"joined_unix_nano,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// The Kubernetes node the server runs on (stor-server --k8s-node, the
+	// pod's spec.nodeName in deploy/); "" outside Kubernetes. Placement's
+	// "node" topology segment matches it as well as the id, so a CSI
+	// CreateVolume whose preferred topology names a Kubernetes node puts a
+	// replica on the server running there (data locality).
+	KubernetesNode string `protobuf:"bytes,12,opt,name=kubernetes_node,json=kubernetesNode,proto3" json:"kubernetes_node,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Server) Reset() {
@@ -472,6 +478,13 @@ func (x *Server) GetJoinedUnixNano() int64 {
 		return x.JoinedUnixNano
 	}
 	return 0
+}
+
+func (x *Server) GetKubernetesNode() string {
+	if x != nil {
+		return x.KubernetesNode
+	}
+	return ""
 }
 
 // Node is a host that attaches volumes: a CSI node plugin registers its
@@ -4013,7 +4026,7 @@ var File_control_proto protoreflect.FileDescriptor
 
 const file_control_proto_rawDesc = "" +
 	"\n" +
-	"\rcontrol.proto\x12\astor.v1\"\xd1\x03\n" +
+	"\rcontrol.proto\x12\astor.v1\"\xfa\x03\n" +
 	"\x06Server\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12!\n" +
@@ -4026,7 +4039,8 @@ const file_control_proto_rawDesc = "" +
 	"\x05state\x18\t \x01(\x0e2\x14.stor.v1.ServerStateR\x05state\x12-\n" +
 	"\x13last_seen_unix_nano\x18\n" +
 	" \x01(\x03R\x10lastSeenUnixNano\x12(\n" +
-	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x1a9\n" +
+	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x12'\n" +
+	"\x0fkubernetes_node\x18\f \x01(\tR\x0ekubernetesNode\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x85\x02\n" +

@@ -45,6 +45,7 @@ func run(args []string) error {
 	fs.StringVar(&cfg.DataAdvertise, "data-advertise", "", "data address others dial (default: --data-listen)")
 	join := fs.String("join", "", "comma-separated control addresses of existing members; empty bootstraps a new cluster")
 	fs.StringVar(&cfg.Zone, "zone", "", "zone of this server, for replica placement")
+	fs.StringVar(&cfg.KubernetesNode, "k8s-node", "", "the Kubernetes node this server runs on (the pod's spec.nodeName): a volume provisioned for a pod on that node gets a replica here")
 	labels := fs.String("labels", "", "comma-separated key=value labels, for placement")
 	capacity := fs.String("capacity", "", "bytes replicas may use here, e.g. 500GiB (default: the data dir's filesystem size)")
 	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")

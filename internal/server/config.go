@@ -47,6 +47,12 @@ type Config struct {
 	// Zone and Labels describe where the server is, for placement.
 	Zone   string
 	Labels map[string]string
+	// KubernetesNode is the Kubernetes node the server runs on (deploy/
+	// passes the pod's spec.nodeName). Placement's "node" segment, which
+	// CSI fills with the pod's selected node, matches it, so a volume gets
+	// a replica on the server of the node that uses it. Default "": not
+	// in Kubernetes (only the id matches).
+	KubernetesNode string
 	// Capacity is the bytes replicas may be promised here. Default 0: the
 	// size of the filesystem holding DataDir.
 	Capacity uint64

@@ -182,7 +182,7 @@ func (s *Server) self() *storpb.Server {
 	return &storpb.Server{
 		Id: s.cfg.ID, Address: s.cfg.Advertise, RaftAddress: s.store.RaftAddress(),
 		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
-		CapacityBytes: s.cfg.Capacity,
+		CapacityBytes: s.cfg.Capacity, KubernetesNode: s.cfg.KubernetesNode,
 	}
 }
 
