@@ -37,6 +37,15 @@
 //     reads can see two versions of a block.
 //  5. Reads go to one healthy replica, the local one first; a replica that
 //     fails a read is marked faulty and the read is retried on another.
+//  6. Rebuild: a rebuilding replica is in the write set, so it receives
+//     every write that takes the set after it joined. The rebuild waits
+//     for the writes that took the set before (they miss the target and
+//     may not yet be on any source when the copy is planned), and copies
+//     each chunk while holding its range against writes: the copy of a
+//     block and a write to that block never interleave (rebuild.go).
+//
+// The ordering of writes and rebuild copies to overlapping ranges is one
+// first-come, first-served set (overlap.go).
 //
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the

@@ -3,6 +3,8 @@ package engine_test
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -174,5 +176,64 @@ func TestRebuildBlamesTheReplicaWhoseHistoryFailed(t *testing.T) {
 	}
 	if !bytes.Equal(source.snapshot(), target.snapshot()) {
 		t.Fatal("the rebuilt replica differs from its source")
+	}
+}
+
+// recordingOrder is a WriteOrder that records the ranges it holds, for
+// a target that checks each copy against them.
+type recordingOrder struct {
+	mu   sync.Mutex
+	held map[replica.Extent]int // ranges held by LockCopy
+}
+
+func (o *recordingOrder) LockCopy(ctx context.Context, off, n int64) (context.Context, func(), error) {
+	x := replica.Extent{Off: off, Len: n}
+	o.mu.Lock()
+	o.held[x]++
+	o.mu.Unlock()
+	return ctx, func() {
+		o.mu.Lock()
+		o.held[x]--
+		o.mu.Unlock()
+	}, nil
+}
+
+// orderedTarget fails a copy written outside a range its order holds.
+type orderedTarget struct {
+	conn
+	o *recordingOrder
+}
+
+func (c orderedTarget) RebuildWrite(ctx context.Context, op replica.Op, p []byte, off int64) error {
+	c.o.mu.Lock()
+	held := false
+	for x, n := range c.o.held {
+		held = held || (n > 0 && x.Off <= off && off+int64(len(p)) <= x.Off+x.Len)
+	}
+	c.o.mu.Unlock()
+	if !held {
+		return fmt.Errorf("copy of %d bytes at %d written without holding its range against writes", len(p), off)
+	}
+	return c.conn.RebuildWrite(ctx, op, p, off)
+}
+
+// ISSUE13 C on the rebuild's side: each chunk is copied while its range
+// is held against writes.
+func TestRebuildCopiesUnderItsOrder(t *testing.T) {
+	const size = 4 << 20
+	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
+	o := replica.Op{Epoch: 1, Generation: 1}
+	full := randomBytes(40, size)
+	if err := (conn{src}).WriteAt(context.Background(), o, full, 0); err != nil {
+		t.Fatal(err)
+	}
+	order := &recordingOrder{held: map[replica.Extent]int{}}
+	plan := engine.RebuildPlan{Size: size, CheckpointBytes: 1 << 20, Order: order}
+	if _, err := engine.Rebuild(context.Background(), o, engine.RebuildSource{Read: conn{src}, History: []engine.ReplicaConn{conn{src}}},
+		orderedTarget{conn{dst}, order}, plan, nil); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst.snapshot(), full) {
+		t.Fatal("the target differs from the source")
 	}
 }

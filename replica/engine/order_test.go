@@ -1,0 +1,225 @@
+package engine_test
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// Tests of the engine's ordering (overlap.go): what a rebuild copy waits
+// for. Each holds one request to
+// one replica half-way through a fan-out and checks what a user would:
+// the bytes on every replica, and reads after an unclean stop.
+
+// waitFor polls cond for up to 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// recv waits up to 10 s for a value from ch.
+func recv[T any](t *testing.T, what string, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("timed out waiting for %s", what)
+	}
+	panic("unreachable")
+}
+
+func release(r *memReplica) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.hold != nil {
+		close(r.hold)
+		r.hold = nil
+	}
+}
+
+func holdWrites(r *memReplica) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.hold = make(chan struct{})
+}
+
+// ISSUE13 C: a rebuild's target joins the write set before the rebuild
+// begins its tracking (BeginRebuild), so a write W could reach the target
+// untracked while it was still in flight on the rebuild's source; the copy
+// of W's block, read from the source before W reached it, then overwrote
+// W on the target, W was acknowledged by all three replicas, and the
+// target came back healthy without it. A copy of a block and a write to
+// that block must never interleave.
+func TestRebuildCopyNeverOverwritesAWriteInFlight(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.IOTimeout = 10 * time.Second               // the held requests below must not time out
+	cfg.LocalServerID = f.vol.Replicas[0].ServerId // replica 0 is the rebuild's source
+	e := f.open(cfg)
+	source, target := f.replica(0), f.replica(2)
+	const off = 64 << 10
+
+	// Replica 2 fails a write and is recorded faulty; the write, applied
+	// again at the new generation, makes its region the delta to copy.
+	target.mu.Lock()
+	target.failIO = true
+	target.mu.Unlock()
+	old := randomBytes(80, 4096)
+	if err := e.WriteAt(ctx10(t), old, off, false); err != nil {
+		t.Fatal(err)
+	}
+	// Replica 2 comes back: the leader makes it rebuilding, the engine
+	// adds it to the write set and starts its rebuild, held at
+	// BeginRebuild.
+	begin := target.gates.shut("BeginRebuild")
+	target.mu.Lock()
+	target.failIO = false
+	target.mu.Unlock()
+	if begin.count(1, 10*time.Second) != 1 {
+		t.Fatal("the rebuild of replica 2 did not start")
+	}
+	// W reaches replica 1 and the target, not yet the source.
+	holdWrites(source)
+	defer release(source)
+	w := randomBytes(81, 4096)
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(ctx10(t), w, off, false) }()
+	waitFor(t, "W on replicas 1 and 2", func() bool {
+		return bytes.Equal(f.replica(1).snapshot()[off:off+4096], w) && bytes.Equal(target.snapshot()[off:off+4096], w)
+	})
+	// The rebuild goes on while W is in flight on the source; its copy
+	// has a second to run before W reaches the source.
+	target.gates.open("BeginRebuild")
+	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		target.mu.Lock()
+		copied := target.rebuildOps
+		target.mu.Unlock()
+		if copied > 0 {
+			break
+		}
+	}
+	release(source)
+	if err := recv(t, "W", wrote); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "replica 2 healthy", func() bool {
+		return f.volume().Replicas[2].State == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	for i := range 3 {
+		if got := f.replica(i).snapshot()[off : off+4096]; !bytes.Equal(got, w) {
+			t.Fatalf("replica %d lacks the acknowledged write W after the rebuild (it holds the older block: %v)", i, bytes.Equal(got, old))
+		}
+	}
+}
+
+// ISSUE13 C, the other half: a write W that took the write set just
+// before the rebuild's target joined it never reaches the target, and if
+// it is not yet on any source when the rebuild reads their write history
+// (or extents) to plan the copy, the copy skips its region: W is
+// acknowledged and the target comes back healthy without it. The rebuild
+// plans only after the writes that missed the target are done.
+func TestRebuildCopiesAWriteThatMissedTheTarget(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.IOTimeout = 10 * time.Second
+	e := f.open(cfg)
+	target := f.replica(2)
+	target.mu.Lock()
+	target.failIO = true
+	target.mu.Unlock()
+	// Replica 2 is recorded faulty; the delta starts at region 0.
+	if err := e.WriteAt(ctx10(t), randomBytes(84, 4096), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	// W, in another region, goes to replicas 0 and 1 (the write set
+	// without replica 2), and neither has applied it yet.
+	holdWrites(f.replica(0))
+	defer release(f.replica(0))
+	holdWrites(f.replica(1))
+	defer release(f.replica(1))
+	const off = 3 << 20
+	w := randomBytes(85, 4096)
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(ctx10(t), w, off, false) }()
+	time.Sleep(50 * time.Millisecond) // W has taken the write set
+	// Replica 2 comes back and joins; its rebuild has three seconds to
+	// run while W is in flight.
+	target.mu.Lock()
+	target.failIO = false
+	target.mu.Unlock()
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if f.volume().Replicas[2].State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			break
+		}
+	}
+	release(f.replica(0))
+	release(f.replica(1))
+	if err := recv(t, "W", wrote); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "replica 2 healthy", func() bool {
+		return f.volume().Replicas[2].State == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	for i := range 3 {
+		if !bytes.Equal(f.replica(i).snapshot()[off:off+4096], w) {
+			t.Fatalf("replica %d lacks the acknowledged write W after the rebuild", i)
+		}
+	}
+}
+
+// The broken mode for the jepsen harness: with UnsafeUnorderedRebuild the
+// test above loses W, so the knob really reintroduces ISSUE13 C.
+func TestUnsafeUnorderedRebuildReintroducesTheBug(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.IOTimeout = 10 * time.Second
+	cfg.LocalServerID = f.vol.Replicas[0].ServerId
+	cfg.UnsafeUnorderedRebuild = true
+	e := f.open(cfg)
+	source, target := f.replica(0), f.replica(2)
+	const off = 64 << 10
+	target.mu.Lock()
+	target.failIO = true
+	target.mu.Unlock()
+	if err := e.WriteAt(ctx10(t), randomBytes(82, 4096), off, false); err != nil {
+		t.Fatal(err)
+	}
+	begin := target.gates.shut("BeginRebuild")
+	target.mu.Lock()
+	target.failIO = false
+	target.mu.Unlock()
+	if begin.count(1, 10*time.Second) != 1 {
+		t.Fatal("the rebuild of replica 2 did not start")
+	}
+	holdWrites(source)
+	defer release(source)
+	w := randomBytes(83, 4096)
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(ctx10(t), w, off, false) }()
+	waitFor(t, "W on the target", func() bool { return bytes.Equal(target.snapshot()[off:off+4096], w) })
+	target.gates.open("BeginRebuild")
+	waitFor(t, "the unordered copy", func() bool {
+		target.mu.Lock()
+		defer target.mu.Unlock()
+		return target.rebuildOps > 0
+	})
+	release(source)
+	if err := recv(t, "W", wrote); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "replica 2 healthy", func() bool {
+		return f.volume().Replicas[2].State == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	if bytes.Equal(target.snapshot()[off:off+4096], w) {
+		t.Fatal("with UnsafeUnorderedRebuild the rebuilt target still holds W: the broken mode does not break")
+	}
+}
