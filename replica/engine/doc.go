@@ -36,7 +36,9 @@
 //     there is one) to the others before it serves any I/O, so no two
 //     reads can see two versions of a block.
 //  5. Reads go to one healthy replica, the local one first; a replica that
-//     fails a read is marked faulty and the read is retried on another.
+//     fails a read is marked faulty and the read is retried on another. A
+//     read of a block with a write in flight waits for that write, so it
+//     never returns a value that is not yet on every replica.
 //  6. Rebuild: a rebuilding replica is in the write set, so it receives
 //     every write that takes the set after it joined. The rebuild waits
 //     for the writes that took the set before (they miss the target and
@@ -44,8 +46,8 @@
 //     each chunk while holding its range against writes: the copy of a
 //     block and a write to that block never interleave (rebuild.go).
 //
-// The ordering of writes and rebuild copies to overlapping ranges is one
-// first-come, first-served set (overlap.go).
+// The ordering of writes, reads and rebuild copies to overlapping ranges
+// is one first-come, first-served set (overlap.go).
 //
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the

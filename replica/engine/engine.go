@@ -135,10 +135,10 @@ type Engine struct {
 	closed atomic.Bool
 	broken atomic.Bool // a replica failure could not be committed: stop serving
 
-	// overlaps holds the writes and rebuild copies under way: it keeps
-	// overlapping writes in one order on every replica, keeps rebuild
-	// copies off blocks with a write in flight, and Flush waits for the
-	// writes that began before it (overlap.go, Flush).
+	// overlaps holds the writes, reads and rebuild copies under way: it
+	// keeps overlapping writes in one order on every replica, keeps reads
+	// and rebuild copies off blocks with a write in flight, and Flush
+	// waits for the writes that began before it (overlap.go, Flush).
 	overlaps overlaps
 
 	// quiesce is held shared by every write from beginWrite to endWrite
@@ -449,7 +449,16 @@ func (e *Engine) ReadAt(ctx context.Context, p []byte, off int64) error {
 	return nil
 }
 
+// readChunk reads p at off from the first healthy replica that can serve
+// it, once no write to the range registered before it is in flight
+// (overlaps): a read never returns a value that is not yet on every
+// replica (DESIGN.md, "Data path", point 6).
 func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
+	sp, err := e.overlaps.lock(ctx, spanRead, off, int64(len(p)))
+	if err != nil {
+		return err
+	}
+	defer e.overlaps.unlock(sp)
 	for {
 		set := e.readSet()
 		if len(set) == 0 {

@@ -2,14 +2,17 @@ package engine_test
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"testing"
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica/engine"
 )
 
-// Tests of the engine's ordering (overlap.go): what a rebuild copy waits
-// for. Each holds one request to
+// Tests of the engine's ordering (overlap.go): what a rebuild copy and a
+// read wait for. Each holds one request to
 // one replica half-way through a fan-out and checks what a user would:
 // the bytes on every replica, and reads after an unclean stop.
 
@@ -221,5 +224,71 @@ func TestUnsafeUnorderedRebuildReintroducesTheBug(t *testing.T) {
 	})
 	if bytes.Equal(target.snapshot()[off:off+4096], w) {
 		t.Fatal("with UnsafeUnorderedRebuild the rebuilt target still holds W: the broken mode does not break")
+	}
+}
+
+// ISSUE13 J: a read returned the value of a write still in flight (on
+// the local replica, not yet on another); the engine crashed, the next
+// open reconciled the region from a replica without the write, and the
+// value the read had returned vanished. A read of a block with a write in
+// flight waits for that write.
+func TestReadDoesNotReturnAWriteStillInFlight(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.IOTimeout = 10 * time.Second
+	cfg.LocalServerID = f.vol.Replicas[0].ServerId // reads go to replica 0
+	e := f.open(cfg)
+	const off = 1 << 20
+	old := randomBytes(90, 4096)
+	if err := e.WriteAt(ctx10(t), old, off, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Flush(ctx10(t)); err != nil {
+		t.Fatal(err)
+	}
+	// W reaches replicas 0 and 1; replica 2 has not answered yet.
+	slow := f.replica(2)
+	holdWrites(slow)
+	defer release(slow)
+	w := randomBytes(91, 4096)
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(context.Background(), w, off, false) }()
+	waitFor(t, "W on replica 0", func() bool { return bytes.Equal(f.replica(0).snapshot()[off:off+4096], w) })
+	type result struct {
+		p   []byte
+		err error
+	}
+	read := make(chan result, 1)
+	go func() {
+		p := make([]byte, 4096)
+		err := e.ReadAt(context.Background(), p, off)
+		read <- result{p, err}
+	}()
+	var first *result
+	select {
+	case r := <-read:
+		first = &r
+	case <-time.After(300 * time.Millisecond):
+	}
+	// The engine crashes. The volume is opened again on replica 2's node,
+	// whose copy the reconcile keeps.
+	cfg2 := f.config("n2")
+	cfg2.Takeover = true
+	cfg2.LocalServerID = f.vol.Replicas[2].ServerId
+	e2 := f.open(cfg2)
+	release(slow)
+	if err := recv(t, "W", wrote); !errors.Is(err, engine.ErrFenced) {
+		t.Fatalf("W of the crashed engine: %v, want ErrFenced", err)
+	}
+	if first == nil {
+		r := recv(t, "the first read", read)
+		first = &r
+	}
+	got := make([]byte, 4096)
+	if err := e2.ReadAt(ctx10(t), got, off); err != nil {
+		t.Fatal(err)
+	}
+	if first.err == nil && bytes.Equal(first.p, w) && !bytes.Equal(got, w) {
+		t.Fatalf("a read returned W while it was in flight; after a crash and reopen the block reads as before W (old: %v)", bytes.Equal(got, old))
 	}
 }

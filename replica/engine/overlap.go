@@ -6,12 +6,12 @@ import (
 )
 
 // overlaps orders the engine's requests to overlapping byte ranges
-// (DESIGN.md, "Data path", points 4 and 5). It holds every write and
+// (DESIGN.md, "Data path", points 4 to 6). It holds every write, read and
 // rebuild copy under way, and a request waits, before it is sent anywhere,
 // until every conflicting request registered before it on an overlapping
 // range has finished:
 //
-//   - a write waits for earlier writes and rebuild copies. Replicas
+//   - a write waits for earlier writes, reads and rebuild copies. Replicas
 //     and their connections serve requests concurrently, so two
 //     overlapping writes in flight together could be applied in one order
 //     on one replica and in the other order on another: every replica
@@ -19,6 +19,10 @@ import (
 //     reads that move to another replica (after a failover or a rebuild)
 //     would see the block go back in time (found by the jepsen harness;
 //     see docs/JEPSEN.md);
+//   - a read waits for earlier writes: it never returns the value of a
+//     write that is not yet on every replica, which an engine crash and
+//     the next open's reconcile (from a replica without it) could undo
+//     (ISSUE13 J). Reads do not wait for each other or for copies;
 //   - a rebuild copy (read from the source, write to the target) waits for
 //     earlier writes, and later writes wait for it: a copy of a block and
 //     a write to that block never interleave, so the copy cannot put a
@@ -38,6 +42,7 @@ type spanKind uint8
 
 const (
 	spanWrite spanKind = iota // a write, zeroing or trim fanned out to the write set
+	spanRead                  // a read from one replica
 	spanCopy                  // a rebuild's copy of a range into its target
 )
 
