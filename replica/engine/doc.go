@@ -26,8 +26,11 @@
 //  3. Flush: Flush waits for the writes that began before it, then sends a
 //     flush to every replica in the write set; each replica makes every
 //     write it completed durable, and every write the engine acknowledged
-//     was completed on all of them. (Waiting is also what the replicas'
-//     dirty-region logs need: see Engine.Flush.) The caller's cancellation
+//     was completed on all of them. Flushes are serialised, on every path
+//     (Flush, Close, the reconcile at Open, a rebuild's flushes of its
+//     target), and each waits for the writes that began before it: that
+//     is what the replicas' dirty-region logs need to clear a region
+//     safely (Engine.flushOrdered). The caller's cancellation
 //     never interrupts a write half-way across the replicas; a replica
 //     that does not answer within IOTimeout has failed, and an engine that
 //     cannot record a failure within FaultTimeout stops serving.

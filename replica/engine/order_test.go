@@ -11,8 +11,8 @@ import (
 	"github.com/stor-io/stor/replica/engine"
 )
 
-// Tests of the engine's ordering (overlap.go): what a rebuild copy and a
-// read wait for. Each holds one request to
+// Tests of the engine's ordering (overlap.go, Engine.flushOrdered): what
+// a rebuild copy, a read and a flush wait for. Each holds one request to
 // one replica half-way through a fan-out and checks what a user would:
 // the bytes on every replica, and reads after an unclean stop.
 
@@ -290,5 +290,150 @@ func TestReadDoesNotReturnAWriteStillInFlight(t *testing.T) {
 	}
 	if first.err == nil && bytes.Equal(first.p, w) && !bytes.Equal(got, w) {
 		t.Fatalf("a read returned W while it was in flight; after a crash and reopen the block reads as before W (old: %v)", bytes.Equal(got, old))
+	}
+}
+
+// ISSUE13 D: two flushes in flight together (multi-connection NBD) each
+// waited for the writes before it and then went out side by side, so a
+// write W that began after both reached replicas 0 and 1, and both
+// flushes then reached them: two flushes after W, so by the dirty-log
+// rule both cleared W's region, while W had not reached replica 2. After
+// an unclean stop the next open found no dirty region, and the replicas
+// kept two versions of the block. Real replica stores: the rule is
+// theirs.
+func TestConcurrentFlushesLeaveNoUnreconciledDifference(t *testing.T) {
+	f := newFixture(t)
+	stores := newStoreReplicas(t, f.vol.Id, volSize)
+	var ids [3]string
+	var g [3]*gates
+	for i := range 3 {
+		ids[i] = f.vol.Replicas[i].Id
+		_, g[i] = stores.get(ids[i])
+	}
+	cfg := f.config("n1")
+	cfg.Connect = stores.connect
+	cfg.IOTimeout = 10 * time.Second
+	e := f.open(cfg)
+	const off = 2 << 20
+	old := randomBytes(100, 4096)
+	if err := e.WriteAt(ctx10(t), old, off, false); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // clean: every region's bit is cleared
+		if err := e.Flush(ctx10(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Two flushes; hold them at every replica.
+	var flushGate [3]*gate
+	for i := range 3 {
+		flushGate[i] = g[i].shut("Flush")
+	}
+	flushed := make(chan error, 2)
+	for range 2 {
+		go func() { flushed <- e.Flush(context.Background()) }()
+	}
+	if flushGate[0].count(1, 10*time.Second) != 1 {
+		t.Fatal("no flush reached replica 0")
+	}
+	flushGate[0].count(1, 300*time.Millisecond) // the second, if it goes out
+
+	// W, begun after both flushes, reaches replicas 0 and 1, not 2.
+	g[2].shut("WriteAt")
+	defer g[2].open("WriteAt")
+	w := randomBytes(101, 4096)
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(context.Background(), w, off, false) }()
+	waitFor(t, "W on replicas 0 and 1", func() bool {
+		return bytes.Equal(stores.read(ids[0], e.Epoch(), off, 4096), w) && bytes.Equal(stores.read(ids[1], e.Epoch(), off, 4096), w)
+	})
+	// The flushes go on.
+	for i := range 3 {
+		g[i].open("Flush")
+	}
+	if err := recv(t, "the first flush", flushed); err != nil {
+		t.Fatal(err)
+	}
+	select { // the second, unless it waits for W
+	case <-flushed:
+	case <-time.After(300 * time.Millisecond):
+	}
+
+	// The engine crashes with W in flight; the next open reconciles. W
+	// reaches replica 2 only once the open has fenced it, as after a
+	// crash.
+	cfg2 := cfg
+	cfg2.Takeover = true
+	reopened := make(chan *engine.Engine, 1)
+	go func() {
+		e2, err := engine.Open(ctx10(t), cfg2)
+		if err != nil {
+			t.Errorf("reopen: %v", err)
+		}
+		reopened <- e2
+	}()
+	r2, _ := stores.get(ids[2])
+	waitFor(t, "the reopen to fence replica 2", func() bool { return r2.Epoch() > e.Epoch() })
+	g[2].open("WriteAt")
+	e2 := recv(t, "the reopen", reopened)
+	if e2 == nil {
+		t.FailNow()
+	}
+	t.Cleanup(func() { e2.Close(context.Background(), false) })
+	if err := recv(t, "W", wrote); !errors.Is(err, engine.ErrFenced) {
+		t.Fatalf("W of the crashed engine: %v, want ErrFenced", err)
+	}
+	a := stores.read(ids[0], e2.Epoch(), off, 4096)
+	for i := 1; i < 3; i++ {
+		if got := stores.read(ids[i], e2.Epoch(), off, 4096); !bytes.Equal(got, a) {
+			t.Fatalf("after the reopen replica %d differs from replica 0 (replica 0 holds W: %v, replica %d holds W: %v)",
+				i, bytes.Equal(a, w), i, bytes.Equal(got, w))
+		}
+	}
+}
+
+// ISSUE13 D, Close's path: Close flushed without waiting for the writes
+// in flight. Every flush path waits for the writes begun before it.
+func TestCloseFlushesAfterTheWritesInFlight(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.IOTimeout = 10 * time.Second
+	e := f.open(cfg)
+	slow := f.replica(2)
+	holdWrites(slow)
+	defer release(slow)
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(context.Background(), randomBytes(110, 4096), 0, false) }()
+	waitFor(t, "the write on replica 0", func() bool {
+		f.replica(0).mu.Lock()
+		defer f.replica(0).mu.Unlock()
+		return f.replica(0).writes > 0
+	})
+	closed := make(chan error, 1)
+	go func() { closed <- e.Close(context.Background(), false) }()
+	time.Sleep(300 * time.Millisecond)
+	for i := range 3 {
+		f.replica(i).mu.Lock()
+		n := f.replica(i).flushes
+		f.replica(i).mu.Unlock()
+		if n != 0 {
+			t.Fatalf("Close sent replica %d a flush while a write begun before it was unanswered by replica 2", i)
+		}
+	}
+	release(slow)
+	if err := recv(t, "the write", wrote); err != nil {
+		t.Fatal(err)
+	}
+	if err := recv(t, "Close", closed); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		f.replica(i).mu.Lock()
+		n := f.replica(i).flushes
+		f.replica(i).mu.Unlock()
+		if n == 0 {
+			t.Fatalf("Close did not flush replica %d", i)
+		}
 	}
 }

@@ -49,8 +49,8 @@ type RebuildPlan struct {
 }
 
 // WriteOrder orders a rebuild against the writes of the engine that
-// serves the volume while it copies (DESIGN.md, "Data path", point 5).
-// The engine's implementation is its overlap set.
+// serves the volume while it copies (DESIGN.md, "Data path", points 4
+// and 5). The engine's implementation is its overlap set and flush order.
 type WriteOrder interface {
 	// LockCopy waits until no write to [off, off+n) that began before it
 	// is in flight, and keeps later writes off the range until unlock is
@@ -58,6 +58,9 @@ type WriteOrder interface {
 	// copy's requests run under the returned context (derived from ctx),
 	// which bounds how long writes can wait for it.
 	LockCopy(ctx context.Context, off, n int64) (copyCtx context.Context, unlock func(), err error)
+	// Flush runs flush (of the target) in the engine's flush order: after
+	// every earlier flush, and after every write that began before it.
+	Flush(ctx context.Context, flush func(context.Context) error) error
 }
 
 // Progress is a rebuild's report: bytes done of total, and (for a full
@@ -138,8 +141,8 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 			case !delta && sinceCheckpoint >= checkpoint:
 				// Everything below the end of this chunk is on the target;
 				// make it durable, then say so.
-				if err := dst.Flush(ctx, o); err != nil {
-					return st, fmt.Errorf("rebuild: flush target: %w", err)
+				if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
+					return st, err
 				}
 				report(c.Off + c.Len)
 				sinceCheckpoint, last = 0, time.Now()
@@ -153,8 +156,8 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if err := dst.EndRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: end: %w", err)
 	}
-	if err := dst.Flush(ctx, o); err != nil {
-		return st, fmt.Errorf("rebuild: flush target: %w", err)
+	if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
+		return st, err
 	}
 	report(0)
 	return st, nil
@@ -180,6 +183,22 @@ func copyChunk(ctx context.Context, o replica.Op, src, dst ReplicaConn, order Wr
 	return nil
 }
 
+// flushTarget flushes the target, in the engine's flush order if there is
+// one.
+func flushTarget(ctx context.Context, o replica.Op, dst ReplicaConn, order WriteOrder) error {
+	flush := func(ctx context.Context) error { return dst.Flush(ctx, o) }
+	var err error
+	if order != nil {
+		err = order.Flush(ctx, flush)
+	} else {
+		err = flush(ctx)
+	}
+	if err != nil {
+		return fmt.Errorf("rebuild: flush target: %w", err)
+	}
+	return nil
+}
+
 // engineOrder is the engine's WriteOrder for the rebuilds it drives.
 type engineOrder struct{ e *Engine }
 
@@ -197,6 +216,12 @@ func (o engineOrder) LockCopy(ctx context.Context, off, n int64) (context.Contex
 	}
 	ctx, cancel := context.WithTimeout(ctx, o.e.cfg.IOTimeout)
 	return ctx, func() { cancel(); o.e.overlaps.unlock(sp) }, nil
+}
+
+// Flush bounds the flush by IOTimeout, as every replica request: it holds
+// the engine's flush turn, which every other flush waits for.
+func (o engineOrder) Flush(ctx context.Context, flush func(context.Context) error) error {
+	return o.e.flushOrdered(ctx, func(ctx context.Context) error { return o.e.call(ctx, flush) })
 }
 
 // errSource marks an error as a source replica's, and says which one, so

@@ -3,6 +3,7 @@ package engine_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -179,11 +180,13 @@ func TestRebuildBlamesTheReplicaWhoseHistoryFailed(t *testing.T) {
 	}
 }
 
-// recordingOrder is a WriteOrder that records the ranges it holds, for
-// a target that checks each copy against them.
+// recordingOrder is a WriteOrder that records what it holds, for a target
+// that checks each request against it.
 type recordingOrder struct {
-	mu   sync.Mutex
-	held map[replica.Extent]int // ranges held by LockCopy
+	mu       sync.Mutex
+	held     map[replica.Extent]int // ranges held by LockCopy
+	flushing bool                   // a flush runs in Flush
+	flushes  int
 }
 
 func (o *recordingOrder) LockCopy(ctx context.Context, off, n int64) (context.Context, func(), error) {
@@ -198,7 +201,21 @@ func (o *recordingOrder) LockCopy(ctx context.Context, off, n int64) (context.Co
 	}, nil
 }
 
-// orderedTarget fails a copy written outside a range its order holds.
+func (o *recordingOrder) Flush(ctx context.Context, flush func(context.Context) error) error {
+	o.mu.Lock()
+	o.flushing = true
+	o.flushes++
+	o.mu.Unlock()
+	defer func() {
+		o.mu.Lock()
+		o.flushing = false
+		o.mu.Unlock()
+	}()
+	return flush(ctx)
+}
+
+// orderedTarget fails a copy written outside a range its order holds, and
+// a flush sent outside the order's Flush.
 type orderedTarget struct {
 	conn
 	o *recordingOrder
@@ -217,9 +234,20 @@ func (c orderedTarget) RebuildWrite(ctx context.Context, op replica.Op, p []byte
 	return c.conn.RebuildWrite(ctx, op, p, off)
 }
 
-// ISSUE13 C on the rebuild's side: each chunk is copied while its range
-// is held against writes.
-func TestRebuildCopiesUnderItsOrder(t *testing.T) {
+func (c orderedTarget) Flush(ctx context.Context, op replica.Op) error {
+	c.o.mu.Lock()
+	inOrder := c.o.flushing
+	c.o.mu.Unlock()
+	if !inOrder {
+		return errors.New("target flushed outside the engine's flush order")
+	}
+	return c.conn.Flush(ctx, op)
+}
+
+// ISSUE13 C and D on the rebuild's side: each chunk is copied while its
+// range is held against writes, and every flush of the target (the
+// checkpoints and the last) goes through the engine's flush order.
+func TestRebuildCopiesUnderItsOrderAndFlushesInIt(t *testing.T) {
 	const size = 4 << 20
 	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
 	o := replica.Op{Epoch: 1, Generation: 1}
@@ -235,5 +263,8 @@ func TestRebuildCopiesUnderItsOrder(t *testing.T) {
 	}
 	if !bytes.Equal(dst.snapshot(), full) {
 		t.Fatal("the target differs from the source")
+	}
+	if order.flushes != 5 { // four checkpoints and the last
+		t.Fatalf("%d flushes in the engine's order, want 5", order.flushes)
 	}
 }
