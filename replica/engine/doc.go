@@ -35,8 +35,11 @@
 //  3. Flush: Flush waits for the writes that began before it, then sends a
 //     flush to every replica in the write set; each replica makes every
 //     write it completed durable, and every write the engine acknowledged
-//     was completed on all of them. (Waiting is also what the replicas'
-//     dirty-region logs need: see Engine.Flush.) The caller's cancellation
+//     was completed on all of them. Flushes are serialised, on every path
+//     (Flush, Close, the reconcile at Open, a rebuild's flushes of its
+//     target), and each waits for the writes that began before it: that
+//     is what the replicas' dirty-region logs need to clear a region
+//     safely (Engine.flushOrdered). The caller's cancellation
 //     never interrupts a write half-way across the replicas; a replica
 //     that does not answer within IOTimeout has failed, and an engine that
 //     cannot record a failure within FaultTimeout stops serving.
@@ -45,7 +48,9 @@
 //     there is one) to the others before it serves any I/O, so no two
 //     reads can see two versions of a block.
 //  5. Reads go to one healthy replica, the local one first; a replica that
-//     fails a read is marked faulty and the read is retried on another.
+//     fails a read is marked faulty and the read is retried on another. A
+//     read of a block with a write in flight waits for that write, so it
+//     never returns a value that is not yet on every replica.
 //  6. A replica's error is the replica's failure, never the request's
 //     (replica.ErrInvalid included): the engine checks every request
 //     against the volume's size and alignment, and splits it to the
@@ -55,6 +60,15 @@
 //     every replica to the committed size before any I/O (a volume
 //     expanded while detached), a replica is grown before it joins the
 //     write set, and an expansion grows the replicas before the engine.
+//  8. Rebuild: a rebuilding replica is in the write set, so it receives
+//     every write that takes the set after it joined. The rebuild waits
+//     for the writes that took the set before (they miss the target and
+//     may not yet be on any source when the copy is planned), and copies
+//     each chunk while holding its range against writes: the copy of a
+//     block and a write to that block never interleave (rebuild.go).
+//
+// The ordering of writes, reads and rebuild copies to overlapping ranges
+// is one first-come, first-served set (overlap.go).
 //
 // The engine follows the control plane's changes to its volume through the
 // WatchVolume stream: a higher epoch fences it, a larger size grows the

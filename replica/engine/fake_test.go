@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
@@ -21,6 +22,7 @@ type memReplica struct {
 	failIO   bool          // every request fails with ErrIO
 	failHist bool          // WrittenSince fails with ErrIO
 	hold     chan struct{} // if set, writes block until it is closed
+	gates    gates         // other requests held by kind
 	writes   int
 	accepted []uint64 // epochs of accepted writes
 
@@ -149,6 +151,9 @@ func (c conn) WrittenSince(ctx context.Context, o replica.Op, gen uint64) ([]rep
 }
 
 func (c conn) BeginRebuild(ctx context.Context, o replica.Op) error {
+	if err := c.r.gates.pass(ctx, "BeginRebuild"); err != nil {
+		return err
+	}
 	c.r.mu.Lock()
 	defer c.r.mu.Unlock()
 	if err := c.r.check(o, 0, 0); err != nil {
@@ -198,6 +203,9 @@ func (c conn) Trim(ctx context.Context, o replica.Op, off, n int64) error {
 }
 
 func (c conn) Flush(ctx context.Context, o replica.Op) error {
+	if err := c.r.gates.pass(ctx, "Flush"); err != nil {
+		return err
+	}
 	c.r.mu.Lock()
 	defer c.r.mu.Unlock()
 	if err := c.r.check(o, 0, 0); err != nil {
@@ -268,4 +276,75 @@ func (m *memReplicas) connect(ctx context.Context, addr, replicaID string, epoch
 		return nil, err
 	}
 	return conn{r}, nil
+}
+
+// gates hold chosen kinds of request to one replica until released, so a
+// test can stop a request half-way through the engine's fan-out.
+type gates struct {
+	mu   sync.Mutex
+	held map[string]*gate // request kind ("Flush", "WriteAt", ...) -> its gate
+}
+
+type gate struct {
+	entered chan struct{} // one value per request that reached the gate
+	release chan struct{} // closed when the gate opens
+}
+
+// shut holds the requests of kind op from now until open(op). Its
+// entered channel receives once per request held (up to 64).
+func (g *gates) shut(op string) *gate {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.held == nil {
+		g.held = map[string]*gate{}
+	}
+	x := &gate{entered: make(chan struct{}, 64), release: make(chan struct{})}
+	g.held[op] = x
+	return x
+}
+
+// open lets the held requests of kind op through, and later ones.
+func (g *gates) open(op string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if x := g.held[op]; x != nil {
+		close(x.release)
+		delete(g.held, op)
+	}
+}
+
+// pass waits at op's gate while it is shut.
+func (g *gates) pass(ctx context.Context, op string) error {
+	g.mu.Lock()
+	x := g.held[op]
+	g.mu.Unlock()
+	if x == nil {
+		return nil
+	}
+	select {
+	case x.entered <- struct{}{}:
+	default:
+	}
+	select {
+	case <-x.release:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// count waits up to d for want requests to reach the gate and returns how
+// many did.
+func (x *gate) count(want int, d time.Duration) int {
+	n := 0
+	deadline := time.After(d)
+	for n < want {
+		select {
+		case <-x.entered:
+			n++
+		case <-deadline:
+			return n
+		}
+	}
+	return n
 }

@@ -42,6 +42,26 @@ type RebuildPlan struct {
 	// which the target is complete, so an interrupted rebuild resumes
 	// there. Default 256 MiB.
 	CheckpointBytes int64
+	// Order orders the copy against the writes of the engine that serves
+	// the volume while it is copied; nil when nothing writes the volume
+	// meanwhile (a detached volume, whose replicas an attach would fence
+	// against the copy).
+	Order WriteOrder
+}
+
+// WriteOrder orders a rebuild against the writes of the engine that
+// serves the volume while it copies (DESIGN.md, "Data path", points 4
+// and 5). The engine's implementation is its overlap set and flush order.
+type WriteOrder interface {
+	// LockCopy waits until no write to [off, off+n) that began before it
+	// is in flight, and keeps later writes off the range until unlock is
+	// called: the copy of a block and a write to it never interleave. The
+	// copy's requests run under the returned context (derived from ctx),
+	// which bounds how long writes can wait for it.
+	LockCopy(ctx context.Context, off, n int64) (copyCtx context.Context, unlock func(), err error)
+	// Flush runs flush (of the target) in the engine's flush order: after
+	// every earlier flush, and after every write that began before it.
+	Flush(ctx context.Context, flush func(context.Context) error) error
 }
 
 // Progress is a rebuild's report: bytes done of total, and (for a full
@@ -61,9 +81,16 @@ type RebuildStats struct {
 
 // Rebuild copies a volume into a rebuilding target replica while writes
 // may go on (they reach the target too: the caller keeps it in the write
-// set). The target protects every block a normal write touches after
-// BeginRebuild from the copy (replica invariant 4), so the copy never
-// overwrites newer data. progress, if set, is called about once a second.
+// set). Each chunk is read from the source and written to the target while
+// plan.Order holds its range against writes, so a write in flight when
+// the chunk is read is on the source (and the target) before the copy,
+// and a later one reaches the target after it: the copy never puts a
+// block older than a write over it. The target, besides, protects every
+// block a normal write touches after BeginRebuild from the copy (replica
+// invariant 4); that alone does not suffice, since the target may have
+// taken a write before BeginRebuild that the source had not yet applied
+// when the chunk was read (ISSUE13 C). progress, if set, is called about
+// once a second.
 func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(Progress)) (RebuildStats, error) {
 	var st RebuildStats
 	if plan.ResumeFrom == 0 {
@@ -106,12 +133,8 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 			if err := ctx.Err(); err != nil {
 				return st, fmt.Errorf("rebuild: %w", err)
 			}
-			p := buf[:c.Len]
-			if err := src.Read.ReadAt(ctx, o, p, c.Off); err != nil {
-				return st, fmt.Errorf("rebuild: read source: %w", errSource{err, -1})
-			}
-			if err := dst.RebuildWrite(ctx, o, p, c.Off); err != nil {
-				return st, fmt.Errorf("rebuild: write target: %w", err)
+			if err := copyChunk(ctx, o, src.Read, dst, plan.Order, buf[:c.Len], c.Off); err != nil {
+				return st, err
 			}
 			st.Bytes += c.Len
 			sinceCheckpoint += c.Len
@@ -119,8 +142,8 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 			case !delta && sinceCheckpoint >= checkpoint:
 				// Everything below the end of this chunk is on the target;
 				// make it durable, then say so.
-				if err := dst.Flush(ctx, o); err != nil {
-					return st, fmt.Errorf("rebuild: flush target: %w", err)
+				if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
+					return st, err
 				}
 				report(c.Off + c.Len)
 				sinceCheckpoint, last = 0, time.Now()
@@ -134,11 +157,72 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if err := dst.EndRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: end: %w", err)
 	}
-	if err := dst.Flush(ctx, o); err != nil {
-		return st, fmt.Errorf("rebuild: flush target: %w", err)
+	if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
+		return st, err
 	}
 	report(0)
 	return st, nil
+}
+
+// copyChunk copies p's worth of bytes at off from src to dst, holding the
+// range against writes (order) from the read to the write.
+func copyChunk(ctx context.Context, o replica.Op, src, dst ReplicaConn, order WriteOrder, p []byte, off int64) error {
+	if order != nil {
+		copyCtx, unlock, err := order.LockCopy(ctx, off, int64(len(p)))
+		if err != nil {
+			return fmt.Errorf("rebuild: %w", err)
+		}
+		defer unlock()
+		ctx = copyCtx
+	}
+	if err := src.ReadAt(ctx, o, p, off); err != nil {
+		return fmt.Errorf("rebuild: read source: %w", errSource{err, -1})
+	}
+	if err := dst.RebuildWrite(ctx, o, p, off); err != nil {
+		return fmt.Errorf("rebuild: write target: %w", err)
+	}
+	return nil
+}
+
+// flushTarget flushes the target, in the engine's flush order if there is
+// one.
+func flushTarget(ctx context.Context, o replica.Op, dst ReplicaConn, order WriteOrder) error {
+	flush := func(ctx context.Context) error { return dst.Flush(ctx, o) }
+	var err error
+	if order != nil {
+		err = order.Flush(ctx, flush)
+	} else {
+		err = flush(ctx)
+	}
+	if err != nil {
+		return fmt.Errorf("rebuild: flush target: %w", err)
+	}
+	return nil
+}
+
+// engineOrder is the engine's WriteOrder for the rebuilds it drives.
+type engineOrder struct{ e *Engine }
+
+// LockCopy bounds the copy by IOTimeout, as every replica request: a
+// replica that does not answer in time has failed, and writes to the
+// range wait for it no longer.
+func (o engineOrder) LockCopy(ctx context.Context, off, n int64) (context.Context, func(), error) {
+	if o.e.cfg.UnsafeUnorderedRebuild {
+		ctx, cancel := context.WithTimeout(ctx, o.e.cfg.IOTimeout)
+		return ctx, cancel, nil // the broken mode of ISSUE13 C; see Config
+	}
+	sp, err := o.e.overlaps.lock(ctx, spanCopy, off, n)
+	if err != nil {
+		return nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.e.cfg.IOTimeout)
+	return ctx, func() { cancel(); o.e.overlaps.unlock(sp) }, nil
+}
+
+// Flush bounds the flush by IOTimeout, as every replica request: it holds
+// the engine's flush turn, which every other flush waits for.
+func (o engineOrder) Flush(ctx context.Context, flush func(context.Context) error) error {
+	return o.e.flushOrdered(ctx, func(ctx context.Context) error { return o.e.call(ctx, flush) })
 }
 
 // errSource marks an error as a source replica's, and says which one, so
@@ -289,8 +373,20 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	e.mu.Lock()
 	target := e.members[r.Id]
 	e.mu.Unlock()
+	if target == nil {
+		return
+	}
+	// The target is in the write set: every write that takes the set from
+	// now on reaches it. A write that took the set before does not, and
+	// may not yet be on any source when the copy reads their extents or
+	// write history to plan what to copy: wait for those first (ISSUE13 C).
+	if !e.cfg.UnsafeUnorderedRebuild {
+		if err := e.overlaps.wait(ctx); err != nil {
+			return
+		}
+	}
 	sources := e.readSet()
-	if target == nil || len(sources) == 0 {
+	if len(sources) == 0 {
 		return
 	}
 	var history []ReplicaConn
@@ -301,7 +397,7 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	log.Info("rebuild started", "source", sources[0].info.Id)
 	lastReport := time.Time{}
 	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, History: history}, target.conn,
-		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset)},
+		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset), Order: engineOrder{e}},
 		func(p Progress) {
 			if p.ResumeOffset == 0 && time.Since(lastReport) < 2*time.Second {
 				return // checkpoints are always recorded; plain progress now and then

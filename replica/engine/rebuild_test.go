@@ -3,6 +3,9 @@ package engine_test
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -174,5 +177,94 @@ func TestRebuildBlamesTheReplicaWhoseHistoryFailed(t *testing.T) {
 	}
 	if !bytes.Equal(source.snapshot(), target.snapshot()) {
 		t.Fatal("the rebuilt replica differs from its source")
+	}
+}
+
+// recordingOrder is a WriteOrder that records what it holds, for a target
+// that checks each request against it.
+type recordingOrder struct {
+	mu       sync.Mutex
+	held     map[replica.Extent]int // ranges held by LockCopy
+	flushing bool                   // a flush runs in Flush
+	flushes  int
+}
+
+func (o *recordingOrder) LockCopy(ctx context.Context, off, n int64) (context.Context, func(), error) {
+	x := replica.Extent{Off: off, Len: n}
+	o.mu.Lock()
+	o.held[x]++
+	o.mu.Unlock()
+	return ctx, func() {
+		o.mu.Lock()
+		o.held[x]--
+		o.mu.Unlock()
+	}, nil
+}
+
+func (o *recordingOrder) Flush(ctx context.Context, flush func(context.Context) error) error {
+	o.mu.Lock()
+	o.flushing = true
+	o.flushes++
+	o.mu.Unlock()
+	defer func() {
+		o.mu.Lock()
+		o.flushing = false
+		o.mu.Unlock()
+	}()
+	return flush(ctx)
+}
+
+// orderedTarget fails a copy written outside a range its order holds, and
+// a flush sent outside the order's Flush.
+type orderedTarget struct {
+	conn
+	o *recordingOrder
+}
+
+func (c orderedTarget) RebuildWrite(ctx context.Context, op replica.Op, p []byte, off int64) error {
+	c.o.mu.Lock()
+	held := false
+	for x, n := range c.o.held {
+		held = held || (n > 0 && x.Off <= off && off+int64(len(p)) <= x.Off+x.Len)
+	}
+	c.o.mu.Unlock()
+	if !held {
+		return fmt.Errorf("copy of %d bytes at %d written without holding its range against writes", len(p), off)
+	}
+	return c.conn.RebuildWrite(ctx, op, p, off)
+}
+
+func (c orderedTarget) Flush(ctx context.Context, op replica.Op) error {
+	c.o.mu.Lock()
+	inOrder := c.o.flushing
+	c.o.mu.Unlock()
+	if !inOrder {
+		return errors.New("target flushed outside the engine's flush order")
+	}
+	return c.conn.Flush(ctx, op)
+}
+
+// ISSUE13 C and D on the rebuild's side: each chunk is copied while its
+// range is held against writes, and every flush of the target (the
+// checkpoints and the last) goes through the engine's flush order.
+func TestRebuildCopiesUnderItsOrderAndFlushesInIt(t *testing.T) {
+	const size = 4 << 20
+	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
+	o := replica.Op{Epoch: 1, Generation: 1}
+	full := randomBytes(40, size)
+	if err := (conn{src}).WriteAt(context.Background(), o, full, 0); err != nil {
+		t.Fatal(err)
+	}
+	order := &recordingOrder{held: map[replica.Extent]int{}}
+	plan := engine.RebuildPlan{Size: size, CheckpointBytes: 1 << 20, Order: order}
+	if _, err := engine.Rebuild(context.Background(), o, engine.RebuildSource{Read: conn{src}, History: []engine.ReplicaConn{conn{src}}},
+		orderedTarget{conn{dst}, order}, plan, nil); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst.snapshot(), full) {
+		t.Fatal("the target differs from the source")
+	}
+	if order.flushes != 5 { // four checkpoints and the last
+		t.Fatalf("%d flushes in the engine's order, want 5", order.flushes)
 	}
 }

@@ -1,0 +1,138 @@
+package engine_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"sync"
+	"testing"
+
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
+)
+
+// storeReplicas serves the engine real replica stores in the same process
+// (one store per replica, as each server has its own), so a test sees the
+// store's own rules (the dirty-region log, fencing, rebuild tracking),
+// with gates to hold a kind of request to one replica.
+type storeReplicas struct {
+	t        *testing.T
+	volumeID string
+	size     uint64
+
+	mu    sync.Mutex
+	byID  map[string]*replica.Replica // guarded by mu
+	gates map[string]*gates           // guarded by mu
+}
+
+func newStoreReplicas(t *testing.T, volumeID string, size uint64) *storeReplicas {
+	return &storeReplicas{t: t, volumeID: volumeID, size: size, byID: map[string]*replica.Replica{}, gates: map[string]*gates{}}
+}
+
+// get returns replica id, creating its store on first use, and its gates.
+func (s *storeReplicas) get(id string) (*replica.Replica, *gates) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r := s.byID[id]; r != nil {
+		return r, s.gates[id]
+	}
+	st, err := replica.OpenStore(replica.Config{Dir: filepath.Join(s.t.TempDir(), id), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.t.Cleanup(func() { st.Close() })
+	r, err := st.Create(replica.Spec{ID: id, VolumeID: s.volumeID, Size: s.size})
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.byID[id], s.gates[id] = r, &gates{}
+	return r, s.gates[id]
+}
+
+// read reads a replica directly, at an epoch that fences nobody.
+func (s *storeReplicas) read(id string, epoch uint64, off, n int64) []byte {
+	s.t.Helper()
+	r, _ := s.get(id)
+	p := make([]byte, n)
+	if err := r.ReadAt(replica.Op{Epoch: epoch}, p, off); err != nil {
+		s.t.Fatalf("read replica %s: %v", id, err)
+	}
+	return p
+}
+
+func (s *storeReplicas) connect(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
+	r, g := s.get(replicaID)
+	if err := r.Fence(epoch); err != nil {
+		return nil, err
+	}
+	return storeConn{r, g}, nil
+}
+
+// storeConn is an engine's connection to a replica in the same process.
+type storeConn struct {
+	r *replica.Replica
+	g *gates
+}
+
+func (c storeConn) ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	if err := c.g.pass(ctx, "ReadAt"); err != nil {
+		return err
+	}
+	return c.r.ReadAt(o, p, off)
+}
+
+func (c storeConn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	if err := c.g.pass(ctx, "WriteAt"); err != nil {
+		return err
+	}
+	return c.r.WriteAt(o, p, off)
+}
+
+func (c storeConn) WriteZeroes(ctx context.Context, o replica.Op, off, n int64) error {
+	return c.r.WriteZeroes(o, off, n)
+}
+
+func (c storeConn) Trim(ctx context.Context, o replica.Op, off, n int64) error {
+	return c.r.Trim(o, off, n)
+}
+
+func (c storeConn) Flush(ctx context.Context, o replica.Op) error {
+	if err := c.g.pass(ctx, "Flush"); err != nil {
+		return err
+	}
+	return c.r.Flush(o)
+}
+
+func (c storeConn) Grow(ctx context.Context, o replica.Op, size uint64) error {
+	return c.r.Grow(o, size)
+}
+
+func (c storeConn) DirtyRegions(ctx context.Context, o replica.Op) ([]replica.Extent, error) {
+	return c.r.DirtyRegions(o)
+}
+
+func (c storeConn) Extents(ctx context.Context, o replica.Op, snapshotID string, from int64, limit int) ([]replica.Extent, error) {
+	return c.r.Extents(o, snapshotID, from, limit)
+}
+
+func (c storeConn) WrittenSince(ctx context.Context, o replica.Op, generation uint64) ([]replica.Extent, error) {
+	return c.r.WrittenSince(o, generation)
+}
+
+func (c storeConn) BeginRebuild(ctx context.Context, o replica.Op) error {
+	if err := c.g.pass(ctx, "BeginRebuild"); err != nil {
+		return err
+	}
+	return c.r.BeginRebuild(o)
+}
+
+func (c storeConn) RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	return c.r.RebuildWrite(o, p, off)
+}
+
+func (c storeConn) EndRebuild(ctx context.Context, o replica.Op) error {
+	return c.r.EndRebuild(o)
+}
+
+func (c storeConn) Close(ctx context.Context) error { return nil }
