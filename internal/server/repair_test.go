@@ -91,14 +91,18 @@ func TestReplicaUnhealthyTooLongIsReplaced(t *testing.T) {
 	replaced := waitVolume(t, c, leader, v.Id, 15*time.Second, "replacement placed", func(v *storpb.Volume) bool {
 		return replicaOn(v, gone) == nil && len(v.Replicas) == 3
 	})
+	// The new replica is the one on a server the volume did not use. Its
+	// rebuild is full (from generation 0) until it completes; an empty
+	// volume's full rebuild can complete between two polls, so a HEALTHY
+	// replacement is fine too.
 	var fresh *storpb.Replica
 	for _, r := range replaced.Replicas {
-		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+		if replicaOn(v, r.ServerId) == nil {
 			fresh = r
 		}
 	}
-	if fresh == nil || fresh.RebuildFromGeneration != 0 {
-		t.Fatalf("replacement %v: want a full rebuild (from generation 0)", fresh)
+	if fresh == nil || (fresh.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY && fresh.RebuildFromGeneration != 0) {
+		t.Fatalf("replacement %v: want a full rebuild (from generation 0); replicas %v", fresh, replaced.Replicas)
 	}
 	servers := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
 		return c.Client(leader).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
