@@ -17,7 +17,7 @@ type Op struct {
 	Client int    `json:"client"`
 	Host   string `json:"host"`  // the client host that ran it
 	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
-	Kind   string `json:"kind"`  // write, read, flush, open, final-read, snapshot, snapshot-delete, clone, snapshot-read
+	Kind   string `json:"kind"`  // write, read, flush, open, detach, fence, final-read, snapshot, snapshot-delete, clone, snapshot-read
 	Block  int    `json:"block"`
 	// Snapshot names the snapshot of a snapshot op; Replica the replica a
 	// snapshot-read read from; Clone the clone of the snapshot it read, if
@@ -173,6 +173,10 @@ func checkIntegrity(ops []Op, a *Anomalies) {
 
 // checkFencing: once an open at epoch e has returned, no engine at an
 // epoch below e may acknowledge a write it was asked to do after that.
+// A "fence" op at epoch e (the volume was detached from the engine at e,
+// and a cut of the detached volume, which fences its replicas, was done
+// by its Return) counts as an open at e+1: the engine at e is a zombie
+// from then on.
 func checkFencing(ops []Op, a *Anomalies) {
 	type open struct {
 		epoch uint64
@@ -180,8 +184,11 @@ func checkFencing(ops []Op, a *Anomalies) {
 	}
 	var opens []open
 	for _, o := range ops {
-		if o.Kind == "open" && o.OK {
+		switch {
+		case o.Kind == "open" && o.OK:
 			opens = append(opens, open{o.Epoch, o.Return})
+		case o.Kind == "fence" && o.OK:
+			opens = append(opens, open{o.Epoch + 1, o.Return})
 		}
 	}
 	for _, w := range ops {
@@ -191,7 +198,7 @@ func checkFencing(ops []Op, a *Anomalies) {
 		for _, op := range opens {
 			if op.epoch > w.Epoch && op.at < w.Call {
 				a.Fencing++
-				a.Details = append(a.Details, fmt.Sprintf("fencing: write %d to block %d by %s at epoch %d (called %v) was acknowledged after epoch %d was opened (%v)",
+				a.Details = append(a.Details, fmt.Sprintf("fencing: write %d to block %d by %s at epoch %d (called %v) was acknowledged after epoch %d was opened or fenced (%v)",
 					w.Value, w.Block, w.Host, w.Epoch, time.Duration(w.Call), op.epoch, time.Duration(op.at)))
 				break
 			}

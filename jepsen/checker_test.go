@@ -121,6 +121,18 @@ func TestFencingChecker(t *testing.T) {
 	if a.Fencing != 1 {
 		t.Fatalf("a write acknowledged at epoch 1 after epoch 2 was opened: %d anomalies, want 1", a.Fencing)
 	}
+	// A detached volume's cut fences the engine that held it (a zombie):
+	// its writes called before the fence may be acknowledged, none after.
+	fence := func(epoch uint64, ret int) Op { return Op{Kind: "fence", Epoch: epoch, OK: true, Return: ms(ret)} }
+	a = Anomalies{}
+	checkFencing([]Op{open(3, 0), w(3, 10, true), fence(3, 20), w(3, 15, true), w(3, 30, false), open(4, 40), w(4, 50, true)}, &a)
+	if a.Fencing != 0 {
+		t.Fatalf("fencing anomalies %v in a correct history with a detach", a.Details)
+	}
+	checkFencing([]Op{open(3, 0), fence(3, 20), w(3, 30, true)}, &a)
+	if a.Fencing != 1 {
+		t.Fatalf("a zombie's write acknowledged at epoch 3 after the detached cut fenced it: %d anomalies, want 1", a.Fencing)
+	}
 }
 
 // snap is replica rep's read of block of snapshot name (window call..ret)
