@@ -236,9 +236,10 @@ func fill(ctx context.Context, e *engine.Engine, off int64, n int) error {
 // flushes, back to back, so that several flushes are in flight at once
 // with writes between them (each recorded like a worker's operation); in
 // one storm of two the engine is killed with SIGKILL in the middle of it,
-// flushes in flight (an unclean stop: a flush that cleared a dirty region
-// on some replicas while a write to it never reached another is what
-// reconcile must not miss). Heal reopens the engine if it was killed.
+// flushes in flight, while one server's link lags (an unclean stop: a
+// flush that cleared a dirty region on some replicas while a write to it
+// never reached another is what reconcile must not miss). Heal reopens
+// the engine if it was killed.
 type flushStorm struct{}
 
 func (flushStorm) Name() string { return "flush-storm" }
@@ -251,6 +252,17 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 	dur := time.Duration(2000+rng.IntN(2000)) * time.Millisecond
 	kill := rng.IntN(2) == 0
 	killAfter := time.Duration(500+rng.IntN(int(dur/time.Millisecond)-500)) * time.Millisecond
+	// In a storm that ends in a kill, one server's link lags, so that
+	// writes are in flight on it alone when the engine dies: what the
+	// others hold and a flush cleared is then what reconcile must find.
+	var slow *Server
+	if kill {
+		slow = r.c.Servers[rng.IntN(len(r.c.Servers))]
+		if err := slow.ProxyCommand("delay 20 30"); err != nil {
+			return "", err
+		}
+		defer func() { _ = slow.ProxyCommand("ok") }()
+	}
 	sctx, cancel := context.WithTimeout(ctx, dur)
 	defer cancel()
 	seeds := make([]uint64, NBDConns)
@@ -295,7 +307,7 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 		if n > 1 {
 			r.hit("flush-storm: engine killed with several flushes in flight")
 		}
-		desc = fmt.Sprintf("; kill -9 the engine after %v with %d flushes in flight", killAfter, n)
+		desc = fmt.Sprintf("; kill -9 the engine after %v with %d flushes in flight, %s's link delayed 20-50 ms", killAfter, n, slow.ID)
 	}
 	wg.Wait()
 	if maxInFlight > 1 {

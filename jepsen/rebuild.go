@@ -340,7 +340,7 @@ func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 			// repair adds one back in time.
 			return "", fmt.Errorf("removed %s, but adding one on %s: %w", old.Id, old.ServerId, err)
 		}
-		desc = fmt.Sprintf("remove %s and add a replica on %s (no other server)", old.Id, old.ServerId)
+		desc = fmt.Sprintf("%d cold registers written; remove %s and add a replica on %s (no other server)", cold, old.Id, old.ServerId)
 	}
 	fresh := func(v *storpb.Volume) *storpb.Replica {
 		for _, rep := range v.Replicas {
