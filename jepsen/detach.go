@@ -18,7 +18,9 @@ import (
 // and detaches the volume, as a clean unstage does), the volume is
 // expanded while detached (offline), and the client reattaches (a new
 // epoch); a register in the new space then joins the workload, like an
-// online expansion's.
+// online expansion's. In one of two, one server is killed -9 before the
+// expansion and restarted just before the reattach, so that its replica
+// may still have the old size when the engine opens.
 type detachExpand struct{}
 
 func (detachExpand) Name() string { return "detach-expand" }
@@ -50,14 +52,32 @@ func (detachExpand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (stri
 	if !o.OK {
 		return "", errors.Join(fmt.Errorf("detach: %s", o.Err), r.reattach(ctx, ch))
 	}
+	// In one of two, a server is down while the volume grows and comes
+	// back just before the reattach: its replica may lag the new size.
+	var down *Server
+	if rng.IntN(2) == 0 {
+		down = r.c.Servers[rng.IntN(len(r.c.Servers))]
+		down.Proc.Kill()
+	}
 	size := uint64(n+1) * blockStride
 	cctx, cancel = context.WithTimeout(ctx, 10*time.Second)
 	_, err = r.c.Control.Volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}, SizeBytes: size})
 	cancel()
+	var restart error
+	if down != nil {
+		restart = down.Proc.Start(false)
+	}
 	if err != nil {
-		return "", errors.Join(fmt.Errorf("expanding the detached volume: %w", err), r.reattach(ctx, ch))
+		return "", errors.Join(fmt.Errorf("expanding the detached volume: %w", err), restart, r.reattach(ctx, ch))
+	}
+	if restart != nil {
+		return "", errors.Join(restart, r.reattach(ctx, ch))
 	}
 	grown := r.now()
+	during := ""
+	if down != nil {
+		during = fmt.Sprintf(" (%s killed -9 meanwhile, restarted before the reattach)", down.ID)
+	}
 	if err := r.reattach(ctx, ch); err != nil {
 		return "", fmt.Errorf("grown to %d bytes while detached, but reattaching: %w", size, err)
 	}
@@ -65,7 +85,7 @@ func (detachExpand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (stri
 	if err := r.addRegister(ctx, n, grown); err != nil {
 		return "", fmt.Errorf("grown to %d bytes while detached and reattached, but %w", size, err)
 	}
-	return fmt.Sprintf("%s detached at epoch %d; the volume grew to %d MiB offline; reattached; register %d added", ch.Host.Name, epoch, size>>20, n), nil
+	return fmt.Sprintf("%s detached at epoch %d; the volume grew to %d MiB offline%s; reattached; register %d added", ch.Host.Name, epoch, size>>20, during, n), nil
 }
 
 func (detachExpand) Heal(ctx context.Context, r *runner) error { return nil }

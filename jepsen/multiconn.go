@@ -49,9 +49,9 @@ type nbdConns struct {
 	conns []*nbdConn
 }
 
-// serveNBD serves e over NBDConns in-process connections.
-func serveNBD(e *engine.Engine, log *slog.Logger) (*nbdConns, error) {
-	srv, err := nbd.NewServer(nbd.Config{Exports: []nbd.Export{{Name: nbdExport, Device: e}}, Logger: log})
+// serveNBD serves d (the engine) over NBDConns in-process connections.
+func serveNBD(d nbd.Device, log *slog.Logger) (*nbdConns, error) {
+	srv, err := nbd.NewServer(nbd.Config{Exports: []nbd.Export{{Name: nbdExport, Device: d}}, Logger: log})
 	if err != nil {
 		return nil, err
 	}
