@@ -38,7 +38,9 @@ func (d *memDevice) WriteZeroes(ctx context.Context, off, n int64, fua bool) err
 	return d.WriteAt(ctx, make([]byte, n), off, fua)
 }
 
-func (d *memDevice) Trim(ctx context.Context, off, n int64) error { return d.WriteZeroes(ctx, off, n, false) }
+func (d *memDevice) Trim(ctx context.Context, off, n int64) error {
+	return d.WriteZeroes(ctx, off, n, false)
+}
 
 func (d *memDevice) Flush(context.Context) error {
 	n := d.flushing.Add(1)
