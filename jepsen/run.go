@@ -413,6 +413,13 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 	}
 	logf("jepsen: seed %d, %v, nemeses %s, broken %q, output %s", cfg.Seed, cfg.Duration, strings.Join(cfg.Nemeses, ","), cfg.Broken, cfg.Dir)
 
+	// A run replayed into the same directory (the same seed, the same
+	// JEPSEN_OUT) must not start from the last one's servers' data: the
+	// volume, created by name, would be the old one, with the old run's
+	// values (the same op ids) in it.
+	if err := os.RemoveAll(filepath.Join(cfg.Dir, "data")); err != nil {
+		return nil, err
+	}
 	c, err := StartCluster(ctx, ClusterConfig{Servers: 3, Clients: 2, ServerBin: cfg.ServerBin, SelfBin: cfg.SelfBin,
 		Dir: filepath.Join(cfg.Dir, "data"), Broken: cfg.Broken, ServerEnv: BrokenModes[cfg.Broken].ServerEnv})
 	if err != nil {
