@@ -8,6 +8,7 @@ import (
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
 )
 
 // Faults around a detach. While a nemesis holds the volume detached the
@@ -75,8 +76,25 @@ func (detachExpand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (stri
 		defer func() { _ = r.c.Net.HealAll(ctx) }()
 	}
 	size := uint64(n+1) * blockStride
+	volumes := r.c.Control.Volumes
+	if apart != nil {
+		// The harness's control client may be pinned to the server cut
+		// off, which answers "no leader" until healed: ask the others.
+		var addrs []string
+		for _, o := range r.c.Servers {
+			if o != apart {
+				addrs = append(addrs, o.ControlAddr())
+			}
+		}
+		c, err := client.Dial(addrs)
+		if err != nil {
+			return "", errors.Join(err, r.c.Net.HealAll(ctx), r.reattach(ctx, ch))
+		}
+		defer c.Close()
+		volumes = c.Volumes
+	}
 	cctx, cancel = context.WithTimeout(ctx, 10*time.Second)
-	_, err = r.c.Control.Volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}, SizeBytes: size})
+	_, err = volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}, SizeBytes: size})
 	cancel()
 	var restart error
 	if down != nil {
