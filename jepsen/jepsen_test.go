@@ -17,6 +17,8 @@ var (
 	flagDuration = flag.Duration("jepsen.duration", 60*time.Second, "faulty phase of each run")
 	flagRuns     = flag.Int("jepsen.runs", 1, "runs, with seeds seed, seed+1, ...")
 	flagNemeses  = flag.String("jepsen.nemeses", "all", `comma-separated nemeses, "all", or "none"`)
+	flagCold     = flag.Int("jepsen.cold", 0, "cold registers (RunConfig.ColdBlocks; 0: the default, -1: none)")
+	flagFill     = flag.Int("jepsen.fill", 0, "filler bytes per register (RunConfig.FillBytes; 0: the default, -1: none)")
 )
 
 var (
@@ -75,7 +77,7 @@ func TestJepsen(t *testing.T) {
 		dir := outDir(t, fmt.Sprintf("seed-%d", s))
 		ctx, cancel := context.WithTimeout(context.Background(), *flagDuration+5*time.Minute)
 		rep, err := Run(ctx, RunConfig{Seed: s, Duration: *flagDuration, Nemeses: nem, NoFaults: none,
-			Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+			ColdBlocks: *flagCold, FillBytes: *flagFill, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
 		cancel()
 		if err != nil {
 			t.Fatalf("seed %d: harness error (rerun with -jepsen.seed=%d): %v", s, s, err)
