@@ -234,8 +234,21 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 		if i > 0 {
 			// The retry: the same replica REBUILDING again (or, if the
 			// first was given up, another).
+			pick := r.rebuilding(target.Id)
+			if n.source {
+				// The source faulted last round is faulty now; wait until
+				// it is healthy again (its own rebuild) while a rebuild
+				// runs, so that there is a source to fault that is not
+				// the last healthy replica.
+				pick = func(v *storpb.Volume) *storpb.Replica {
+					if len(healthy(v)) < 2 {
+						return nil
+					}
+					return r.rebuilding(target.Id)(v)
+				}
+			}
 			var err error
-			if target, _, err = r.waitReplica(ctx, rebuildWait, r.rebuilding(target.Id)); err != nil {
+			if target, _, err = r.waitReplica(ctx, rebuildWait, pick); err != nil {
 				done = append(done, fmt.Sprintf("round %d: no retry REBUILDING: %v", i+1, err))
 				break
 			}
