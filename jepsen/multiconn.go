@@ -234,7 +234,8 @@ func fill(ctx context.Context, e *engine.Engine, off int64, n int) error {
 // flushStorm is the multi-conn workload as a fault: for a few seconds
 // every NBD connection of the active engine writes a register and
 // flushes, back to back, so that several flushes are in flight at once
-// with writes between them (each recorded like a worker's operation); in
+// with writes between them (each recorded like a worker's operation;
+// half of them to the cold registers); in
 // one storm of two the engine is killed with SIGKILL in the middle of it,
 // flushes in flight, while one server's link lags (an unclean stop: a
 // flush that cleared a dirty region on some replicas while a write to it
@@ -279,7 +280,14 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 			wrng := rand.New(rand.NewPCG(seeds[i], 0))
 			client := r.cfg.Workers + 2 + i
 			for sctx.Err() == nil {
-				r.doConn(sctx, client, ch, "write", wrng.IntN(int(r.blocks.Load())), i+1)
+				// Half the writes go to the cold registers, where a
+				// replica left without one after the kill stays different
+				// from the others (a hot register is soon written again).
+				b := wrng.IntN(int(r.blocks.Load()))
+				if r.cfg.ColdBlocks > 0 && wrng.IntN(2) == 0 {
+					b = r.cfg.Blocks - 1 - wrng.IntN(r.cfg.ColdBlocks)
+				}
+				r.doConn(sctx, client, ch, "write", b, i+1)
 				mu.Lock()
 				inFlight++
 				maxInFlight = max(maxInFlight, inFlight)

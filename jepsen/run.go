@@ -37,7 +37,8 @@ type RunConfig struct {
 	// cold: the workers read them but never write them; the rebuild
 	// nemeses write them while a replica is away, so that a rebuild that
 	// skips what a replica missed during an earlier absence leaves a value
-	// no later write covers (every hot register is written every second).
+	// no later write covers (every hot register is written every second);
+	// flush-storm writes them too, for a replica a kill left behind.
 	// Default 2; -1 for none.
 	ColdBlocks int
 	// FillBytes of filler are written after each register's block, in
