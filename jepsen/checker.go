@@ -46,13 +46,14 @@ type Anomalies struct {
 	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
 	Expansion       int      `json:"expansion"`       // online expansions the engine never served
 	Snapshot        int      `json:"snapshot"`        // findings that a snapshot or clone is not the volume at one point of its window
+	Divergence      int      `json:"divergence"`      // registers whose healthy replicas hold different values after the final reopen
 	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
 	Details         []string `json:"details,omitempty"`
 }
 
 // Total counts the anomalies (Unknown is not one, but fails a run too).
 func (a Anomalies) Total() int {
-	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion + a.Snapshot
+	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion + a.Snapshot + a.Divergence
 }
 
 type regInput struct {
@@ -202,6 +203,31 @@ func checkFencing(ops []Op, a *Anomalies) {
 					w.Value, w.Block, w.Host, w.Epoch, time.Duration(w.Call), op.epoch, time.Duration(op.at)))
 				break
 			}
+		}
+	}
+}
+
+// checkReplicasAgree: after the full restart and the final open (which
+// reconciles what an unclean stop left dirty), with nothing written since,
+// every healthy replica holds the same value in every register (the
+// "replica-read" ops, one per replica and register). Replicas that differ
+// are two versions of a block kept for good: which one a read gets depends
+// on which replica it goes to.
+func checkReplicasAgree(ops []Op, a *Anomalies) {
+	seen := map[int]map[uint64][]string{} // block -> value -> replicas
+	for _, o := range ops {
+		if o.Kind != "replica-read" || !o.OK || o.Bad != "" {
+			continue
+		}
+		if seen[o.Block] == nil {
+			seen[o.Block] = map[uint64][]string{}
+		}
+		seen[o.Block][o.Value] = append(seen[o.Block][o.Value], o.Replica)
+	}
+	for _, b := range slices.Sorted(maps.Keys(seen)) {
+		if len(seen[b]) > 1 {
+			a.Divergence++
+			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the final open: %v (value: replicas)", b, seen[b]))
 		}
 	}
 }

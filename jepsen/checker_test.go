@@ -206,3 +206,19 @@ func TestAvailability(t *testing.T) {
 		t.Fatalf("availability %v, want 0.5 (seconds 0 and 2 of 4)", got)
 	}
 }
+
+func TestReplicaAgreementChecker(t *testing.T) {
+	rr := func(rep string, block int, value uint64) Op {
+		return Op{Client: -1, Kind: "replica-read", Replica: rep, Block: block, Value: value, OK: true}
+	}
+	var a Anomalies
+	checkReplicasAgree([]Op{rr("r1", 0, 7), rr("r2", 0, 7), rr("r3", 0, 7), rr("r1", 1, 0), rr("r2", 1, 0),
+		{Kind: "replica-read", Replica: "r3", Block: 1, Err: "unreachable"}}, &a)
+	if a.Divergence != 0 {
+		t.Fatalf("divergence %v where the replicas agree", a.Details)
+	}
+	checkReplicasAgree([]Op{rr("r1", 0, 7), rr("r2", 0, 7), rr("r3", 0, 6), rr("r1", 1, 3), rr("r2", 1, 3), rr("r3", 1, 3)}, &a)
+	if a.Divergence != 1 {
+		t.Fatalf("block 0 held by two replicas as 7 and by one as 6: %d divergence anomalies, want 1 (%v)", a.Divergence, a.Details)
+	}
+}

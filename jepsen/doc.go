@@ -79,6 +79,8 @@
 //   - durability: after the full restart each register holds the newest
 //     write acknowledged before the last completed flush, or a later one;
 //   - expansion: after an online expansion the engine serves the new space;
+//   - divergence: after the full restart and the final open, every healthy
+//     replica holds the same value in every register (readReplicas);
 //   - snapshots: every replica that cut a ready snapshot serves the same
 //     contents, and they are the volume at one instant between the
 //     snapshot's request and the moment it was seen ready, consistent

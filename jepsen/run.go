@@ -111,8 +111,8 @@ func (r *Report) Summary() string {
 		fmt.Fprintf(&b, "  hit   %-60s %d\n", k, r.FaultHits[k])
 	}
 	a := r.Anomalies
-	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d snapshot=%d unknown=%d\n",
-		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Snapshot, a.Unknown)
+	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d snapshot=%d divergence=%d unknown=%d\n",
+		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Snapshot, a.Divergence, a.Unknown)
 	for i, d := range a.Details {
 		if i == 20 {
 			fmt.Fprintf(&b, "  ... %d more in report.json\n", len(a.Details)-20)
@@ -516,6 +516,9 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 			sleep(ctx, time.Second)
 		}
 	}
+	if err := r.readReplicas(ctx); err != nil {
+		return nil, fmt.Errorf("after the full restart: %w", err)
+	}
 	if err := r.readSnapshots(ctx); err != nil {
 		return nil, fmt.Errorf("after the full restart: %w", err)
 	}
@@ -546,6 +549,53 @@ func (r *runner) fill(ctx context.Context, ch *ClientHost) error {
 		}
 		if err != nil {
 			return fmt.Errorf("jepsen: filling register %d: %w", b, err)
+		}
+	}
+	return nil
+}
+
+// readReplicas runs after the final reads: once every replica is healthy
+// again (up to 30 s; the restart may have left rebuilds to do), it reads
+// every register from every replica directly (Kind "replica-read", one op
+// per replica and register), for checkReplicasAgree. Replicas still not
+// healthy then are left out.
+func (r *runner) readReplicas(ctx context.Context) error {
+	var v *storpb.Volume
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var err error
+		if v, err = r.volume(ctx); err != nil {
+			return err
+		}
+		if len(healthy(v)) == len(v.Replicas) || time.Now().After(deadline) {
+			break
+		}
+		sleep(ctx, 500*time.Millisecond)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	servers, err := r.c.Control.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
+	cancel()
+	if err != nil {
+		return err
+	}
+	dataAddr := map[string]string{}
+	for _, s := range servers.Servers {
+		dataAddr[s.Id] = s.DataAddress
+	}
+	blocks := int(r.blocks.Load())
+	for _, rep := range healthy(v) {
+		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		data, err := readBlocks(cctx, dataAddr[rep.ServerId], rep.Id, "", v.Epoch, blocks)
+		cancel()
+		for b := range blocks {
+			o := Op{Client: -1, Kind: "replica-read", Replica: rep.Id, Block: b, Call: r.now(), Return: r.now()}
+			if err != nil {
+				o.Err = err.Error()
+			} else {
+				o.OK = true
+				o.decode(data[b], r.cfg.Seed)
+			}
+			r.record(o)
 		}
 	}
 	return nil
@@ -623,6 +673,7 @@ func (r *runner) check(rep *Report) (*Report, error) {
 	}
 	checkFencing(ops, a)
 	checkDurability(ops, int(r.blocks.Load()), a)
+	checkReplicasAgree(ops, a)
 	snapReads := checkSnapshots(ops, a)
 	checkLinearizable(ops, snapReads, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
 		return filepath.Join(r.cfg.Dir, fmt.Sprintf("block-%d.html", b))
