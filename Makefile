@@ -135,11 +135,13 @@ test-deploy:
 # 60 s run with every nemesis, then the proof that the checkers catch a
 # deliberately broken engine; about 3 minutes. Reports, histories and logs
 # go to JEPSEN_OUT. JEPSEN_SEED=0 picks a seed from the clock (printed);
-# JEPSEN_NEMESES is "all", "none" or a comma-separated list.
+# JEPSEN_NEMESES is "all", "none" or a comma-separated list; JEPSEN_EXTRA
+# more test flags (e.g. -jepsen.cold=-1 -jepsen.fill=-1, docs/JEPSEN.md).
 JEPSEN_OUT ?= jepsen-out
 JEPSEN_SEED ?= 0
 JEPSEN_NEMESES ?= all
-JEPSEN_FLAGS = -jepsen.seed=$(JEPSEN_SEED) -jepsen.nemeses=$(JEPSEN_NEMESES)
+JEPSEN_EXTRA ?=
+JEPSEN_FLAGS = -jepsen.seed=$(JEPSEN_SEED) -jepsen.nemeses=$(JEPSEN_NEMESES) $(JEPSEN_EXTRA)
 jepsen:
 	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout 15m -v -run '^TestJepsen' ./jepsen/ \
 		-jepsen.duration=60s $(JEPSEN_FLAGS)

@@ -17,7 +17,7 @@ type Op struct {
 	Client int    `json:"client"`
 	Host   string `json:"host"`  // the client host that ran it
 	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
-	Kind   string `json:"kind"`  // write, read, flush, open, final-read, snapshot, snapshot-delete, clone, snapshot-read
+	Kind   string `json:"kind"`  // write, read, flush, open, detach, fence, final-read, snapshot, snapshot-delete, clone, snapshot-read
 	Block  int    `json:"block"`
 	// Snapshot names the snapshot of a snapshot op; Replica the replica a
 	// snapshot-read read from; Clone the clone of the snapshot it read, if
@@ -46,13 +46,14 @@ type Anomalies struct {
 	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
 	Expansion       int      `json:"expansion"`       // online expansions the engine never served
 	Snapshot        int      `json:"snapshot"`        // findings that a snapshot or clone is not the volume at one point of its window
+	Divergence      int      `json:"divergence"`      // registers whose healthy replicas hold different values after the final reopen
 	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
 	Details         []string `json:"details,omitempty"`
 }
 
 // Total counts the anomalies (Unknown is not one, but fails a run too).
 func (a Anomalies) Total() int {
-	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion + a.Snapshot
+	return a.Linearizability + a.Durability + a.Integrity + a.Fencing + a.Expansion + a.Snapshot + a.Divergence
 }
 
 type regInput struct {
@@ -173,6 +174,10 @@ func checkIntegrity(ops []Op, a *Anomalies) {
 
 // checkFencing: once an open at epoch e has returned, no engine at an
 // epoch below e may acknowledge a write it was asked to do after that.
+// A "fence" op at epoch e (the volume was detached from the engine at e,
+// and a cut of the detached volume, which fences its replicas, was done
+// by its Return) counts as an open at e+1: the engine at e is a zombie
+// from then on.
 func checkFencing(ops []Op, a *Anomalies) {
 	type open struct {
 		epoch uint64
@@ -180,8 +185,11 @@ func checkFencing(ops []Op, a *Anomalies) {
 	}
 	var opens []open
 	for _, o := range ops {
-		if o.Kind == "open" && o.OK {
+		switch {
+		case o.Kind == "open" && o.OK:
 			opens = append(opens, open{o.Epoch, o.Return})
+		case o.Kind == "fence" && o.OK:
+			opens = append(opens, open{o.Epoch + 1, o.Return})
 		}
 	}
 	for _, w := range ops {
@@ -191,10 +199,35 @@ func checkFencing(ops []Op, a *Anomalies) {
 		for _, op := range opens {
 			if op.epoch > w.Epoch && op.at < w.Call {
 				a.Fencing++
-				a.Details = append(a.Details, fmt.Sprintf("fencing: write %d to block %d by %s at epoch %d (called %v) was acknowledged after epoch %d was opened (%v)",
+				a.Details = append(a.Details, fmt.Sprintf("fencing: write %d to block %d by %s at epoch %d (called %v) was acknowledged after epoch %d was opened or fenced (%v)",
 					w.Value, w.Block, w.Host, w.Epoch, time.Duration(w.Call), op.epoch, time.Duration(op.at)))
 				break
 			}
+		}
+	}
+}
+
+// checkReplicasAgree: after the full restart and the final open (which
+// reconciles what an unclean stop left dirty), with nothing written since,
+// every healthy replica holds the same value in every register (the
+// "replica-read" ops, one per replica and register). Replicas that differ
+// are two versions of a block kept for good: which one a read gets depends
+// on which replica it goes to.
+func checkReplicasAgree(ops []Op, a *Anomalies) {
+	seen := map[int]map[uint64][]string{} // block -> value -> replicas
+	for _, o := range ops {
+		if o.Kind != "replica-read" || !o.OK || o.Bad != "" {
+			continue
+		}
+		if seen[o.Block] == nil {
+			seen[o.Block] = map[uint64][]string{}
+		}
+		seen[o.Block][o.Value] = append(seen[o.Block][o.Value], o.Replica)
+	}
+	for _, b := range slices.Sorted(maps.Keys(seen)) {
+		if len(seen[b]) > 1 {
+			a.Divergence++
+			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the final open: %v (value: replicas)", b, seen[b]))
 		}
 	}
 }

@@ -121,6 +121,18 @@ func TestFencingChecker(t *testing.T) {
 	if a.Fencing != 1 {
 		t.Fatalf("a write acknowledged at epoch 1 after epoch 2 was opened: %d anomalies, want 1", a.Fencing)
 	}
+	// A detached volume's cut fences the engine that held it (a zombie):
+	// its writes called before the fence may be acknowledged, none after.
+	fence := func(epoch uint64, ret int) Op { return Op{Kind: "fence", Epoch: epoch, OK: true, Return: ms(ret)} }
+	a = Anomalies{}
+	checkFencing([]Op{open(3, 0), w(3, 10, true), fence(3, 20), w(3, 15, true), w(3, 30, false), open(4, 40), w(4, 50, true)}, &a)
+	if a.Fencing != 0 {
+		t.Fatalf("fencing anomalies %v in a correct history with a detach", a.Details)
+	}
+	checkFencing([]Op{open(3, 0), fence(3, 20), w(3, 30, true)}, &a)
+	if a.Fencing != 1 {
+		t.Fatalf("a zombie's write acknowledged at epoch 3 after the detached cut fenced it: %d anomalies, want 1", a.Fencing)
+	}
 }
 
 // snap is replica rep's read of block of snapshot name (window call..ret)
@@ -192,5 +204,21 @@ func TestAvailability(t *testing.T) {
 	ops := []Op{write(0, 0, 1, 100, 200, true), write(0, 0, 2, 1100, 1200, false), write(0, 0, 3, 2100, 2200, true), write(0, 0, 4, 2300, 2400, true)}
 	if got := availability(ops, int64(4*time.Second)); got != 0.5 {
 		t.Fatalf("availability %v, want 0.5 (seconds 0 and 2 of 4)", got)
+	}
+}
+
+func TestReplicaAgreementChecker(t *testing.T) {
+	rr := func(rep string, block int, value uint64) Op {
+		return Op{Client: -1, Kind: "replica-read", Replica: rep, Block: block, Value: value, OK: true}
+	}
+	var a Anomalies
+	checkReplicasAgree([]Op{rr("r1", 0, 7), rr("r2", 0, 7), rr("r3", 0, 7), rr("r1", 1, 0), rr("r2", 1, 0),
+		{Kind: "replica-read", Replica: "r3", Block: 1, Err: "unreachable"}}, &a)
+	if a.Divergence != 0 {
+		t.Fatalf("divergence %v where the replicas agree", a.Details)
+	}
+	checkReplicasAgree([]Op{rr("r1", 0, 7), rr("r2", 0, 7), rr("r3", 0, 6), rr("r1", 1, 3), rr("r2", 1, 3), rr("r3", 1, 3)}, &a)
+	if a.Divergence != 1 {
+		t.Fatalf("block 0 held by two replicas as 7 and by one as 6: %d divergence anomalies, want 1 (%v)", a.Divergence, a.Details)
 	}
 }

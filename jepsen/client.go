@@ -27,7 +27,9 @@ import (
 // Request is one command to a client process.
 type Request struct {
 	ID uint64 `json:"id"`
-	// Op: open, write, read, flush, close.
+	// Op: open, write, read, flush, close (the engine closes without
+	// detaching), detach (it closes and detaches the volume, as a clean
+	// unstage does), fill (Len bytes of filler written at Off).
 	Op string `json:"op"`
 	// open: the volume, the node to attach as, the control addresses.
 	Volume  string   `json:"volume,omitempty"`
@@ -42,6 +44,10 @@ type Request struct {
 	Len  int    `json:"len,omitempty"`
 	// TimeoutMS bounds the request in the engine.
 	TimeoutMS int `json:"timeout_ms,omitempty"`
+	// Conn, for write, read and flush: 0 calls the engine directly;
+	// 1..NBDConns sends the request over that NBD connection of the
+	// process (see nbdConns).
+	Conn int `json:"conn,omitempty"`
 }
 
 // Response answers a Request.
@@ -54,17 +60,34 @@ type Response struct {
 	Data  []byte `json:"data,omitempty"`
 }
 
-// BrokenModes are the engine faults the "harness can fail" tests switch
-// on in a client process. They exist only in this harness's client; no
-// stor binary can run them.
-var BrokenModes = map[string]string{
-	"early-ack": "each replica write is acknowledged as soon as it is sent, before the replica answered",
-	"early-cut": "each replica's snapshot cut is acknowledged at once and made 100-600 ms later, while writes go on",
+// BrokenMode is a deliberately broken mode of the system, switched on
+// only to prove that the checkers can fail (the "harness can fail"
+// tests). A mode acts through any of its hooks; each nil hook does
+// nothing. Adding one is an entry in BrokenModes and a test that runs it
+// (runBroken).
+type BrokenMode struct {
+	Doc string
+	// Conn wraps every replica connection the client's engine opens.
+	Conn func(engine.ReplicaConn) engine.ReplicaConn
+	// Engine adjusts the client's engine configuration before Open (for
+	// a test knob of the engine).
+	Engine func(*engine.Config)
+	// ServerEnv is added to every stor-server's environment (for a knob
+	// the jepsenfaults build of the server reads).
+	ServerEnv []string
+}
+
+// BrokenModes are the broken modes by name. The connection and engine
+// hooks exist only in this harness's client; no stor binary runs them.
+var BrokenModes = map[string]BrokenMode{
+	"early-ack": {Doc: "each replica write is acknowledged as soon as it is sent, before the replica answered", Conn: earlyAck},
+	"early-cut": {Doc: "each replica's snapshot cut is acknowledged at once and made 100-600 ms later, while writes go on", Conn: earlyCut},
 }
 
 type clientProc struct {
-	mu  sync.Mutex // guards eng and c
+	mu  sync.Mutex // guards eng, nbd and c
 	eng *engine.Engine
+	nbd *nbdConns // the NBD connections serving eng
 	c   *client.Client
 
 	outMu sync.Mutex
@@ -99,10 +122,10 @@ func (p *clientProc) reply(r Response) {
 	_ = p.out.Encode(r)
 }
 
-func (p *clientProc) engine() *engine.Engine {
+func (p *clientProc) engine() (*engine.Engine, *nbdConns) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.eng
+	return p.eng, p.nbd
 }
 
 func (p *clientProc) handle(req Request) Response {
@@ -117,16 +140,21 @@ func (p *clientProc) handle(req Request) Response {
 	switch req.Op {
 	case "open":
 		err = p.open(ctx, req)
-		if e := p.engine(); err == nil && e != nil {
+		if e, _ := p.engine(); err == nil && e != nil {
 			resp.Epoch = e.Epoch()
 		}
-	case "write", "read", "flush", "close":
-		e := p.engine()
+	case "write", "read", "flush", "close", "detach", "fill":
+		e, conns := p.engine()
 		if e == nil {
 			err = errors.New("client: no engine open")
 			break
 		}
 		resp.Epoch = e.Epoch()
+		switch {
+		case req.Conn != 0:
+			resp.Data, err = conns.call(ctx, req)
+			return finish(resp, err)
+		}
 		switch req.Op {
 		case "write":
 			err = e.WriteAt(ctx, req.Data, req.Off, false)
@@ -139,10 +167,20 @@ func (p *clientProc) handle(req Request) Response {
 			err = e.Flush(ctx)
 		case "close":
 			err = e.Close(ctx, false)
+		case "detach":
+			conns.close()
+			err = e.Close(ctx, true)
+		case "fill":
+			err = fill(ctx, e, req.Off, req.Len)
 		}
 	default:
 		err = fmt.Errorf("client: unknown op %q", req.Op)
 	}
+	return finish(resp, err)
+}
+
+// finish completes resp with err's class.
+func finish(resp Response, err error) Response {
 	if err == nil {
 		resp.OK = true
 		return resp
@@ -177,35 +215,43 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 	}
 	c := p.c
 	p.mu.Unlock()
-	connect := engine.WireConnector(wire.ClientConfig{})
-	switch req.Broken {
-	case "":
-	case "early-ack":
-		connect = wrapConns(connect, earlyAck)
-	case "early-cut":
-		connect = wrapConns(connect, earlyCut)
-	default:
+	mode, ok := BrokenModes[req.Broken]
+	if req.Broken != "" && !ok {
 		return fmt.Errorf("client: unknown broken mode %q", req.Broken)
 	}
-	eng, err := engine.Open(ctx, engine.Config{
+	connect := engine.WireConnector(wire.ClientConfig{})
+	if mode.Conn != nil {
+		connect = wrapConns(connect, mode.Conn)
+	}
+	cfg := engine.Config{
 		Volume: req.Volume, NodeID: req.Node, Takeover: true,
 		Control:      engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots},
 		Connect:      connect,
 		IOTimeout:    3 * time.Second,
 		FaultTimeout: 20 * time.Second,
 		Logger:       p.log,
-	})
+	}
+	if mode.Engine != nil {
+		mode.Engine(&cfg)
+	}
+	eng, err := engine.Open(ctx, cfg)
 	if err != nil {
 		return err
 	}
+	conns, err := serveNBD(eng, p.log)
+	if err != nil {
+		_ = eng.Close(ctx, false)
+		return err
+	}
 	p.mu.Lock()
-	old := p.eng
-	p.eng = eng
+	old, oldConns := p.eng, p.nbd
+	p.eng, p.nbd = eng, conns
 	p.mu.Unlock()
 	if old != nil {
 		go func() {
 			cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
+			oldConns.close()
 			_ = old.Close(cctx, false)
 		}()
 	}

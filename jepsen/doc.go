@@ -22,16 +22,21 @@
 // the proxy's ports, so every Raft and replica connection crosses it.
 // Client hosts run a client process (RunClient): the volume engine opened
 // as stor-ctl nbd serve opens it, driven over stdin/stdout with JSON
-// requests, so that it can be killed with SIGKILL. Both roles are the
+// requests, so that it can be killed with SIGKILL. The process also
+// serves its engine as an NBD export (nbd.Server, as stor-ctl nbd serve
+// does) over NBDConns in-process connections; a request can name one, and
+// then goes over it as an NBD command (multiconn.go). Both roles are the
 // test binary re-executed (TestMain dispatches on STOR_JEPSEN_ROLE).
 //
 // # A run
 //
-// Run creates a 3-replica volume and opens it on client host c0; workers
-// (logical clients) write self-identifying values (op id, block, seed and
-// a SHA-256, see encodeValue) to a set of 4 KiB registers 1 MiB apart,
-// read them back and flush, while a schedule drawn from the seed injects
-// one fault at a time (Nemesis: Inject, hold 2-6 s, Heal, 1-3 s quiet).
+// Run creates a 3-replica volume, opens it on client host c0 and fills
+// the rest of every register's 1 MiB stride with filler (so that a
+// rebuild has some 16 MiB to copy); workers (logical clients) write
+// self-identifying values (op id, block, seed and a SHA-256, see
+// encodeValue) to a set of 4 KiB registers 1 MiB apart, read them back
+// and flush, while a schedule drawn from the seed injects one fault at a
+// time (Nemesis: Inject, hold 2-6 s, Heal, 1-3 s quiet).
 // Every 2-5 s the harness snapshots the volume through the control plane
 // and waits until the snapshot is ready (and clones one in three), or
 // deletes an earlier one.
@@ -41,6 +46,26 @@
 // cut it, and every clone from each of its replicas. The choices (faults, victims, blocks, operations) are
 // reproducible from the seed; the timing of real processes is not.
 //
+// # Nemeses
+//
+// Single faults: partitions (halves, the leader, the client from one
+// server, a ring, one way), SIGKILL and SIGSTOP of a server or the leader,
+// SIGKILL of the engine, slow and lossy links (the proxy), disk errors
+// (EIO) and a full disk (ENOSPC) on one server's replica store, a
+// takeover by the other client host, an online expansion. Compound faults
+// (Inject runs a whole scenario, bounded in time; Report.FaultHits counts
+// those that landed where aimed): rebuild-target and rebuild-source wait
+// for a replica to be REBUILDING and kill or cut off the rebuild's target,
+// or its source, mid-copy, then fault the retry again (rebuild.go);
+// replace-replica replaces a healthy replica under load and faults the new
+// one mid-copy; flush-storm writes and flushes over every NBD connection
+// at once, several flushes in flight, and in one storm of two kills the
+// engine in the middle (multiconn.go); detach-expand detaches cleanly,
+// expands offline, reattaches and writes the new space; detach-snapshot
+// detaches the volume under a zombie engine that keeps writing,
+// snapshots and clones the detached volume, and reattaches (detach.go).
+// docs/JEPSEN.md has the table.
+//
 // # Checkers
 //
 //   - linearizability per register (porcupine): a failed or timed-out
@@ -49,10 +74,13 @@
 //   - integrity: no read returns a torn block or another block's or
 //     another run's value;
 //   - fencing: no write is acknowledged by an engine at epoch e after an
-//     open at a higher epoch returned;
+//     open at a higher epoch returned, or after a cut of the volume
+//     detached from it (which fences its replicas) was done;
 //   - durability: after the full restart each register holds the newest
 //     write acknowledged before the last completed flush, or a later one;
 //   - expansion: after an online expansion the engine serves the new space;
+//   - divergence: after the full restart and the final open, every healthy
+//     replica holds the same value in every register (readReplicas);
 //   - snapshots: every replica that cut a ready snapshot serves the same
 //     contents, and they are the volume at one instant between the
 //     snapshot's request and the moment it was seen ready, consistent

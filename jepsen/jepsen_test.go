@@ -17,6 +17,8 @@ var (
 	flagDuration = flag.Duration("jepsen.duration", 60*time.Second, "faulty phase of each run")
 	flagRuns     = flag.Int("jepsen.runs", 1, "runs, with seeds seed, seed+1, ...")
 	flagNemeses  = flag.String("jepsen.nemeses", "all", `comma-separated nemeses, "all", or "none"`)
+	flagCold     = flag.Int("jepsen.cold", 0, "cold registers (RunConfig.ColdBlocks; 0: the default, -1: none)")
+	flagFill     = flag.Int("jepsen.fill", 0, "filler bytes per register (RunConfig.FillBytes; 0: the default, -1: none)")
 )
 
 var (
@@ -75,7 +77,7 @@ func TestJepsen(t *testing.T) {
 		dir := outDir(t, fmt.Sprintf("seed-%d", s))
 		ctx, cancel := context.WithTimeout(context.Background(), *flagDuration+5*time.Minute)
 		rep, err := Run(ctx, RunConfig{Seed: s, Duration: *flagDuration, Nemeses: nem, NoFaults: none,
-			Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+			ColdBlocks: *flagCold, FillBytes: *flagFill, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
 		cancel()
 		if err != nil {
 			t.Fatalf("seed %d: harness error (rerun with -jepsen.seed=%d): %v", s, s, err)
@@ -105,7 +107,10 @@ func tableRow(r *Report) string {
 // runBroken runs a short run with a broken mode (cfg.Broken, which also
 // names its output directory) and returns its report. Broken runs leave
 // clones out: a clone of a snapshot whose recorded cut was never made
-// could never be filled.
+// could never be filled. The rest of cfg is the caller's: a mode caught by
+// the rebuild nemeses wants their cold registers and filler (the
+// defaults); the others set ColdBlocks to -1, so the workers write every
+// register.
 func runBroken(t *testing.T, cfg RunConfig) *Report {
 	cfg.ServerBin, cfg.SelfBin = setup(t)
 	cfg.Dir, cfg.Blocks, cfg.NoClones, cfg.Logf = outDir(t, "broken-"+cfg.Broken), 4, true, t.Logf
@@ -124,7 +129,7 @@ func runBroken(t *testing.T, cfg RunConfig) *Report {
 // rule broken) must be caught by the checkers, under the engine-kill and
 // server-kill nemeses that make early acknowledgements visible.
 func TestJepsenCatchesEarlyAck(t *testing.T) {
-	rep := runBroken(t, RunConfig{Seed: 1, Duration: 30 * time.Second, Broken: "early-ack",
+	rep := runBroken(t, RunConfig{Seed: 1, Duration: 30 * time.Second, Broken: "early-ack", ColdBlocks: -1,
 		Nemeses: []string{"kill-client", "kill-server", "pause-server"}})
 	if rep.Anomalies.Total() == 0 {
 		t.Fatalf("the early-ack engine passed every checker: the harness cannot fail")
@@ -136,7 +141,7 @@ func TestJepsenCatchesEarlyAck(t *testing.T) {
 // writes (a cut acknowledged before it was made) must be caught, with no
 // fault injected at all.
 func TestJepsenCatchesEarlySnapshotCut(t *testing.T) {
-	rep := runBroken(t, RunConfig{Seed: 2, Duration: 20 * time.Second, Broken: "early-cut", Nemeses: []string{}, NoFaults: true})
+	rep := runBroken(t, RunConfig{Seed: 2, Duration: 20 * time.Second, Broken: "early-cut", ColdBlocks: -1, Nemeses: []string{}, NoFaults: true})
 	if rep.Anomalies.Snapshot == 0 {
 		t.Fatalf("snapshots cut after writes resumed passed the snapshot checker: it cannot fail")
 	}

@@ -53,9 +53,16 @@ func init() {
 	register(&link{name: "link-lossy", cmd: func(rng *rand.Rand) string {
 		return fmt.Sprintf("reset %.3f", 0.005+rng.Float64()*0.02)
 	}})
-	register(&disk{})
+	register(&disk{name: "disk-errors", sig: syscall.SIGUSR1, what: "EIO"})
+	register(&disk{name: "disk-full", sig: syscall.SIGXFSZ, what: "ENOSPC"})
 	register(takeover{})
 	register(expand{})
+	register(rebuildFault{name: "rebuild-target"})
+	register(rebuildFault{name: "rebuild-source", source: true})
+	register(replaceReplica{})
+	register(flushStorm{})
+	register(detachExpand{})
+	register(detachSnapshot{})
 }
 
 // partition installs nftables drops chosen by pick; Heal removes all.
@@ -262,20 +269,25 @@ func (l *link) Heal(ctx context.Context, r *runner) error {
 	return s.ProxyCommand("ok")
 }
 
-// disk makes one server's replica store fail its writes and syncs with
-// EIO (SIGUSR1 to a stor-server built with the jepsenfaults tag; SIGUSR2
-// ends it).
-type disk struct{ victim *Server }
+// disk makes one server's replica store fail its writes and syncs: with
+// EIO (disk-errors: SIGUSR1 to a stor-server built with the jepsenfaults
+// tag) or ENOSPC, a full disk (disk-full: SIGXFSZ); SIGUSR2 ends either.
+type disk struct {
+	name   string
+	sig    syscall.Signal
+	what   string
+	victim *Server
+}
 
-func (*disk) Name() string { return "disk-errors" }
+func (d *disk) Name() string { return d.name }
 
 func (d *disk) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
 	s := r.c.Servers[rng.IntN(len(r.c.Servers))]
-	if err := s.Proc.Signal(syscall.SIGUSR1); err != nil {
+	if err := s.Proc.Signal(d.sig); err != nil {
 		return "", err
 	}
 	d.victim = s
-	return "EIO on replica writes and syncs on " + s.ID, nil
+	return d.what + " on replica writes and syncs on " + s.ID, nil
 }
 
 func (d *disk) Heal(ctx context.Context, r *runner) error {
@@ -340,9 +352,18 @@ func (expand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, er
 	if err != nil {
 		return "", err
 	}
-	// Until the write below succeeds the new register is not in the
-	// workers' range; its ops still go into the history.
-	grown := r.now()
+	if err := r.addRegister(ctx, n, r.now()); err != nil {
+		return "", fmt.Errorf("grown to %d bytes, but %w", size, err)
+	}
+	return fmt.Sprintf("grew the volume to %d MiB under load; register %d added", size>>20, n), nil
+}
+
+// addRegister writes register n (in space the volume just grew by, at
+// grown) through the active engine until a write succeeds, for up to
+// 20 s, and adds it to the workload either way. Until that write
+// succeeds the register is not in the workers' range; its ops still go
+// into the history, and the checkers judge it like the others.
+func (r *runner) addRegister(ctx context.Context, n int64, grown int64) error {
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		w := r.do(ctx, r.cfg.Workers+1, r.active(), "write", int(n))
@@ -357,12 +378,12 @@ func (expand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, er
 			if r.wroteSince(grown, int(n)) {
 				r.expansionFailures.Add(1)
 			}
-			return "", fmt.Errorf("grown to %d bytes, but the engine still fails writes there: %s", size, w.Err)
+			return fmt.Errorf("the engine still fails writes there: %s", w.Err)
 		}
 		sleep(ctx, 500*time.Millisecond)
 	}
 	r.blocks.Add(1)
-	return fmt.Sprintf("grew the volume to %d MiB under load; register %d added", size>>20, n), nil
+	return nil
 }
 
 func (expand) Heal(ctx context.Context, r *runner) error { return nil }

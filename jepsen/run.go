@@ -33,6 +33,21 @@ type RunConfig struct {
 	Workers int
 	// Blocks is the number of registers. Default 16.
 	Blocks int
+	// ColdBlocks of the registers (the last ones of the first Blocks) are
+	// cold: the workers read them but never write them; the rebuild
+	// nemeses write them while a replica is away, so that a rebuild that
+	// skips what a replica missed during an earlier absence leaves a value
+	// no later write covers (every hot register is written every second);
+	// flush-storm writes them too, for a replica a kill left behind.
+	// Default 2; -1 for none.
+	ColdBlocks int
+	// FillBytes of filler are written after each register's block, in
+	// the rest of its 1 MiB stride, before the workload starts, so that a
+	// rebuild (full or delta: a written register's whole region) copies
+	// about a MiB per register and lasts long enough for the rebuild
+	// nemeses to hit it. Default 1 MiB - 4 KiB (the whole stride); -1
+	// for none.
+	FillBytes int
 	// Pace: each worker waits up to this long between operations.
 	// Default 20ms.
 	Pace time.Duration
@@ -52,15 +67,20 @@ type RunConfig struct {
 
 // Report is what a run found.
 type Report struct {
-	Seed         uint64                    `json:"seed"`
-	Duration     string                    `json:"duration"`
-	Nemeses      []string                  `json:"nemeses"`
-	Broken       string                    `json:"broken,omitempty"`
-	Ops          map[string]map[string]int `json:"ops"`    // kind -> ok/failed -> count
-	Faults       map[string]int            `json:"faults"` // nemesis -> injections
-	FaultErrors  int                       `json:"fault_errors"`
-	Anomalies    Anomalies                 `json:"anomalies"`
-	Availability float64                   `json:"availability"` // fraction of seconds with an acknowledged write
+	Seed     uint64                    `json:"seed"`
+	Duration string                    `json:"duration"`
+	Nemeses  []string                  `json:"nemeses"`
+	Broken   string                    `json:"broken,omitempty"`
+	Ops      map[string]map[string]int `json:"ops"`    // kind -> ok/failed -> count
+	Faults   map[string]int            `json:"faults"` // nemesis -> injections
+	// FaultHits counts the faults of the compound nemeses that landed in
+	// the window they aim at (a kill while the replica was REBUILDING,
+	// several flushes in flight, ...), by what they hit; a nemesis whose
+	// aim can miss says here how often it did not.
+	FaultHits    map[string]int `json:"fault_hits,omitempty"`
+	FaultErrors  int            `json:"fault_errors"`
+	Anomalies    Anomalies      `json:"anomalies"`
+	Availability float64        `json:"availability"` // fraction of seconds with an acknowledged write
 	// SnapshotsChecked counts the ready snapshots whose contents were read
 	// back from their replicas and checked.
 	SnapshotsChecked int `json:"snapshots_checked"`
@@ -87,9 +107,12 @@ func (r *Report) Summary() string {
 	for _, k := range slices.Sorted(maps.Keys(r.Faults)) {
 		fmt.Fprintf(&b, "  fault %-26s %d\n", k, r.Faults[k])
 	}
+	for _, k := range slices.Sorted(maps.Keys(r.FaultHits)) {
+		fmt.Fprintf(&b, "  hit   %-60s %d\n", k, r.FaultHits[k])
+	}
 	a := r.Anomalies
-	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d snapshot=%d unknown=%d\n",
-		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Snapshot, a.Unknown)
+	fmt.Fprintf(&b, "  anomalies linearizability=%d durability=%d integrity=%d fencing=%d expansion=%d snapshot=%d divergence=%d unknown=%d\n",
+		a.Linearizability, a.Durability, a.Integrity, a.Fencing, a.Expansion, a.Snapshot, a.Divergence, a.Unknown)
 	for i, d := range a.Details {
 		if i == 20 {
 			fmt.Fprintf(&b, "  ... %d more in report.json\n", len(a.Details)-20)
@@ -111,6 +134,9 @@ type runner struct {
 	blocks atomic.Int64
 	// expansionFailures counts expansions the engine never served.
 	expansionFailures atomic.Int64
+	// held keeps the workers from reopening the engine while a nemesis
+	// holds the volume detached (see detach.go).
+	held atomic.Bool
 
 	volumeID string
 
@@ -121,6 +147,7 @@ type runner struct {
 	activeI   int
 	reopening map[*ClientHost]bool
 	lastOpen  map[*ClientHost]time.Time // a worker's last reopen attempt
+	hits      map[string]int            // see Report.FaultHits
 
 	staleWG sync.WaitGroup
 }
@@ -131,6 +158,14 @@ func (r *runner) record(o Op) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.history = append(r.history, o)
+}
+
+// hit counts a fault that landed where its nemesis aimed it (see
+// Report.FaultHits).
+func (r *runner) hit(what string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.hits[what]++
 }
 
 func (r *runner) activeIdx() int {
@@ -195,9 +230,15 @@ const opTimeout = 15 * time.Second
 
 // do runs one register operation on ch and records it.
 func (r *runner) do(ctx context.Context, client int, ch *ClientHost, kind string, block int) Op {
+	return r.doConn(ctx, client, ch, kind, block, 0)
+}
+
+// doConn is do over NBD connection conn of the client process (0: the
+// engine directly; see nbdConns).
+func (r *runner) doConn(ctx context.Context, client int, ch *ClientHost, kind string, block, conn int) Op {
 	s, epoch := ch.Session()
 	o := Op{Client: client, Host: ch.Name, Epoch: epoch, Kind: kind, Block: block}
-	req := Request{Op: kind, TimeoutMS: int(opTimeout / time.Millisecond)}
+	req := Request{Op: kind, TimeoutMS: int(opTimeout / time.Millisecond), Conn: conn}
 	switch kind {
 	case "write":
 		o.Value = r.ids.Add(1)
@@ -243,7 +284,11 @@ func (r *runner) worker(ctx context.Context, id int, seed uint64) {
 		case p < 55:
 			kind = "flush"
 		}
-		o := r.do(ctx, id, ch, kind, rng.IntN(int(r.blocks.Load())))
+		b := rng.IntN(int(r.blocks.Load()))
+		if kind == "write" && r.cold(b) {
+			kind = "read"
+		}
+		o := r.do(ctx, id, ch, kind, b)
 		// A short pause between operations keeps each block's history
 		// small enough for the linearizability check to finish.
 		sleep(ctx, time.Duration(rng.IntN(int(r.cfg.Pace)+1)))
@@ -251,7 +296,7 @@ func (r *runner) worker(ctx context.Context, id int, seed uint64) {
 			// The engine may have stopped (fenced by a takeover that
 			// made another host active, killed, or out of replicas):
 			// reopen it if this host is still the active one.
-			if r.active() == ch && ctx.Err() == nil && needsReopen(o.Err) && r.reopenDue(ch) {
+			if r.active() == ch && ctx.Err() == nil && needsReopen(o.Err) && !r.held.Load() && r.reopenDue(ch) {
 				_ = r.reopen(ctx, ch)
 			}
 			select {
@@ -260,6 +305,23 @@ func (r *runner) worker(ctx context.Context, id int, seed uint64) {
 			}
 		}
 	}
+}
+
+// cold reports whether register b is cold (see RunConfig.ColdBlocks).
+func (r *runner) cold(b int) bool {
+	return r.cfg.ColdBlocks > 0 && b >= r.cfg.Blocks-r.cfg.ColdBlocks && b < r.cfg.Blocks
+}
+
+// writeCold writes every cold register once through the active engine
+// and says how many writes were acknowledged.
+func (r *runner) writeCold(ctx context.Context) int {
+	n := 0
+	for b := range r.cfg.Blocks {
+		if r.cold(b) && r.do(ctx, r.cfg.Workers+1, r.active(), "write", b).OK {
+			n++
+		}
+	}
+	return n
 }
 
 // wroteSince reports whether a write to a block other than except was
@@ -323,6 +385,18 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 	if cfg.Blocks == 0 {
 		cfg.Blocks = 16
 	}
+	if cfg.ColdBlocks == 0 {
+		cfg.ColdBlocks = 2
+	}
+	cfg.ColdBlocks = min(cfg.ColdBlocks, cfg.Blocks/2)
+	if cfg.FillBytes == 0 {
+		cfg.FillBytes = blockStride - BlockSize
+	}
+	if cfg.Broken != "" {
+		if _, ok := BrokenModes[cfg.Broken]; !ok {
+			return nil, fmt.Errorf("jepsen: unknown broken mode %q", cfg.Broken)
+		}
+	}
 	if cfg.Pace == 0 {
 		cfg.Pace = 20 * time.Millisecond
 	}
@@ -340,8 +414,15 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 	}
 	logf("jepsen: seed %d, %v, nemeses %s, broken %q, output %s", cfg.Seed, cfg.Duration, strings.Join(cfg.Nemeses, ","), cfg.Broken, cfg.Dir)
 
+	// A run replayed into the same directory (the same seed, the same
+	// JEPSEN_OUT) must not start from the last one's servers' data: the
+	// volume, created by name, would be the old one, with the old run's
+	// values (the same op ids) in it.
+	if err := os.RemoveAll(filepath.Join(cfg.Dir, "data")); err != nil {
+		return nil, err
+	}
 	c, err := StartCluster(ctx, ClusterConfig{Servers: 3, Clients: 2, ServerBin: cfg.ServerBin, SelfBin: cfg.SelfBin,
-		Dir: filepath.Join(cfg.Dir, "data"), Broken: cfg.Broken})
+		Dir: filepath.Join(cfg.Dir, "data"), Broken: cfg.Broken, ServerEnv: BrokenModes[cfg.Broken].ServerEnv})
 	if err != nil {
 		return nil, err
 	}
@@ -352,9 +433,12 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 		return nil, err
 	}
 	r := &runner{cfg: cfg, c: c, volumeID: vol.Volume.Id, start: time.Now(), rng: rand.New(rand.NewPCG(cfg.Seed, 0x6a657073656e)),
-		reopening: map[*ClientHost]bool{}, lastOpen: map[*ClientHost]time.Time{}}
+		reopening: map[*ClientHost]bool{}, lastOpen: map[*ClientHost]time.Time{}, hits: map[string]int{}}
 	r.blocks.Store(int64(cfg.Blocks))
 	if err := r.reopen(ctx, c.Clients[0]); err != nil {
+		return nil, err
+	}
+	if err := r.fill(ctx, c.Clients[0]); err != nil {
 		return nil, err
 	}
 
@@ -432,11 +516,89 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 			sleep(ctx, time.Second)
 		}
 	}
+	if err := r.readReplicas(ctx); err != nil {
+		return nil, fmt.Errorf("after the full restart: %w", err)
+	}
 	if err := r.readSnapshots(ctx); err != nil {
 		return nil, fmt.Errorf("after the full restart: %w", err)
 	}
 	report.Duration = time.Since(r.start).Round(time.Second).String()
+	r.mu.Lock()
+	report.FaultHits = maps.Clone(r.hits)
+	r.mu.Unlock()
 	return r.check(report)
+}
+
+// fill writes cfg.FillBytes of filler after every register's block
+// through the engine on ch (see RunConfig.FillBytes).
+func (r *runner) fill(ctx context.Context, ch *ClientHost) error {
+	if r.cfg.FillBytes <= 0 {
+		return nil
+	}
+	s, _ := ch.Session()
+	if s == nil {
+		return errors.New("jepsen: fill: no client process")
+	}
+	n := min(r.cfg.FillBytes, blockStride-BlockSize)
+	for b := range r.cfg.Blocks {
+		cctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		resp, err := s.Call(cctx, Request{Op: "fill", Off: int64(b)*blockStride + BlockSize, Len: n, TimeoutMS: 50000})
+		cancel()
+		if err == nil && !resp.OK {
+			err = errors.New(resp.Err)
+		}
+		if err != nil {
+			return fmt.Errorf("jepsen: filling register %d: %w", b, err)
+		}
+	}
+	return nil
+}
+
+// readReplicas runs after the final reads: once every replica is healthy
+// again (up to 30 s; the restart may have left rebuilds to do), it reads
+// every register from every replica directly (Kind "replica-read", one op
+// per replica and register), for checkReplicasAgree. Replicas still not
+// healthy then are left out.
+func (r *runner) readReplicas(ctx context.Context) error {
+	var v *storpb.Volume
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var err error
+		if v, err = r.volume(ctx); err != nil {
+			return err
+		}
+		if len(healthy(v)) == len(v.Replicas) || time.Now().After(deadline) {
+			break
+		}
+		sleep(ctx, 500*time.Millisecond)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	servers, err := r.c.Control.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
+	cancel()
+	if err != nil {
+		return err
+	}
+	dataAddr := map[string]string{}
+	for _, s := range servers.Servers {
+		dataAddr[s.Id] = s.DataAddress
+	}
+	blocks := int(r.blocks.Load())
+	for _, rep := range healthy(v) {
+		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		data, err := readBlocks(cctx, dataAddr[rep.ServerId], rep.Id, "", v.Epoch, blocks)
+		cancel()
+		for b := range blocks {
+			o := Op{Client: -1, Kind: "replica-read", Replica: rep.Id, Block: b, Call: r.now(), Return: r.now()}
+			if err != nil {
+				o.Err = err.Error()
+			} else {
+				o.OK = true
+				o.decode(data[b], r.cfg.Seed)
+			}
+			r.record(o)
+		}
+	}
+	return nil
 }
 
 func (r *runner) retryOpen(ctx context.Context, ch *ClientHost) error {
@@ -511,6 +673,7 @@ func (r *runner) check(rep *Report) (*Report, error) {
 	}
 	checkFencing(ops, a)
 	checkDurability(ops, int(r.blocks.Load()), a)
+	checkReplicasAgree(ops, a)
 	snapReads := checkSnapshots(ops, a)
 	checkLinearizable(ops, snapReads, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
 		return filepath.Join(r.cfg.Dir, fmt.Sprintf("block-%d.html", b))

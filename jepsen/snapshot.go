@@ -63,7 +63,7 @@ func (r *runner) snapshotter(ctx context.Context, seed uint64) {
 				continue
 			}
 		}
-		if s := r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n)); s != nil && rng.IntN(3) == 0 && !r.cfg.NoClones {
+		if s := r.snapshot(ctx, fmt.Sprintf("jepsen-%d", n), 0); s != nil && rng.IntN(3) == 0 && !r.cfg.NoClones {
 			r.clone(ctx, s, fmt.Sprintf("jepsen-clone-%d", n))
 		}
 		n++
@@ -89,9 +89,13 @@ func (r *runner) pickSnapshot(rng *rand.Rand, atLeast int) *snapOp {
 
 // snapshot asks for snapshot name and waits until it is ready, failed,
 // or 30 s passed (a snapshot still pending then is resolved at the end).
-// It returns the snapshot if it was seen ready.
-func (r *runner) snapshot(ctx context.Context, name string) *snapOp {
+// It returns the snapshot if it was seen ready. Its window starts at
+// from, or at the request if from is 0.
+func (r *runner) snapshot(ctx context.Context, name string, from int64) *snapOp {
 	s := &snapOp{name: name, call: r.now()}
+	if from != 0 {
+		s.call = from
+	}
 	r.mu.Lock()
 	r.snaps = append(r.snaps, s)
 	r.mu.Unlock()

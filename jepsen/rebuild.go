@@ -1,0 +1,412 @@
+package jepsen
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+)
+
+// Faults aimed at rebuilds. A replica that missed writes (its server was
+// killed, cut off, its disk failed) comes back REBUILDING, and the engine
+// copies into it from a healthy replica (the source) while the writes go
+// on; ReplaceReplica adds a new replica that is filled by a full rebuild.
+// These nemeses wait (bounded) until a replica is REBUILDING, as the
+// control plane shows it, and fault the rebuild's target or its source
+// mid-copy, then fault the retry again. The run's filler
+// (RunConfig.FillBytes) makes each copy some 16 MiB, so that it lasts long
+// enough to be hit, and while one of these nemeses runs the target's link
+// is slowed (rebuildLinkDelay on its proxy), which stretches a copy that
+// takes 0.1 s on an idle machine to a few seconds. Report.FaultHits
+// counts the faults that landed while the control plane still showed the
+// target REBUILDING.
+//
+// Reads go to the first healthy replica by id (engine.readSet), so a
+// replica that comes back HEALTHY without writes it missed is seen at
+// once when it is that one: half of the rebuilds these nemeses start are
+// of that replica.
+
+// Bounds of the rebuild nemeses.
+const (
+	// rebuildWait bounds each wait for a replica to become REBUILDING.
+	rebuildWait = 20 * time.Second
+	// rebuildDone bounds the wait for a replaced replica to be HEALTHY.
+	rebuildDone = 30 * time.Second
+	// rebuildLinkDelay is the link proxy command that slows the target
+	// (each 64 KiB chunk forwarded waits 8-16 ms: some 16 MiB copied in
+	// 2-4 s).
+	rebuildLinkDelay = "delay 8 8"
+)
+
+// slowLink slows s's links for a rebuild nemesis; the returned func
+// restores them.
+func slowLink(s *Server) func() {
+	if s == nil || s.ProxyCommand(rebuildLinkDelay) != nil {
+		return func() {}
+	}
+	return func() { _ = s.ProxyCommand("ok") }
+}
+
+// volume returns the volume as the control plane has it now.
+func (r *runner) volume(ctx context.Context) (*storpb.Volume, error) {
+	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	resp, err := r.c.Control.Volumes.GetVolume(cctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}})
+	if err != nil {
+		return nil, err
+	}
+	return resp.Volume, nil
+}
+
+// server returns the Server with id id, or nil.
+func (r *runner) server(id string) *Server {
+	for _, s := range r.c.Servers {
+		if s.ID == id {
+			return s
+		}
+	}
+	return nil
+}
+
+// waitReplica polls the volume every 50 ms, for up to limit, until pick
+// returns a replica, and returns it.
+func (r *runner) waitReplica(ctx context.Context, limit time.Duration, pick func(*storpb.Volume) *storpb.Replica) (*storpb.Replica, *storpb.Volume, error) {
+	deadline := time.Now().Add(limit)
+	var last error
+	for ctx.Err() == nil && time.Now().Before(deadline) {
+		v, err := r.volume(ctx)
+		if err == nil {
+			if rep := pick(v); rep != nil {
+				return rep, v, nil
+			}
+		} else {
+			last = err
+		}
+		sleep(ctx, 50*time.Millisecond)
+	}
+	return nil, nil, fmt.Errorf("not seen within %v (last error: %v)", limit, last)
+}
+
+// rebuilding picks a REBUILDING replica whose server is running: the one
+// with id want if it is, else any.
+func (r *runner) rebuilding(want string) func(*storpb.Volume) *storpb.Replica {
+	return func(v *storpb.Volume) *storpb.Replica {
+		var first *storpb.Replica
+		for _, rep := range v.Replicas {
+			s := r.server(rep.ServerId)
+			if rep.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || s == nil || !s.Proc.Running() {
+				continue
+			}
+			if rep.Id == want {
+				return rep
+			}
+			if first == nil {
+				first = rep
+			}
+		}
+		return first
+	}
+}
+
+func healthy(v *storpb.Volume) []*storpb.Replica {
+	var out []*storpb.Replica
+	for _, rep := range v.Replicas {
+		if rep.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			out = append(out, rep)
+		}
+	}
+	return out
+}
+
+// rebuildSource is the replica the engine copies from: the first healthy
+// replica by id (the engine's read order, engine.readSet, with no local
+// server). It is not in the control plane's view, so this mirrors the
+// engine's rule; if the rule changes, the fault still lands on a healthy
+// replica other than the target.
+func rebuildSource(v *storpb.Volume, target string) *storpb.Replica {
+	h := slices.DeleteFunc(healthy(v), func(rep *storpb.Replica) bool { return rep.Id == target })
+	if len(h) == 0 {
+		return nil
+	}
+	return slices.MinFunc(h, func(a, b *storpb.Replica) int { return strings.Compare(a.Id, b.Id) })
+}
+
+func replicaIn(v *storpb.Volume, id string) *storpb.Replica {
+	for _, rep := range v.Replicas {
+		if rep.Id == id {
+			return rep
+		}
+	}
+	return nil
+}
+
+// startRebuild makes a replica REBUILDING, unless one already is: it
+// kills a random replica's server with SIGKILL for 1.5 s while the
+// workers write (so that the replica misses writes and is marked faulty)
+// and the cold registers are written, restarts it, and waits for the
+// replica to come back REBUILDING (a delta rebuild of every region
+// written meanwhile). The cold registers are not written again until the
+// end of the nemesis, so a retry that skips what the first absence missed
+// leaves them stale on the target.
+func (r *runner) startRebuild(ctx context.Context, rng *rand.Rand) (*storpb.Replica, string, error) {
+	v, err := r.volume(ctx)
+	if err != nil {
+		return nil, "", err
+	}
+	if rep := r.rebuilding("")(v); rep != nil {
+		return rep, "", nil
+	}
+	var pre string
+	if len(healthy(v)) == len(v.Replicas) {
+		rep := v.Replicas[rng.IntN(len(v.Replicas))]
+		if rng.IntN(2) == 0 {
+			rep = slices.MinFunc(v.Replicas, func(a, b *storpb.Replica) int { return strings.Compare(a.Id, b.Id) })
+		}
+		s := r.server(rep.ServerId)
+		if s == nil {
+			return nil, "", fmt.Errorf("replica %s is on unknown server %s", rep.Id, rep.ServerId)
+		}
+		s.Proc.Kill()
+		sleep(ctx, 500*time.Millisecond)
+		cold := r.writeCold(ctx)
+		sleep(ctx, 1000*time.Millisecond)
+		// Slow before the restart, so that the copy is slow from its start.
+		if err := s.ProxyCommand(rebuildLinkDelay); err != nil {
+			return nil, "", err
+		}
+		if err := s.Proc.Start(false); err != nil {
+			return nil, "", err
+		}
+		pre = fmt.Sprintf("kill -9 %s for 1.5 s to start a rebuild of %s (%d cold registers written meanwhile); ", s.ID, rep.Id, cold)
+	}
+	rep, _, err := r.waitReplica(ctx, rebuildWait, r.rebuilding(""))
+	if err != nil {
+		for _, s := range r.c.Servers {
+			_ = s.ProxyCommand("ok")
+		}
+		return nil, pre, fmt.Errorf("%sno replica REBUILDING: %w", pre, err)
+	}
+	return rep, pre, nil
+}
+
+// faultServer kills s with SIGKILL or cuts it off from the active client
+// host (the engine), holds that 1-2 s, and undoes it.
+func (r *runner) faultServer(ctx context.Context, rng *rand.Rand, s *Server, partition bool) (string, error) {
+	hold := time.Duration(1000+rng.IntN(1000)) * time.Millisecond
+	if partition {
+		ch := r.active()
+		if err := Cut(ctx, ch.Host, s.Host); err != nil {
+			return "", err
+		}
+		sleep(ctx, hold)
+		return fmt.Sprintf("cut %s|%s for %v", ch.Host.Name, s.Host.Name, hold), r.c.Net.HealAll(ctx)
+	}
+	s.Proc.Kill()
+	sleep(ctx, hold)
+	return fmt.Sprintf("kill -9 %s for %v", s.ID, hold), s.Proc.Start(false)
+}
+
+// rebuildFault faults the server of a rebuild's target (source false) or
+// of its source (source true) while the copy runs, 2-3 times: after each
+// heal it waits for the retry to start and faults that too. Each fault is
+// SIGKILL or a partition from the engine's host, chosen per round.
+type rebuildFault struct {
+	name   string
+	source bool
+}
+
+func (n rebuildFault) Name() string { return n.name }
+
+func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
+	target, desc, err := r.startRebuild(ctx, rng)
+	if err != nil {
+		return "", err
+	}
+	defer slowLink(r.server(target.ServerId))()
+	rounds := 2 + rng.IntN(2)
+	var done []string
+	for i := 0; i < rounds; i++ {
+		if i > 0 {
+			// The retry: the same replica REBUILDING again (or, if the
+			// first was given up, another).
+			pick := r.rebuilding(target.Id)
+			if n.source {
+				// The source faulted last round is faulty now; wait until
+				// it is healthy again (its own rebuild) while a rebuild
+				// runs, so that there is a source to fault that is not
+				// the last healthy replica.
+				pick = func(v *storpb.Volume) *storpb.Replica {
+					if len(healthy(v)) < 2 {
+						return nil
+					}
+					return r.rebuilding(target.Id)(v)
+				}
+			}
+			var err error
+			if target, _, err = r.waitReplica(ctx, rebuildWait, pick); err != nil {
+				done = append(done, fmt.Sprintf("round %d: no retry REBUILDING: %v", i+1, err))
+				break
+			}
+		}
+		// Into the copy: the engine starts it as soon as its watch shows
+		// the replica REBUILDING.
+		sleep(ctx, time.Duration(rng.IntN(300))*time.Millisecond)
+		v, err := r.volume(ctx)
+		if err != nil {
+			return "", err
+		}
+		now := replicaIn(v, target.Id)
+		if now == nil {
+			done = append(done, fmt.Sprintf("round %d: %s was removed", i+1, target.Id))
+			break
+		}
+		victim := now
+		if n.source {
+			if victim = rebuildSource(v, target.Id); victim == nil || len(healthy(v)) < 2 {
+				// Faulting the only healthy replica would stop the volume,
+				// not test the rebuild.
+				done = append(done, fmt.Sprintf("round %d: fewer than two healthy replicas", i+1))
+				break
+			}
+		}
+		s := r.server(victim.ServerId)
+		if s == nil || !s.Proc.Running() {
+			done = append(done, fmt.Sprintf("round %d: %s not running", i+1, victim.ServerId))
+			break
+		}
+		mid := now.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING
+		what, err := r.faultServer(ctx, rng, s, rng.IntN(2) == 0)
+		if err != nil {
+			return "", err
+		}
+		role := "target"
+		if n.source {
+			role = "source"
+		}
+		state := "after it finished"
+		if mid {
+			state = fmt.Sprintf("mid-copy (%d/%d bytes reported)", now.RebuildDoneBytes, now.RebuildTotalBytes)
+			kind := "kill"
+			if strings.HasPrefix(what, "cut") {
+				kind = "partition"
+			}
+			r.hit(fmt.Sprintf("%s: %s of the rebuild's %s while it was REBUILDING", n.name, kind, role))
+		}
+		done = append(done, fmt.Sprintf("round %d: %s (%s %s of %s, delta from generation %d) %s", i+1, what, role, victim.Id, target.Id, now.RebuildFromGeneration, state))
+	}
+	return desc + strings.Join(done, "; "), nil
+}
+
+// Heal is nothing: each round heals its own fault.
+func (rebuildFault) Heal(ctx context.Context, r *runner) error { return nil }
+
+// replaceReplica replaces a healthy replica under load (ReplaceReplica,
+// as stor-ctl replica remove --replace does), faults the new replica's
+// server mid-copy (SIGKILL or a partition from the engine) once or twice,
+// heals, and waits (bounded) for the new replica to complete its full
+// rebuild. With as many servers as replicas a replacement has nowhere to
+// go but the server it leaves, which placement refuses: then it is a
+// remove and an add on that server (two ReplaceReplica calls, as stor-ctl
+// replica remove and replica add), still a brand-new replica filled by a
+// full rebuild.
+type replaceReplica struct{}
+
+func (replaceReplica) Name() string { return "replace-replica" }
+
+func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
+	v, err := r.volume(ctx)
+	if err != nil {
+		return "", err
+	}
+	if len(healthy(v)) != len(v.Replicas) || len(v.Replicas) < 3 {
+		return "", errors.New("not every replica is healthy")
+	}
+	old := v.Replicas[rng.IntN(len(v.Replicas))]
+	before := map[string]bool{}
+	for _, rep := range v.Replicas {
+		before[rep.Id] = true
+	}
+	ref := &storpb.VolumeRef{Name: r.c.Volume}
+	call := func(req *storpb.ReplaceReplicaRequest) error {
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		_, err := r.c.Control.Volumes.ReplaceReplica(cctx, req)
+		return err
+	}
+	// Cold registers the new replica must get from its copy alone: no
+	// write covers them afterwards.
+	cold := r.writeCold(ctx)
+	desc := fmt.Sprintf("%d cold registers written; replace %s on %s", cold, old.Id, old.ServerId)
+	// With three servers the new replica goes where the old one was.
+	defer slowLink(r.server(old.ServerId))()
+	if err := call(&storpb.ReplaceReplicaRequest{Volume: ref, ReplicaId: old.Id}); err != nil {
+		if err := call(&storpb.ReplaceReplicaRequest{Volume: ref, ReplicaId: old.Id, RemoveOnly: true}); err != nil {
+			return "", fmt.Errorf("remove %s: %w", old.Id, err)
+		}
+		if err := call(&storpb.ReplaceReplicaRequest{Volume: ref, ServerId: old.ServerId}); err != nil {
+			// The volume runs with one replica fewer; the leader's
+			// repair adds one back in time.
+			return "", fmt.Errorf("removed %s, but adding one on %s: %w", old.Id, old.ServerId, err)
+		}
+		desc = fmt.Sprintf("%d cold registers written; remove %s and add a replica on %s (no other server)", cold, old.Id, old.ServerId)
+	}
+	fresh := func(v *storpb.Volume) *storpb.Replica {
+		for _, rep := range v.Replicas {
+			if !before[rep.Id] {
+				return rep
+			}
+		}
+		return nil
+	}
+	added, _, err := r.waitReplica(ctx, 5*time.Second, fresh)
+	if err != nil {
+		return "", fmt.Errorf("%s: the new replica: %w", desc, err)
+	}
+	desc += "; new replica " + added.Id
+	rounds := 1 + rng.IntN(2)
+	for i := 0; i < rounds; i++ {
+		rep, _, err := r.waitReplica(ctx, rebuildWait, func(v *storpb.Volume) *storpb.Replica {
+			if rep := r.rebuilding(added.Id)(v); rep != nil && rep.Id == added.Id {
+				return rep
+			}
+			return nil
+		})
+		if err != nil {
+			desc += fmt.Sprintf("; round %d: not REBUILDING: %v", i+1, err)
+			break
+		}
+		sleep(ctx, time.Duration(rng.IntN(300))*time.Millisecond)
+		v, err := r.volume(ctx)
+		if err != nil {
+			return "", err
+		}
+		now := replicaIn(v, rep.Id)
+		mid := now != nil && now.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING
+		what, err := r.faultServer(ctx, rng, r.server(rep.ServerId), rng.IntN(2) == 0)
+		if err != nil {
+			return "", err
+		}
+		state := "after it finished"
+		if mid {
+			state = fmt.Sprintf("mid-copy (%d/%d bytes reported, full from offset %d)", now.RebuildDoneBytes, now.RebuildTotalBytes, now.RebuildResumeOffset)
+			r.hit("replace-replica: fault of the new replica while it was REBUILDING")
+		}
+		desc += fmt.Sprintf("; round %d: %s %s", i+1, what, state)
+	}
+	if _, _, err := r.waitReplica(ctx, rebuildDone, func(v *storpb.Volume) *storpb.Replica {
+		if rep := replicaIn(v, added.Id); rep != nil && rep.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			return rep
+		}
+		return nil
+	}); err != nil {
+		return desc + fmt.Sprintf("; not HEALTHY within %v", rebuildDone), nil
+	}
+	return desc + "; HEALTHY again", nil
+}
+
+func (replaceReplica) Heal(ctx context.Context, r *runner) error { return nil }
