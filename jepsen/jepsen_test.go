@@ -113,7 +113,10 @@ func tableRow(r *Report) string {
 // register.
 func runBroken(t *testing.T, cfg RunConfig) *Report {
 	cfg.ServerBin, cfg.SelfBin = setup(t)
-	cfg.Dir, cfg.Blocks, cfg.NoClones, cfg.Logf = outDir(t, "broken-"+cfg.Broken), 4, true, t.Logf
+	if cfg.Blocks == 0 {
+		cfg.Blocks = 4
+	}
+	cfg.Dir, cfg.NoClones, cfg.Logf = outDir(t, "broken-"+cfg.Broken), true, t.Logf
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, cfg)
@@ -144,5 +147,19 @@ func TestJepsenCatchesEarlySnapshotCut(t *testing.T) {
 	rep := runBroken(t, RunConfig{Seed: 2, Duration: 20 * time.Second, Broken: "early-cut", ColdBlocks: -1, Nemeses: []string{}, NoFaults: true})
 	if rep.Anomalies.Snapshot == 0 {
 		t.Fatalf("snapshots cut after writes resumed passed the snapshot checker: it cannot fail")
+	}
+}
+
+// TestJepsenCatchesRebuildFromLatestFault proves the fault tests find issue
+// 13's A: an engine that restarts a failed delta rebuild from the replica's
+// latest fault (instead of where it stopped being healthy) skips the writes
+// the replica missed in its first absence. The rebuild-target nemesis
+// faults rebuilds mid-copy and their retries, and writes the cold registers
+// while the replica is away; the checkers must see the lost writes.
+func TestJepsenCatchesRebuildFromLatestFault(t *testing.T) {
+	rep := runBroken(t, RunConfig{Seed: 103, Duration: 40 * time.Second, Broken: "rebuild-from-latest-fault",
+		Nemeses: []string{"rebuild-target"}})
+	if rep.Anomalies.Total() == 0 {
+		t.Fatalf("rebuilds restarted from the latest fault passed every checker: the fault tests cannot find issue 13 A")
 	}
 }
