@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
@@ -69,6 +70,9 @@ type Config struct {
 	// Endpoint is where the CSI gRPC server listens: "unix:///path" or a
 	// plain path (a unix socket); required by Run.
 	Endpoint string
+	// HealthListen is the TCP address (host:port) where Run serves Health:
+	// /healthz (liveness) and /readyz (readiness). "" serves none.
+	HealthListen string
 	// DriverName is GetPluginInfo's name and the topology keys' suffix.
 	// Default DefaultDriverName.
 	DriverName string
@@ -156,8 +160,9 @@ type Driver struct {
 	cfg Config
 	log *slog.Logger
 
-	locks opLocks
-	node  *nodeServer // nil in controller mode
+	locks   opLocks
+	node    *nodeServer // nil in controller mode
+	serving atomic.Bool // Run's gRPC server is serving (Health's /healthz)
 
 	csipb.UnimplementedIdentityServer
 }
@@ -196,8 +201,8 @@ func (d *Driver) Register(s *grpc.Server) {
 // registers the node with the cluster, retrying until the cluster answers
 // or ctx ends, then resumes every volume the node recorded as staged (also
 // when the cluster refused the node id: the devices of mounted volumes
-// come back either way). Probe reports ready once the node is registered
-// and recovery has run.
+// come back either way). Ready (/readyz) reports ready once the node is
+// registered and recovery has run; Probe does not wait for it.
 func (d *Driver) Start(ctx context.Context) error {
 	if d.node == nil {
 		return nil
@@ -223,21 +228,34 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 	return grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls))
 }
 
-// Run listens on the endpoint, Starts (node mode: registers the node,
-// recovers staged volumes) and serves until ctx ends; then it stops the
-// gRPC server and Closes the driver.
+// Run listens on the endpoint (and on HealthListen, if set), Starts (node
+// mode: registers the node, recovers staged volumes) and serves until ctx
+// ends; then it stops the gRPC server and Closes the driver.
 func (d *Driver) Run(ctx context.Context) error {
 	lis, err := Listen(d.cfg.Endpoint)
 	if err != nil {
 		return err
 	}
+	if d.cfg.HealthListen != "" {
+		stopHealth, err := d.serveHealth()
+		if err != nil {
+			lis.Close()
+			return err
+		}
+		defer stopHealth()
+	}
 	s := d.NewGRPCServer()
 	d.Register(s)
 	errc := make(chan error, 1)
-	go func() { errc <- s.Serve(lis) }()
+	d.serving.Store(true)
+	go func() {
+		err := s.Serve(lis)
+		d.serving.Store(false)
+		errc <- err
+	}()
 	d.log.Info("serving CSI", "endpoint", d.cfg.Endpoint, "mode", d.cfg.Mode, "driver", d.cfg.DriverName, "node", d.cfg.NodeID)
 	if err := d.Start(ctx); err != nil {
-		d.log.Error("starting the node service failed; Probe reports not ready", "err", err)
+		d.log.Error("starting the node service failed; /readyz reports not ready", "err", err)
 	}
 	select {
 	case <-ctx.Done():
@@ -282,6 +300,14 @@ func Listen(endpoint string) (net.Listener, error) {
 		return nil, fmt.Errorf("csi: remove stale socket: %w", err)
 	}
 	return net.Listen("unix", path)
+}
+
+// listenTCP listens on a host:port address.
+func listenTCP(addr string) (net.Listener, error) {
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return nil, fmt.Errorf("address %q: want host:port: %w", addr, err)
+	}
+	return net.Listen("tcp", addr)
 }
 
 // logCalls logs every call with its method, volume and duration, and

@@ -354,6 +354,7 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 			}
 		}
 		checkCSIPod(p, fail)
+		checkCSIProbes(p, fail)
 		checkNodeMounts(p, fail)
 		checkServerPod(p, objs, fail)
 		for _, c := range allContainers(spec) {

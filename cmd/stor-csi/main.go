@@ -37,6 +37,7 @@ func run(args []string) error {
 	fs := flag.NewFlagSet("stor-csi", flag.ContinueOnError)
 	mode := fs.String("mode", "all", "controller, node or all")
 	fs.StringVar(&cfg.Endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (a unix socket)")
+	fs.StringVar(&cfg.HealthListen, "health-listen", "", "host:port for HTTP /healthz (liveness: the process serves CSI) and /readyz (controller: the cluster has a leader; node: registered and staged volumes recovered); empty: none")
 	servers := fs.String("servers", "127.0.0.1:7400", "comma-separated stor-server control addresses")
 	fs.StringVar(&cfg.NodeID, "node-id", "", "this node's id, the Kubernetes node name; registered with the cluster at start (node mode; default: the host name)")
 	fs.StringVar(&cfg.DriverName, "driver-name", cfg.DriverName, "CSI driver name (and topology key suffix)")
