@@ -78,18 +78,25 @@ type Config struct {
 	DriverName string
 	// Version is GetPluginInfo's vendor_version. Default "dev".
 	Version string
+	// The node's fields: NodeID, Zone, MaxVolumesPerNode and StateDir are
+	// node (and all) mode only. Controller mode uses none of them, and
+	// Validate refuses a controller Config that sets one: an operator who
+	// passes --state-dir to the controller expects it to do something.
+
 	// NodeID is this node's id (node mode): the Kubernetes node name. The
 	// node plugin registers it with the cluster at start; it need not be a
 	// stor-server id.
 	NodeID string
 	// Zone is this node's zone for the topology segment; "" for none.
 	Zone string
-	// MaxVolumesPerNode is NodeGetInfo's limit, and the controller's:
-	// ControllerPublish to a node with that many volumes published is
-	// RESOURCE_EXHAUSTED. Default DefaultMaxVolumesPerNode.
+	// MaxVolumesPerNode is this node's limit (node mode): NodeGetInfo's
+	// max_volumes_per_node, and registered with the cluster, where the
+	// controller enforces it (ControllerPublish to a node with that many
+	// volumes published is RESOURCE_EXHAUSTED). Default (node mode)
+	// DefaultMaxVolumesPerNode.
 	MaxVolumesPerNode int64
-	// StateDir is where the node records what it staged. Default
-	// DefaultStateDir.
+	// StateDir is where the node records what it staged (node mode).
+	// Default (node mode) DefaultStateDir.
 	StateDir string
 	// Cluster reaches the stor cluster; required.
 	Cluster Cluster
@@ -105,12 +112,11 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// DefaultConfig is a Config with every defaulted field set.
+// DefaultConfig is a Config with every defaulted field of every mode set;
+// the node's fields (StateDir, MaxVolumesPerNode) stay zero, New defaults
+// them in node and all mode.
 func DefaultConfig() Config {
-	return Config{
-		DriverName: DefaultDriverName, Version: "dev", StateDir: DefaultStateDir,
-		MaxVolumesPerNode: DefaultMaxVolumesPerNode, CallTimeout: DefaultCallTimeout,
-	}
+	return Config{DriverName: DefaultDriverName, Version: "dev", CallTimeout: DefaultCallTimeout}
 }
 
 // Validate checks the config.
@@ -126,6 +132,21 @@ func (c *Config) Validate() error {
 	if c.Mode.node() && c.NodeID == "" {
 		return errors.New("csi: node mode needs a node id")
 	}
+	if !c.Mode.node() {
+		for _, f := range []struct {
+			set        bool
+			field, flg string
+		}{
+			{c.NodeID != "", "NodeID", "--node-id"},
+			{c.Zone != "", "Zone", "--zone"},
+			{c.StateDir != "", "StateDir", "--state-dir"},
+			{c.MaxVolumesPerNode != 0, "MaxVolumesPerNode", "--max-volumes"},
+		} {
+			if f.set {
+				return fmt.Errorf("csi: %s (%s) is for node mode; %s mode does not use it: remove it", f.field, f.flg, c.Mode)
+			}
+		}
+	}
 	if strings.ContainsAny(c.DriverName, " /") {
 		return fmt.Errorf("csi: driver name %q must not contain spaces or slashes", c.DriverName)
 	}
@@ -140,11 +161,11 @@ func (c *Config) defaults() {
 	if c.Version == "" {
 		c.Version = d.Version
 	}
-	if c.StateDir == "" {
-		c.StateDir = d.StateDir
+	if c.Mode.node() && c.StateDir == "" {
+		c.StateDir = DefaultStateDir
 	}
-	if c.MaxVolumesPerNode == 0 {
-		c.MaxVolumesPerNode = d.MaxVolumesPerNode
+	if c.Mode.node() && c.MaxVolumesPerNode == 0 {
+		c.MaxVolumesPerNode = DefaultMaxVolumesPerNode
 	}
 	if c.CallTimeout == 0 {
 		c.CallTimeout = d.CallTimeout

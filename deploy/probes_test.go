@@ -112,3 +112,26 @@ func imageName(image string) string {
 	name, _, _ := strings.Cut(path.Base(image), ":")
 	return name
 }
+
+// nodeOnlyFlags are stor-csi's node flags, which --mode=controller refuses
+// (csi.Config.Validate): the controller must not be given them.
+var nodeOnlyFlags = []string{"node-id", "zone", "state-dir", "max-volumes"}
+
+// checkCSIModeFlags: a stor-csi container in controller mode is given no
+// node-only flag (it would refuse to start).
+func checkCSIModeFlags(p podTemplate, fail func(string, ...any)) {
+	for _, c := range p.spec.Containers {
+		bin, args, ok := storBinary(c)
+		if !ok || bin != "stor-csi" {
+			continue
+		}
+		if mode, _ := flagValue(args, "mode"); mode != "controller" {
+			continue
+		}
+		for _, f := range nodeOnlyFlags {
+			if v, ok := flagValue(args, f); ok {
+				fail("%s: container %s: stor-csi --mode=controller is given --%s=%s, a node flag it refuses", p.owner, c.Name, f, v)
+			}
+		}
+	}
+}
