@@ -74,7 +74,8 @@
 // The CSI node id is the Kubernetes node name (deploy/ passes
 // $(NODE_NAME)); most such nodes run no stor-server. At start the node
 // plugin registers itself with the cluster (ClusterService.RegisterNode:
-// its node id and --zone; an upsert, so a restart registers again),
+// its node id, --zone and --max-volumes; an upsert, so a restart
+// registers again),
 // retrying with backoff while the cluster does not answer, before it is
 // ready (/readyz); NodeGetInfo does not depend on it. An id the cluster
 // refuses (not 1-253 letters, digits, '.', '_' or '-') is logged and
@@ -89,7 +90,10 @@
 // (a Raft write that increments the volume's epoch); a volume attached
 // to another node is FAILED_PRECONDITION (RWO and RWOP both mean one
 // node here; RWOP also allows one publication on that node), a node
-// with MaxVolumesPerNode volumes published is RESOURCE_EXHAUSTED. ControllerPublish to the node that already holds the volume
+// with as many volumes published as the limit its node plugin registered
+// (its own --max-volumes, NodeGetInfo's max_volumes_per_node; never a
+// controller setting) is RESOURCE_EXHAUSTED; a node that registered no
+// limit (a stor-server id) has none here. ControllerPublish to the node that already holds the volume
 // with the same read-only flag is idempotent: it returns the same
 // publish_context and does NOT attach again (no epoch bump that would
 // fence the node's live engine); with the other read-only flag it is
