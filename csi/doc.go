@@ -106,6 +106,10 @@
 // and ControllerPublish to B, B's epoch is higher: A's engine, if still
 // running, can no longer write to any replica.
 //
+// The node plugin serves its own node's writeback to /dev/nbdN: Start
+// first sets PR_SET_IO_FLUSHER and a low oom_score_adj on the process
+// (internal/attach.PrepareProcess; refusals are logged, not fatal).
+//
 // Restart recovery: the node plugin records every staged volume in
 // --state-dir (staged/<volume id>.json, beside internal/attach's device
 // records in nbd/). On start it resumes every recorded device before it

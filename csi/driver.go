@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/attach"
 )
 
 // Defaults of Config.
@@ -105,6 +106,11 @@ type Config struct {
 	// Attacher serves volumes to kernel block devices (node mode).
 	// Default: package internal/attach on the real kernel (NewKernelAttacher).
 	Attacher Attacher
+	// Process is what Start prepares (attach.PrepareProcess:
+	// PR_SET_IO_FLUSHER, oom_score_adj) in node mode before serving the
+	// kernel. Default: attach.RealProcess() when Attacher is the real
+	// kernel's (nil), nothing when a test supplies an Attacher.
+	Process *attach.Process
 	// Host is the node's mount, format, resize and stats operations
 	// (node mode). Default: mount-utils on the real host (NewHost).
 	Host *Host
@@ -182,8 +188,9 @@ type Driver struct {
 	log *slog.Logger
 
 	locks   opLocks
-	node    *nodeServer // nil in controller mode
-	serving atomic.Bool // Run's gRPC server is serving (Health's /healthz)
+	node    *nodeServer     // nil in controller mode
+	serving atomic.Bool     // Run's gRPC server is serving (Health's /healthz)
+	process *attach.Process // what Start prepares; nil: nothing (Config.Process)
 
 	csipb.UnimplementedIdentityServer
 }
@@ -198,6 +205,11 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{cfg: cfg, log: cfg.Logger}
 	d.locks.held = map[string]bool{}
 	if cfg.Mode.node() {
+		d.process = cfg.Process
+		if d.process == nil && cfg.Attacher == nil {
+			p := attach.RealProcess()
+			d.process = &p
+		}
 		n, err := newNodeServer(d)
 		if err != nil {
 			return nil, err
@@ -219,6 +231,7 @@ func (d *Driver) Register(s *grpc.Server) {
 }
 
 // Start brings the node service up (node mode; a no-op otherwise): it
+// prepares the process for serving the kernel's writeback (Config.Process),
 // registers the node with the cluster, retrying until the cluster answers
 // or ctx ends, then resumes every volume the node recorded as staged (also
 // when the cluster refused the node id: the devices of mounted volumes
@@ -227,6 +240,11 @@ func (d *Driver) Register(s *grpc.Server) {
 func (d *Driver) Start(ctx context.Context) error {
 	if d.node == nil {
 		return nil
+	}
+	if p := d.process; p != nil {
+		// This process serves the kernel's writeback to its devices;
+		// refusals are logged and serving goes on.
+		attach.PrepareProcess(*p, d.log)
 	}
 	err := d.node.register(ctx)
 	if err != nil && ctx.Err() != nil {

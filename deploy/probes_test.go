@@ -135,3 +135,27 @@ func checkCSIModeFlags(p podTemplate, fail func(string, ...any)) {
 		}
 	}
 }
+
+// checkNodeMemory: the node plugin's stor-csi container serves the
+// kernel's writeback to its devices, so its memory is reserved (request
+// = limit, both set) and its CPU is not capped (a throttled NBD server
+// stalls every volume of the node).
+func checkNodeMemory(p podTemplate, fail func(string, ...any)) {
+	for _, c := range p.spec.Containers {
+		bin, args, ok := storBinary(c)
+		if !ok || bin != "stor-csi" {
+			continue
+		}
+		if mode, _ := flagValue(args, "mode"); mode != "node" {
+			continue
+		}
+		req, hasReq := c.Resources.Requests[corev1.ResourceMemory]
+		lim, hasLim := c.Resources.Limits[corev1.ResourceMemory]
+		if !hasReq || !hasLim || req.Cmp(lim) != 0 {
+			fail("%s: container %s: memory request %s, limit %s: the node plugin serves its node's writeback, want both set and equal", p.owner, c.Name, req.String(), lim.String())
+		}
+		if cpu, ok := c.Resources.Limits[corev1.ResourceCPU]; ok {
+			fail("%s: container %s: CPU limit %s: a throttled NBD server stalls every volume of the node", p.owner, c.Name, cpu.String())
+		}
+	}
+}
