@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -156,6 +157,29 @@ func checkNodeMemory(p podTemplate, fail func(string, ...any)) {
 		}
 		if cpu, ok := c.Resources.Limits[corev1.ResourceCPU]; ok {
 			fail("%s: container %s: CPU limit %s: a throttled NBD server stalls every volume of the node", p.owner, c.Name, cpu.String())
+		}
+	}
+}
+
+// storImages are the images built from deploy/images, and placeholderTag
+// the tag make images gives them and the base's kustomization names:
+// nothing publishes them, so a reference must be an obvious local
+// placeholder (docs/INSTALL.md says which line to change), never a
+// registry that does not have them.
+var storImages = []string{"stor-server", "stor-csi"}
+
+const placeholderTag = "dev"
+
+// checkStorImages: every stor image reference is the placeholder
+// <name>:dev.
+func checkStorImages(p podTemplate, fail func(string, ...any)) {
+	for _, c := range allContainers(p.spec) {
+		name := imageName(c.Image)
+		if !slices.Contains(storImages, name) {
+			continue
+		}
+		if want := name + ":" + placeholderTag; c.Image != want {
+			fail("%s: container %s: image %s, want the placeholder %s (nothing publishes stor images; docs/INSTALL.md says how to point it at yours)", p.owner, c.Name, c.Image, want)
 		}
 	}
 }

@@ -357,6 +357,7 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 		checkCSIProbes(p, fail)
 		checkCSIModeFlags(p, fail)
 		checkNodeMemory(p, fail)
+		checkStorImages(p, fail)
 		checkNodeMounts(p, fail)
 		checkServerPod(p, objs, fail)
 		for _, c := range allContainers(spec) {
