@@ -6,7 +6,7 @@ PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 
 .PHONY: build test test-short e2e lint proto verify-proto cluster bench clean
 .PHONY: install-nbd-tools test-nbd fuzz-nbd vm install-vm-tools bench-nbd
-.PHONY: image-binaries test-deploy
+.PHONY: image-binaries images test-deploy
 .PHONY: test-csi vm-csi bench-csi
 .PHONY: jepsen jepsen-soak
 
@@ -118,12 +118,23 @@ install-vm-tools:
 
 # The static linux/amd64 binaries the container images copy
 # (deploy/images/*/Dockerfile): every command under cmd/ into bin/image/.
-# No docker here: build the images with docker build from the repo root.
 IMAGE_BIN ?= $(BIN)/image
 IMAGE_GOARCH ?= amd64
 image-binaries:
 	CGO_ENABLED=0 GOOS=linux GOARCH=$(IMAGE_GOARCH) $(GO) build -trimpath -ldflags '-s -w' -o $(IMAGE_BIN)/ ./cmd/...
 	@ls -l $(IMAGE_BIN)
+
+# The container images, tagged as deploy/kubernetes/base/kustomization.yaml
+# names them: stor-server:dev and stor-csi:dev (local placeholders; nothing
+# publishes them). IMAGE_REPO=registry.example.com/stor/ IMAGE_TAG=v1 tags
+# them for a registry instead (then push them and change the kustomization's
+# newName/newTag). Needs docker (DOCKER=podman works too).
+DOCKER ?= docker
+IMAGE_REPO ?=
+IMAGE_TAG ?= dev
+images: image-binaries
+	$(DOCKER) build -f deploy/images/stor-server/Dockerfile -t $(IMAGE_REPO)stor-server:$(IMAGE_TAG) .
+	$(DOCKER) build -f deploy/images/stor-csi/Dockerfile -t $(IMAGE_REPO)stor-csi:$(IMAGE_TAG) .
 
 # The manifests under deploy/kubernetes rendered with kustomize and decoded
 # strictly into Kubernetes types, with their cross-references checked.

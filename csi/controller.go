@@ -182,29 +182,32 @@ func (c *controllerServer) DeleteVolume(ctx context.Context, req *csipb.DeleteVo
 
 // knownNode reports whether a node id is a registered node (a node plugin
 // registers itself at start) or a stor-server id (a server that attaches
-// volumes as a client, without a node plugin).
-func (c *controllerServer) knownNode(ctx context.Context, node string) (bool, error) {
+// volumes as a client, without a node plugin), and the node's volume
+// limit: the one its node plugin registered (its NodeGetInfo
+// max_volumes_per_node), 0 for none (a stor-server id, a plugin that
+// registered no limit).
+func (c *controllerServer) knownNode(ctx context.Context, node string) (known bool, limit int64, err error) {
 	cctx, cancel := c.d.call(ctx)
 	defer cancel()
-	_, err := c.d.cfg.Cluster.Cluster.GetNode(cctx, &storpb.GetNodeRequest{Id: node})
+	n, err := c.d.cfg.Cluster.Cluster.GetNode(cctx, &storpb.GetNodeRequest{Id: node})
 	switch {
 	case err == nil:
-		return true, nil
+		return true, n.GetNode().GetMaxVolumes(), nil
 	case clusterCode(err) == codes.NotFound:
 	case clusterCode(err) == codes.Unimplemented: // a cluster older than the node registry
 	default:
-		return false, err
+		return false, 0, err
 	}
 	resp, err := c.d.cfg.Cluster.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
 	if err != nil {
-		return false, err
+		return false, 0, err
 	}
 	for _, s := range resp.GetServers() {
 		if s.GetId() == node {
-			return true, nil
+			return true, 0, nil
 		}
 	}
-	return false, nil
+	return false, 0, nil
 }
 
 // ControllerPublishVolume attaches the volume to the node (a new epoch);
@@ -233,9 +236,10 @@ func (c *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 	if err != nil {
 		return nil, err
 	}
-	if ok, err := c.knownNode(ctx, node); err != nil {
+	known, lim, err := c.knownNode(ctx, node)
+	if err != nil {
 		return nil, err
-	} else if !ok {
+	} else if !known {
 		return nil, notFoundf("node %q is neither a registered node nor a stor server", node)
 	}
 	mode := storpb.AccessMode_ACCESS_MODE_READ_WRITE
@@ -253,7 +257,9 @@ func (c *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		// Already published here: no new attach, no new epoch.
 		return &csipb.ControllerPublishVolumeResponse{PublishContext: pubCtx}, nil
 	}
-	if lim := c.d.cfg.MaxVolumesPerNode; lim > 0 {
+	// The node's own limit, as its plugin registered it: the controller
+	// has no say in how many nbd devices a node has.
+	if lim > 0 {
 		vols, err := c.allVolumes(ctx)
 		if err != nil {
 			return nil, err
@@ -265,7 +271,7 @@ func (c *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 			}
 		}
 		if n >= lim {
-			return nil, fmt.Errorf("%w: node %q has %d volumes published, its limit", ErrTooMany, node, n)
+			return nil, fmt.Errorf("%w: node %q has %d volumes published, the limit it registered", ErrTooMany, node, n)
 		}
 	}
 	cctx, cancel := c.d.call(ctx)

@@ -215,7 +215,7 @@ func TestPublishFencing(t *testing.T) {
 }
 
 // A node plugin restart recovers every staged volume from its state dir
-// before Probe says ready: the new instance's attacher is asked to attach
+// before it is ready (/readyz): the new instance's attacher is asked to attach
 // each (internal/attach then resumes the kernel device), and the volume
 // can be unstaged by the new instance.
 func TestNodeRestartRecovers(t *testing.T) {
@@ -255,14 +255,14 @@ func TestNodeRestartRecovers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r, _ := d2.Probe(ctx, &csipb.ProbeRequest{}); r.GetReady().GetValue() {
-		t.Fatal("Probe is ready before recovery")
+	if err := d2.Ready(ctx); err == nil {
+		t.Fatal("ready (/readyz) before recovery")
 	}
 	if err := d2.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if r, _ := d2.Probe(ctx, &csipb.ProbeRequest{}); !r.GetReady().GetValue() {
-		t.Fatal("Probe is not ready after recovery")
+	if err := d2.Ready(ctx); err != nil {
+		t.Fatalf("not ready (/readyz) after recovery: %v", err)
 	}
 	if _, _, ok := att2.Served(id); !ok || att2.attachN != 1 {
 		t.Fatalf("the restarted plugin did not reattach the staged volume (served %v, attaches %d)", ok, att2.attachN)

@@ -74,11 +74,12 @@
 // The CSI node id is the Kubernetes node name (deploy/ passes
 // $(NODE_NAME)); most such nodes run no stor-server. At start the node
 // plugin registers itself with the cluster (ClusterService.RegisterNode:
-// its node id and --zone; an upsert, so a restart registers again),
-// retrying with backoff while the cluster does not answer, before Probe
-// reports ready; NodeGetInfo does not depend on it. An id the cluster
-// refuses (not 1-253 letters, digits, '.', '_' or '-') is logged and Probe
-// stays not ready (staged volumes are still recovered). ControllerPublishVolume accepts a node id that is a
+// its node id, --zone and --max-volumes; an upsert, so a restart
+// registers again),
+// retrying with backoff while the cluster does not answer, before it is
+// ready (/readyz); NodeGetInfo does not depend on it. An id the cluster
+// refuses (not 1-253 letters, digits, '.', '_' or '-') is logged and
+// /readyz stays not ready (staged volumes are still recovered). ControllerPublishVolume accepts a node id that is a
 // registered node or a stor-server id (a server attaching volumes as a
 // client, stor-ctl nbd attach); any other id is NOT_FOUND. Node records
 // are never removed (stor-ctl node list shows them).
@@ -89,7 +90,10 @@
 // (a Raft write that increments the volume's epoch); a volume attached
 // to another node is FAILED_PRECONDITION (RWO and RWOP both mean one
 // node here; RWOP also allows one publication on that node), a node
-// with MaxVolumesPerNode volumes published is RESOURCE_EXHAUSTED. ControllerPublish to the node that already holds the volume
+// with as many volumes published as the limit its node plugin registered
+// (its own --max-volumes, NodeGetInfo's max_volumes_per_node; never a
+// controller setting) is RESOURCE_EXHAUSTED; a node that registered no
+// limit (a stor-server id) has none here. ControllerPublish to the node that already holds the volume
 // with the same read-only flag is idempotent: it returns the same
 // publish_context and does NOT attach again (no epoch bump that would
 // fence the node's live engine); with the other read-only flag it is
@@ -102,16 +106,37 @@
 // and ControllerPublish to B, B's epoch is higher: A's engine, if still
 // running, can no longer write to any replica.
 //
+// The node plugin serves its own node's writeback to /dev/nbdN: Start
+// first sets PR_SET_IO_FLUSHER and a low oom_score_adj on the process
+// (internal/attach.PrepareProcess; refusals are logged, not fatal).
+//
 // Restart recovery: the node plugin records every staged volume in
 // --state-dir (staged/<volume id>.json, beside internal/attach's device
 // records in nbd/). On start it resumes every recorded device before it
-// reports ready (Probe): it reopens the engine at a new epoch (fencing the
+// reports ready (/readyz): it reopens the engine at a new epoch (fencing the
 // dead instance) and RECONFIGUREs the kernel device with new sockets, so
 // mounted filesystems see a pause, not an error. The reopen is an attach
 // from this node without takeover: if the volume was published to another
 // node while the plugin was down, it stays there and the recovery of that
 // volume fails (logged; its device fails I/O after the kernel's
 // dead-connection timeout), rather than fencing the node that has it now.
+//
+// # Health
+//
+// Three questions, three answers, so that no probe restarts the driver
+// for something a restart cannot fix:
+//
+//   - CSI Probe: the process serves CSI. It is local and cheap: no cluster
+//     call, no wait for recovery. The livenessprobe sidecar calls it with a
+//     one-second timeout and restarts the container on an error and on
+//     ready=false alike, so Probe answers ready=true whenever it answers.
+//   - /healthz (Config.HealthListen, stor-csi --health-listen): the same,
+//     over HTTP, for a kubelet livenessProbe without the sidecar.
+//   - /readyz (Ready): the controller's cluster answers and has a leader;
+//     the node is registered and its staged volumes' recovery has run.
+//     deploy/ uses it as the readinessProbe (holds rollouts) and as the
+//     node plugin's startupProbe, whose budget (failureThreshold x period)
+//     is what recovery gets before the kubelet restarts the plugin.
 //
 // # Concurrency
 //

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/attach"
 )
 
 // Defaults of Config.
@@ -69,23 +71,33 @@ type Config struct {
 	// Endpoint is where the CSI gRPC server listens: "unix:///path" or a
 	// plain path (a unix socket); required by Run.
 	Endpoint string
+	// HealthListen is the TCP address (host:port) where Run serves Health:
+	// /healthz (liveness) and /readyz (readiness). "" serves none.
+	HealthListen string
 	// DriverName is GetPluginInfo's name and the topology keys' suffix.
 	// Default DefaultDriverName.
 	DriverName string
 	// Version is GetPluginInfo's vendor_version. Default "dev".
 	Version string
+	// The node's fields: NodeID, Zone, MaxVolumesPerNode and StateDir are
+	// node (and all) mode only. Controller mode uses none of them, and
+	// Validate refuses a controller Config that sets one: an operator who
+	// passes --state-dir to the controller expects it to do something.
+
 	// NodeID is this node's id (node mode): the Kubernetes node name. The
 	// node plugin registers it with the cluster at start; it need not be a
 	// stor-server id.
 	NodeID string
 	// Zone is this node's zone for the topology segment; "" for none.
 	Zone string
-	// MaxVolumesPerNode is NodeGetInfo's limit, and the controller's:
-	// ControllerPublish to a node with that many volumes published is
-	// RESOURCE_EXHAUSTED. Default DefaultMaxVolumesPerNode.
+	// MaxVolumesPerNode is this node's limit (node mode): NodeGetInfo's
+	// max_volumes_per_node, and registered with the cluster, where the
+	// controller enforces it (ControllerPublish to a node with that many
+	// volumes published is RESOURCE_EXHAUSTED). Default (node mode)
+	// DefaultMaxVolumesPerNode.
 	MaxVolumesPerNode int64
-	// StateDir is where the node records what it staged. Default
-	// DefaultStateDir.
+	// StateDir is where the node records what it staged (node mode).
+	// Default (node mode) DefaultStateDir.
 	StateDir string
 	// Cluster reaches the stor cluster; required.
 	Cluster Cluster
@@ -94,6 +106,11 @@ type Config struct {
 	// Attacher serves volumes to kernel block devices (node mode).
 	// Default: package internal/attach on the real kernel (NewKernelAttacher).
 	Attacher Attacher
+	// Process is what Start prepares (attach.PrepareProcess:
+	// PR_SET_IO_FLUSHER, oom_score_adj) in node mode before serving the
+	// kernel. Default: attach.RealProcess() when Attacher is the real
+	// kernel's (nil), nothing when a test supplies an Attacher.
+	Process *attach.Process
 	// Host is the node's mount, format, resize and stats operations
 	// (node mode). Default: mount-utils on the real host (NewHost).
 	Host *Host
@@ -101,12 +118,11 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// DefaultConfig is a Config with every defaulted field set.
+// DefaultConfig is a Config with every defaulted field of every mode set;
+// the node's fields (StateDir, MaxVolumesPerNode) stay zero, New defaults
+// them in node and all mode.
 func DefaultConfig() Config {
-	return Config{
-		DriverName: DefaultDriverName, Version: "dev", StateDir: DefaultStateDir,
-		MaxVolumesPerNode: DefaultMaxVolumesPerNode, CallTimeout: DefaultCallTimeout,
-	}
+	return Config{DriverName: DefaultDriverName, Version: "dev", CallTimeout: DefaultCallTimeout}
 }
 
 // Validate checks the config.
@@ -122,6 +138,21 @@ func (c *Config) Validate() error {
 	if c.Mode.node() && c.NodeID == "" {
 		return errors.New("csi: node mode needs a node id")
 	}
+	if !c.Mode.node() {
+		for _, f := range []struct {
+			set        bool
+			field, flg string
+		}{
+			{c.NodeID != "", "NodeID", "--node-id"},
+			{c.Zone != "", "Zone", "--zone"},
+			{c.StateDir != "", "StateDir", "--state-dir"},
+			{c.MaxVolumesPerNode != 0, "MaxVolumesPerNode", "--max-volumes"},
+		} {
+			if f.set {
+				return fmt.Errorf("csi: %s (%s) is for node mode; %s mode does not use it: remove it", f.field, f.flg, c.Mode)
+			}
+		}
+	}
 	if strings.ContainsAny(c.DriverName, " /") {
 		return fmt.Errorf("csi: driver name %q must not contain spaces or slashes", c.DriverName)
 	}
@@ -136,11 +167,11 @@ func (c *Config) defaults() {
 	if c.Version == "" {
 		c.Version = d.Version
 	}
-	if c.StateDir == "" {
-		c.StateDir = d.StateDir
+	if c.Mode.node() && c.StateDir == "" {
+		c.StateDir = DefaultStateDir
 	}
-	if c.MaxVolumesPerNode == 0 {
-		c.MaxVolumesPerNode = d.MaxVolumesPerNode
+	if c.Mode.node() && c.MaxVolumesPerNode == 0 {
+		c.MaxVolumesPerNode = DefaultMaxVolumesPerNode
 	}
 	if c.CallTimeout == 0 {
 		c.CallTimeout = d.CallTimeout
@@ -156,8 +187,10 @@ type Driver struct {
 	cfg Config
 	log *slog.Logger
 
-	locks opLocks
-	node  *nodeServer // nil in controller mode
+	locks   opLocks
+	node    *nodeServer     // nil in controller mode
+	serving atomic.Bool     // Run's gRPC server is serving (Health's /healthz)
+	process *attach.Process // what Start prepares; nil: nothing (Config.Process)
 
 	csipb.UnimplementedIdentityServer
 }
@@ -172,6 +205,11 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{cfg: cfg, log: cfg.Logger}
 	d.locks.held = map[string]bool{}
 	if cfg.Mode.node() {
+		d.process = cfg.Process
+		if d.process == nil && cfg.Attacher == nil {
+			p := attach.RealProcess()
+			d.process = &p
+		}
 		n, err := newNodeServer(d)
 		if err != nil {
 			return nil, err
@@ -193,14 +231,20 @@ func (d *Driver) Register(s *grpc.Server) {
 }
 
 // Start brings the node service up (node mode; a no-op otherwise): it
+// prepares the process for serving the kernel's writeback (Config.Process),
 // registers the node with the cluster, retrying until the cluster answers
 // or ctx ends, then resumes every volume the node recorded as staged (also
 // when the cluster refused the node id: the devices of mounted volumes
-// come back either way). Probe reports ready once the node is registered
-// and recovery has run.
+// come back either way). Ready (/readyz) reports ready once the node is
+// registered and recovery has run; Probe does not wait for it.
 func (d *Driver) Start(ctx context.Context) error {
 	if d.node == nil {
 		return nil
+	}
+	if p := d.process; p != nil {
+		// This process serves the kernel's writeback to its devices;
+		// refusals are logged and serving goes on.
+		attach.PrepareProcess(*p, d.log)
 	}
 	err := d.node.register(ctx)
 	if err != nil && ctx.Err() != nil {
@@ -223,21 +267,34 @@ func (d *Driver) NewGRPCServer() *grpc.Server {
 	return grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls))
 }
 
-// Run listens on the endpoint, Starts (node mode: registers the node,
-// recovers staged volumes) and serves until ctx ends; then it stops the
-// gRPC server and Closes the driver.
+// Run listens on the endpoint (and on HealthListen, if set), Starts (node
+// mode: registers the node, recovers staged volumes) and serves until ctx
+// ends; then it stops the gRPC server and Closes the driver.
 func (d *Driver) Run(ctx context.Context) error {
 	lis, err := Listen(d.cfg.Endpoint)
 	if err != nil {
 		return err
 	}
+	if d.cfg.HealthListen != "" {
+		stopHealth, err := d.serveHealth()
+		if err != nil {
+			lis.Close()
+			return err
+		}
+		defer stopHealth()
+	}
 	s := d.NewGRPCServer()
 	d.Register(s)
 	errc := make(chan error, 1)
-	go func() { errc <- s.Serve(lis) }()
+	d.serving.Store(true)
+	go func() {
+		err := s.Serve(lis)
+		d.serving.Store(false)
+		errc <- err
+	}()
 	d.log.Info("serving CSI", "endpoint", d.cfg.Endpoint, "mode", d.cfg.Mode, "driver", d.cfg.DriverName, "node", d.cfg.NodeID)
 	if err := d.Start(ctx); err != nil {
-		d.log.Error("starting the node service failed; Probe reports not ready", "err", err)
+		d.log.Error("starting the node service failed; /readyz reports not ready", "err", err)
 	}
 	select {
 	case <-ctx.Done():
@@ -282,6 +339,14 @@ func Listen(endpoint string) (net.Listener, error) {
 		return nil, fmt.Errorf("csi: remove stale socket: %w", err)
 	}
 	return net.Listen("unix", path)
+}
+
+// listenTCP listens on a host:port address.
+func listenTCP(addr string) (net.Listener, error) {
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return nil, fmt.Errorf("address %q: want host:port: %w", addr, err)
+	}
+	return net.Listen("tcp", addr)
 }
 
 // logCalls logs every call with its method, volume and duration, and

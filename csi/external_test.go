@@ -19,6 +19,8 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -40,6 +42,7 @@ type external struct {
 	t                     *testing.T
 	bin, servers, node    string
 	dir, endpoint, stateD string
+	health                string // --health-listen
 
 	cmd  *exec.Cmd
 	logf *os.File
@@ -65,6 +68,12 @@ func needExternal(t *testing.T) *external {
 	if e.bin == "" || e.servers == "" || e.node == "" {
 		t.Fatal("STOR_CSI_BIN, STOR_SERVER and STOR_CSI_NODE_ID must be set")
 	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.health = lis.Addr().String()
+	lis.Close()
 	e.start()
 	t.Cleanup(func() { e.stop(false) })
 	e.conn = dialCSI(t, e.endpoint)
@@ -82,7 +91,7 @@ func (e *external) start() {
 	}
 	e.logf = f
 	args := []string{"--mode=all", "--endpoint", e.endpoint, "--servers", e.servers,
-		"--node-id", e.node, "--state-dir", e.stateD}
+		"--node-id", e.node, "--state-dir", e.stateD, "--health-listen", e.health}
 	if m := os.Getenv("STOR_CSI_MAX_VOLUMES"); m != "" {
 		args = append(args, "--max-volumes", m)
 	}
@@ -116,15 +125,21 @@ func (e *external) stop(kill bool) {
 	e.logf.Close()
 }
 
+// waitReady polls the plugin's /readyz (registered, staged volumes
+// recovered, the cluster has a leader) until it answers 200.
 func (e *external) waitReady() {
 	e.t.Helper()
 	deadline := time.Now().Add(120 * time.Second)
+	hc := &http.Client{Timeout: 5 * time.Second}
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		r, err := e.id.Probe(ctx, &csipb.ProbeRequest{})
-		cancel()
-		if err == nil && r.GetReady().GetValue() {
-			return
+		resp, err := hc.Get("http://" + e.health + "/readyz")
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+			err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(body))
 		}
 		if time.Now().After(deadline) {
 			e.t.Fatalf("stor-csi not ready within 120s: %v", err)

@@ -5,8 +5,6 @@ import (
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/types/known/wrapperspb"
-
-	storpb "github.com/stor-io/stor/api/proto"
 )
 
 // GetPluginInfo returns the driver's name and version.
@@ -31,26 +29,15 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csipb.GetPluginCapabili
 	return &csipb.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }
 
-// Probe is ready when the cluster answers (controller) and the node has
-// registered itself and recovered its staged volumes (node). Not ready is reported as
-// ready=false, not as an error, as the spec asks.
-func (d *Driver) Probe(ctx context.Context, _ *csipb.ProbeRequest) (*csipb.ProbeResponse, error) {
-	ready := true
-	if d.cfg.Mode.controller() {
-		cctx, cancel := d.call(ctx)
-		st, err := d.cfg.Cluster.Cluster.Status(cctx, &storpb.StatusRequest{})
-		cancel()
-		switch {
-		case err != nil:
-			d.log.Warn("probe: the cluster does not answer", "err", err)
-			ready = false
-		case st.GetLeaderId() == "":
-			d.log.Warn("probe: the cluster has no leader")
-			ready = false
-		}
-	}
-	if d.node != nil && (!d.node.registered.Load() || !d.node.recovered.Load()) {
-		ready = false
-	}
-	return &csipb.ProbeResponse{Ready: wrapperspb.Bool(ready)}, nil
+// Probe is cheap and local: it answers ready whenever the process serves
+// CSI, without a cluster round trip and without waiting for the node's
+// recovery. The livenessprobe sidecar calls it with a one-second timeout
+// and restarts the container on an error *and* on ready=false, so a Probe
+// that consulted the cluster would restart the controller whenever the
+// stor cluster has no leader, and one that waited for recovery would kill
+// the node plugin mid-recovery. Whether the driver is ready for work (the
+// cluster reachable with a leader; staged volumes recovered) is Ready,
+// served over HTTP as /readyz (see Health).
+func (d *Driver) Probe(context.Context, *csipb.ProbeRequest) (*csipb.ProbeResponse, error) {
+	return &csipb.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
 }

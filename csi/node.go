@@ -101,7 +101,8 @@ const (
 )
 
 // register records this node in the cluster (ClusterService.RegisterNode,
-// an upsert by id) so that the controller accepts ControllerPublish to it.
+// an upsert by id: its zone and its volume limit) so that the controller
+// accepts ControllerPublish to it, up to that limit.
 // It retries with backoff while the cluster does not answer, until ctx
 // ends; an id the cluster refuses (INVALID_ARGUMENT) is not retried.
 func (n *nodeServer) register(ctx context.Context) error {
@@ -109,7 +110,7 @@ func (n *nodeServer) register(ctx context.Context) error {
 	for attempt := 1; ; attempt++ {
 		cctx, cancel := n.d.call(ctx)
 		_, err := n.d.cfg.Cluster.Cluster.RegisterNode(cctx, &storpb.RegisterNodeRequest{
-			Node: &storpb.Node{Id: n.d.cfg.NodeID, Zone: n.d.cfg.Zone},
+			Node: &storpb.Node{Id: n.d.cfg.NodeID, Zone: n.d.cfg.Zone, MaxVolumes: n.d.cfg.MaxVolumesPerNode},
 		})
 		cancel()
 		switch {

@@ -16,19 +16,19 @@ import (
 	"github.com/stor-io/stor/internal/servertest"
 )
 
-// waitProbeReady polls Probe until it reports ready.
-func waitProbeReady(t *testing.T, ids csipb.IdentityClient, within time.Duration) {
+// waitReady polls Ready (what /readyz answers) until it is nil.
+func waitReady(t *testing.T, d *Driver, within time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(within)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		r, err := ids.Probe(ctx, &csipb.ProbeRequest{})
+		err := d.Ready(ctx)
 		cancel()
-		if err == nil && r.GetReady().GetValue() {
+		if err == nil {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("Probe not ready within %v: %v, %v", within, r, err)
+			t.Fatalf("not ready within %v: %v", within, err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -43,10 +43,10 @@ func TestPublishToRegisteredNode(t *testing.T) {
 	cl := clusterClient(t, c)
 	att := newFakeAttacher(cl.Volumes)
 	host, _, _ := fakeHost(att)
-	endpoint, _ := startDriverAs(t, c, t.TempDir(), "worker-7", "zone-w", att, host)
+	endpoint, d := startDriverAs(t, c, t.TempDir(), "worker-7", "zone-w", att, host)
 	conn := dialCSI(t, endpoint)
 	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
-	waitProbeReady(t, csipb.NewIdentityClient(conn), time.Minute)
+	waitReady(t, d, time.Minute)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 
@@ -160,17 +160,12 @@ func newRegistryDriver(t *testing.T, reg *fakeRegistry) *Driver {
 	return d
 }
 
-func probeReady(t *testing.T, d *Driver) bool {
-	t.Helper()
-	r, err := d.Probe(context.Background(), &csipb.ProbeRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r.GetReady().GetValue()
-}
+// isReady reports whether Ready (/readyz) is nil.
+func isReady(d *Driver) bool { return d.Ready(context.Background()) == nil }
 
-// Start retries RegisterNode while the cluster does not answer, and Probe
-// is not ready until it succeeds; a refused id and the end of ctx stop it.
+// Start retries RegisterNode while the cluster does not answer, and the
+// node is not ready (/readyz) until it succeeds; a refused id and the end
+// of ctx stop it.
 func TestNodeRegistersWithRetry(t *testing.T) {
 	t.Run("unreachable, then up", func(t *testing.T) {
 		reg := &fakeRegistry{fail: status.Error(codes.Unavailable, "no leader")}
@@ -189,8 +184,8 @@ func TestNodeRegistersWithRetry(t *testing.T) {
 			t.Fatalf("Start returned while the cluster was unreachable: %v", err)
 		default:
 		}
-		if probeReady(t, d) {
-			t.Fatal("Probe ready before the node registered")
+		if isReady(d) {
+			t.Fatal("ready before the node registered")
 		}
 		reg.set(nil)
 		select {
@@ -201,8 +196,8 @@ func TestNodeRegistersWithRetry(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("Start did not return within 30s of the cluster answering")
 		}
-		if !probeReady(t, d) {
-			t.Fatal("Probe not ready after registering")
+		if !isReady(d) {
+			t.Fatal("not ready after registering")
 		}
 		reg.mu.Lock()
 		defer reg.mu.Unlock()
@@ -219,8 +214,8 @@ func TestNodeRegistersWithRetry(t *testing.T) {
 		if !errors.Is(err, context.DeadlineExceeded) {
 			t.Fatalf("Start with an unreachable cluster: %v, want context.DeadlineExceeded", err)
 		}
-		if probeReady(t, d) {
-			t.Fatal("Probe ready without registering")
+		if isReady(d) {
+			t.Fatal("ready without registering")
 		}
 	})
 	t.Run("refused id", func(t *testing.T) {
@@ -234,8 +229,8 @@ func TestNodeRegistersWithRetry(t *testing.T) {
 		if n := reg.count(); n != 1 {
 			t.Fatalf("a refused id was tried %d times, want 1", n)
 		}
-		if probeReady(t, d) {
-			t.Fatal("Probe ready with a refused node id")
+		if isReady(d) {
+			t.Fatal("ready with a refused node id")
 		}
 		if !d.node.recovered.Load() {
 			t.Fatal("a refused node id kept the plugin from recovering its staged volumes")

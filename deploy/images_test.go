@@ -3,6 +3,7 @@ package deploy
 import (
 	"context"
 	"encoding/pem"
+	"fmt"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -171,5 +172,42 @@ func TestNodeZoneScript(t *testing.T) {
 	writeToken("wrong-token")
 	if zone, err := run("zoned"); err == nil {
 		t.Errorf("rejected token: zone %q and no error, want a failure", zone)
+	}
+}
+
+// TestImagesAreBuiltByADocumentedCommand: the placeholders the manifests
+// use are what make images tags, and docs/INSTALL.md documents the
+// command and the kustomization lines a user changes.
+func TestImagesAreBuiltByADocumentedCommand(t *testing.T) {
+	mk, err := os.ReadFile("../Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc, err := os.ReadFile("../docs/INSTALL.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	kust, err := os.ReadFile("kubernetes/base/kustomization.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(mk), "IMAGE_TAG ?= "+placeholderTag+"\n") || !regexp.MustCompile(`(?m)^images: image-binaries$`).Match(mk) {
+		t.Errorf("the Makefile has no images target tagging %s by default", placeholderTag)
+	}
+	for _, img := range storImages {
+		build := fmt.Sprintf("-f deploy/images/%s/Dockerfile -t $(IMAGE_REPO)%s:$(IMAGE_TAG) .", img, img)
+		if !strings.Contains(string(mk), build) {
+			t.Errorf("make images does not build %s as %q", img, build)
+		}
+		entry := fmt.Sprintf("  - name: %s\n    newName: %s\n    newTag: %s\n", img, img, placeholderTag)
+		if !strings.Contains(string(kust), entry) {
+			t.Errorf("the base kustomization's images: has no placeholder entry %q", entry)
+		}
+		if !strings.Contains(string(doc), "newName: "+img) {
+			t.Errorf("docs/INSTALL.md does not show the newName line of %s", img)
+		}
+	}
+	if !strings.Contains(string(doc), "make images") {
+		t.Error("docs/INSTALL.md does not document make images")
 	}
 }

@@ -354,6 +354,10 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 			}
 		}
 		checkCSIPod(p, fail)
+		checkCSIProbes(p, fail)
+		checkCSIModeFlags(p, fail)
+		checkNodeMemory(p, fail)
+		checkStorImages(p, fail)
 		checkNodeMounts(p, fail)
 		checkServerPod(p, objs, fail)
 		for _, c := range allContainers(spec) {

@@ -29,7 +29,7 @@ const (
 	opReplaceReplica  op = 13 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
 	opRecordCut       op = 14 // Body = storpb.RecordSnapshotCutRequest
 	opRecordCloneCopy op = 15 // Body = storpb.RecordCloneCopiedRequest
-	opRegisterNode    op = 16 // Body = storpb.Node (id, zone, labels)
+	opRegisterNode    op = 16 // Body = storpb.Node (id, zone, labels, max volumes)
 )
 
 var opNames = map[op]string{

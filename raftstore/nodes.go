@@ -53,8 +53,9 @@ func (r *Reader) Nodes() ([]*storpb.Node, error) {
 	return out, err
 }
 
-// registerNode records a node: an upsert by id that replaces zone and
-// labels, keeps the first registration time and stamps the latest.
+// registerNode records a node: an upsert by id that replaces zone, labels
+// and max volumes, keeps the first registration time and stamps the
+// latest.
 func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) {
 	if !ValidNodeID(in.Id) {
 		return nil, fmt.Errorf("%w: node id %q: use 1-253 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.Id)
@@ -63,7 +64,7 @@ func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) 
 	if err != nil {
 		n = &storpb.Node{Id: in.Id, RegisteredUnixNano: at}
 	}
-	n.Zone, n.Labels, n.LastRegisteredUnixNano = in.Zone, in.Labels, at
+	n.Zone, n.Labels, n.MaxVolumes, n.LastRegisteredUnixNano = in.Zone, in.Labels, in.MaxVolumes, at
 	w.put(bucketNodes, n.Id, n)
 	return n, nil
 }
@@ -74,7 +75,10 @@ func (s *Store) RegisterNode(ctx context.Context, in *storpb.Node) (*storpb.Node
 	if in == nil || !ValidNodeID(in.Id) {
 		return nil, fmt.Errorf("%w: node id %q: use 1-253 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.GetId())
 	}
-	m, err := s.propose(ctx, command{Op: opRegisterNode, Body: &storpb.Node{Id: in.Id, Zone: in.Zone, Labels: in.Labels}})
+	if in.MaxVolumes < 0 {
+		return nil, fmt.Errorf("%w: node %q: max volumes %d is negative", ErrInvalidArgument, in.Id, in.MaxVolumes)
+	}
+	m, err := s.propose(ctx, command{Op: opRegisterNode, Body: &storpb.Node{Id: in.Id, Zone: in.Zone, Labels: in.Labels, MaxVolumes: in.MaxVolumes}})
 	if err != nil {
 		return nil, err
 	}

@@ -501,8 +501,12 @@ type Node struct {
 	// the leader's clock).
 	RegisteredUnixNano     int64 `protobuf:"varint,4,opt,name=registered_unix_nano,json=registeredUnixNano,proto3" json:"registered_unix_nano,omitempty"`
 	LastRegisteredUnixNano int64 `protobuf:"varint,5,opt,name=last_registered_unix_nano,json=lastRegisteredUnixNano,proto3" json:"last_registered_unix_nano,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// The most volumes the node may have attached (its CSI node plugin's
+	// max_volumes_per_node); 0: no limit registered. The CSI controller
+	// refuses ControllerPublish beyond it.
+	MaxVolumes    int64 `protobuf:"varint,6,opt,name=max_volumes,json=maxVolumes,proto3" json:"max_volumes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
@@ -566,6 +570,13 @@ func (x *Node) GetRegisteredUnixNano() int64 {
 func (x *Node) GetLastRegisteredUnixNano() int64 {
 	if x != nil {
 		return x.LastRegisteredUnixNano
+	}
+	return 0
+}
+
+func (x *Node) GetMaxVolumes() int64 {
+	if x != nil {
+		return x.MaxVolumes
 	}
 	return 0
 }
@@ -1913,8 +1924,8 @@ func (x *HeartbeatResponse) GetLeaderId() string {
 
 type RegisterNodeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// id is required; zone and labels replace the recorded ones. The
-	// timestamps are set by the cluster.
+	// id is required; zone, labels and max_volumes replace the recorded
+	// ones. The timestamps are set by the cluster.
 	Node          *Node `protobuf:"bytes,1,opt,name=node,proto3" json:"node,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4043,13 +4054,15 @@ const file_control_proto_rawDesc = "" +
 	"\x0fkubernetes_node\x18\f \x01(\tR\x0ekubernetesNode\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x85\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x02\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04zone\x18\x02 \x01(\tR\x04zone\x121\n" +
 	"\x06labels\x18\x03 \x03(\v2\x19.stor.v1.Node.LabelsEntryR\x06labels\x120\n" +
 	"\x14registered_unix_nano\x18\x04 \x01(\x03R\x12registeredUnixNano\x129\n" +
-	"\x19last_registered_unix_nano\x18\x05 \x01(\x03R\x16lastRegisteredUnixNano\x1a9\n" +
+	"\x19last_registered_unix_nano\x18\x05 \x01(\x03R\x16lastRegisteredUnixNano\x12\x1f\n" +
+	"\vmax_volumes\x18\x06 \x01(\x03R\n" +
+	"maxVolumes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe2\x03\n" +

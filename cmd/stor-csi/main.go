@@ -4,6 +4,9 @@
 //	stor-csi --mode=controller --endpoint unix:///csi/csi.sock --servers stor-0.stor:7400,stor-1.stor:7400
 //	stor-csi --mode=node --endpoint unix:///csi/csi.sock --servers ... --node-id $(NODE_NAME) --zone a --state-dir /var/lib/stor-csi
 //
+// --node-id, --zone, --state-dir and --max-volumes are the node's: the
+// controller refuses them (they would do nothing there).
+//
 // The node id is the Kubernetes node name; the node plugin registers it
 // with the cluster, then resumes every volume it had staged (recorded in
 // --state-dir), before Probe reports ready; on SIGTERM it stops serving
@@ -37,12 +40,13 @@ func run(args []string) error {
 	fs := flag.NewFlagSet("stor-csi", flag.ContinueOnError)
 	mode := fs.String("mode", "all", "controller, node or all")
 	fs.StringVar(&cfg.Endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (a unix socket)")
+	fs.StringVar(&cfg.HealthListen, "health-listen", "", "host:port for HTTP /healthz (liveness: the process serves CSI) and /readyz (controller: the cluster has a leader; node: registered and staged volumes recovered); empty: none")
 	servers := fs.String("servers", "127.0.0.1:7400", "comma-separated stor-server control addresses")
 	fs.StringVar(&cfg.NodeID, "node-id", "", "this node's id, the Kubernetes node name; registered with the cluster at start (node mode; default: the host name)")
 	fs.StringVar(&cfg.DriverName, "driver-name", cfg.DriverName, "CSI driver name (and topology key suffix)")
-	fs.StringVar(&cfg.StateDir, "state-dir", cfg.StateDir, "node: where staged volumes are recorded, for restart recovery")
+	fs.StringVar(&cfg.StateDir, "state-dir", "", "node: where staged volumes are recorded, for restart recovery (default "+csi.DefaultStateDir+")")
 	fs.StringVar(&cfg.Zone, "zone", "", "node: this node's zone (topology segment topology.<driver-name>/zone)")
-	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", cfg.MaxVolumesPerNode, "node: volumes this node may stage (the nbd module's device count)")
+	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", 0, fmt.Sprintf("node: volumes this node may stage (the nbd module's device count); registered with the cluster, where the controller enforces it (default %d)", csi.DefaultMaxVolumesPerNode))
 	fs.StringVar(&cfg.Version, "version", cfg.Version, "vendor version reported by GetPluginInfo")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {

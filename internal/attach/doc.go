@@ -28,6 +28,13 @@
 // longer takes sockets for was disconnected elsewhere: Run ends with
 // ErrGone.
 //
+// The writeback path. A process serving /dev/nbdN writes back the pages
+// the kernel flushes to it: if it needs memory the kernel can free only
+// by that writeback, the node deadlocks. PrepareProcess (called by both
+// users before they serve the real kernel) sets PR_SET_IO_FLUSHER (Linux
+// 5.6+) and oom_score_adj OOMScoreAdj on the process; a refusal is logged
+// and serving goes on. deploy/ reserves the node plugin's memory.
+//
 // Concurrency: an Attachment owns its goroutines (one per connection);
 // Run or Abandon ends them and returns after they have stopped. Two
 // Opens of one volume against one state dir exclude each other by the

@@ -45,6 +45,10 @@ A kernel connection that ends while this process serves (a request slower
 than --io-timeout makes the kernel drop it) is replaced the same way. A volume
 that grows is grown on the device too; grow the filesystem with resize2fs.
 
+This process serves the kernel's writeback to the device: it sets
+PR_SET_IO_FLUSHER (Linux 5.6+) and oom_score_adj -900 on itself first (both
+need CAP_SYS_RESOURCE; a refusal is logged and it serves anyway).
+
 A volume attached to another node is refused unless --takeover is given.
 Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 		Example: `  stor-ctl nbd attach db --node $(hostname)
@@ -86,6 +90,11 @@ type nbdAttachConfig struct {
 	VolumeIsID bool
 	// Stdout gets the device path, one line.
 	Stdout io.Writer
+	// Process is what attach.PrepareProcess sets up before serving (this
+	// process serves the kernel's writeback to the device). Nil:
+	// attach.RealProcess() when Kernel is the real kernel (nil), nothing
+	// when a test fakes the kernel.
+	Process *attach.Process
 }
 
 // runNBDAttach attaches the volume to a kernel device (or resumes a
@@ -112,6 +121,14 @@ func runNBDAttach(ctx context.Context, cfg nbdAttachConfig) error {
 	cancel()
 	if err != nil {
 		return err
+	}
+	proc := cfg.Process
+	if proc == nil && cfg.Kernel == nil {
+		p := attach.RealProcess()
+		proc = &p
+	}
+	if proc != nil {
+		attach.PrepareProcess(*proc, cfg.Logger) // refusals are logged; serving goes on
 	}
 	ac := cfg.Config
 	ac.VolumeID = got.GetVolume().GetId()

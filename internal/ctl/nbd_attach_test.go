@@ -418,6 +418,35 @@ func TestNBDAttachAndStop(t *testing.T) {
 	}
 }
 
+// nbd attach serves the kernel's writeback to its device: before it
+// serves, it sets PR_SET_IO_FLUSHER and a low oom_score_adj on itself, and
+// a refusal (here: no CAP_SYS_RESOURCE) does not stop it.
+func TestNBDAttachPreparesTheProcess(t *testing.T) {
+	c := needCluster(t)
+	createVolume(t, c, "kflusher", 16*mib)
+	k := newFakeKernel(t)
+	var mu sync.Mutex
+	var flusher int
+	var adj []int
+	cfg := attachConfig(t, c, k, t.TempDir(), "kflusher")
+	cfg.Process = &attach.Process{
+		SetIOFlusher:   func() error { mu.Lock(); defer mu.Unlock(); flusher++; return unix.EPERM },
+		SetOOMScoreAdj: func(a int) error { mu.Lock(); defer mu.Unlock(); adj = append(adj, a); return unix.EACCES },
+	}
+	r := startAttach(t, cfg)
+	if r.dev != "/dev/nbd0" {
+		t.Fatalf("printed %q, want /dev/nbd0", r.dev)
+	}
+	mu.Lock()
+	if flusher != 1 || len(adj) != 1 || adj[0] != attach.OOMScoreAdj {
+		t.Errorf("PR_SET_IO_FLUSHER set %d times, oom_score_adj written %v; want once each, %d", flusher, adj, attach.OOMScoreAdj)
+	}
+	mu.Unlock()
+	if err := r.stop(); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+}
+
 // A restart finds the recorded device still connected for the volume:
 // it attaches at a new epoch (fencing the instance that died or froze),
 // hands the device new sockets by RECONFIGURE instead of connecting a new

@@ -85,6 +85,10 @@ func TestNodeRegistry(t *testing.T) {
 			_, err := cl.Cluster.RegisterNode(ctx, &storpb.RegisterNodeRequest{Node: &storpb.Node{Id: strings.Repeat("w", 254)}})
 			return err
 		}, codes.InvalidArgument},
+		{"register: negative max volumes", func(ctx context.Context, cl servertest.Clients) error {
+			_, err := cl.Cluster.RegisterNode(ctx, &storpb.RegisterNodeRequest{Node: &storpb.Node{Id: "worker-7", MaxVolumes: -1}})
+			return err
+		}, codes.InvalidArgument},
 		{"get: unregistered", func(ctx context.Context, cl servertest.Clients) error {
 			_, err := cl.Cluster.GetNode(ctx, &storpb.GetNodeRequest{Id: "worker-9"})
 			return err
