@@ -2,6 +2,8 @@ package jepsen
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -221,4 +223,23 @@ func TestReplicaAgreementChecker(t *testing.T) {
 	if a.Divergence != 1 {
 		t.Fatalf("block 0 held by two replicas as 7 and by one as 6: %d divergence anomalies, want 1 (%v)", a.Divergence, a.Details)
 	}
+}
+
+// TestLockHostsUnit: a second holder of the hosts lock is refused, saying
+// who holds it, until the first lets go.
+func TestLockHostsUnit(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "jepsen.lock")
+	first, err := lockHosts(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lockHosts(path); !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Fatalf("second lock while the first is held: %v, want ErrLocked naming the holder", err)
+	}
+	first.Close()
+	second, err := lockHosts(path)
+	if err != nil {
+		t.Fatalf("lock after the first let go: %v", err)
+	}
+	second.Close()
 }

@@ -31,6 +31,14 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	if os.Getenv("JEPSEN") == "1" && os.Geteuid() == 0 {
+		// One binary at a time may own the hosts (each run removes the
+		// hosts it finds at its start).
+		lock, err := lockHosts(LockPath)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		hostsLock = lock // held (not collected) until the process exits
 		// An interrupted run removes its hosts (the processes in them die
 		// with this one anyway, by PR_SET_PDEATHSIG).
 		sigs := make(chan os.Signal, 1)
@@ -44,6 +52,9 @@ func TestMain(m *testing.M) {
 	}
 	os.Exit(m.Run())
 }
+
+// hostsLock is the lock on LockPath a JEPSEN=1 test binary holds.
+var hostsLock *os.File
 
 // requireHosts skips unless JEPSEN=1, root, ip and nft are all there.
 func requireHosts(t *testing.T) {
