@@ -8,17 +8,12 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
 )
 
-// The broken mode that reintroduces issue 13's rebuild bug A, proven caught
-// by TestJepsenCatchesRebuildFromLatestFault. (Issue 13's C, rebuild copies
-// unordered against writes, has no broken mode here: with the engine's
-// UnsafeUnorderedRebuild and plain writes for the copies, four runs of the
-// rebuild-target nemesis found nothing, because once the link heals a
-// rebuild copies each block within a few milliseconds and the target is
-// read only after it is healthy. The engine's own tests reproduce C's
-// interleavings with held requests: replica/engine/order_test.go.)
+// The broken modes that reintroduce issue 13's rebuild bugs, each proven
+// caught in CI by a test in jepsen_test.go.
 
 // rebuildFromLatestFault is the "rebuild-from-latest-fault" broken mode
 // (issue 13, A): the engine's view of its volume is rewritten so that a
@@ -109,4 +104,24 @@ func (w *latestFaultWatch) Recv() (*storpb.VolumeEvent, error) {
 		ev.Volume = w.c.rewrite(ev.Volume)
 	}
 	return ev, err
+}
+
+// unorderedRebuild is the engine half of the "unordered-rebuild" broken
+// mode (issue 13, C): rebuild copies are not ordered against writes in
+// flight, and a rebuild plans its copy without waiting for the writes that
+// took the write set before its target joined
+// (engine.Config.UnsafeUnorderedRebuild).
+func unorderedRebuild(cfg *engine.Config) { cfg.UnsafeUnorderedRebuild = true }
+
+// untrackedRebuildWrites is the connection half of "unordered-rebuild": a
+// rebuild's copy is written to the target as a plain write, so the
+// target's tracking of the blocks written since the rebuild began (which
+// makes RebuildWrite skip them) no longer keeps an older block from
+// overwriting a newer acknowledged one.
+func untrackedRebuildWrites(c engine.ReplicaConn) engine.ReplicaConn { return untrackedConn{c} }
+
+type untrackedConn struct{ engine.ReplicaConn }
+
+func (c untrackedConn) RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	return c.ReplicaConn.WriteAt(ctx, o, p, off)
 }

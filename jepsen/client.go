@@ -84,6 +84,8 @@ var BrokenModes = map[string]BrokenMode{
 	"early-cut": {Doc: "each replica's snapshot cut is acknowledged at once and made 100-600 ms later, while writes go on", Conn: earlyCut},
 	"rebuild-from-latest-fault": {Doc: "a rebuild retried after a failed one starts its delta from the replica's latest fault, not from where it stopped being healthy (issue 13, A)",
 		Engine: rebuildFromLatestFault},
+	"unordered-rebuild": {Doc: "a rebuild's copies overwrite newer writes: they are ordered neither against the engine's writes in flight nor by the target's tracking of what was written since the rebuild began (issue 13, C)",
+		Engine: unorderedRebuild, Conn: untrackedRebuildWrites},
 }
 
 type clientProc struct {

@@ -19,6 +19,7 @@ var (
 	flagNemeses  = flag.String("jepsen.nemeses", "all", `comma-separated nemeses, "all", or "none"`)
 	flagCold     = flag.Int("jepsen.cold", 0, "cold registers (RunConfig.ColdBlocks; 0: the default, -1: none)")
 	flagFill     = flag.Int("jepsen.fill", 0, "filler bytes per register (RunConfig.FillBytes; 0: the default, -1: none)")
+	flagBlocks   = flag.Int("jepsen.blocks", 0, "registers (RunConfig.Blocks; 0: the default)")
 )
 
 var (
@@ -77,7 +78,7 @@ func TestJepsen(t *testing.T) {
 		dir := outDir(t, fmt.Sprintf("seed-%d", s))
 		ctx, cancel := context.WithTimeout(context.Background(), *flagDuration+5*time.Minute)
 		rep, err := Run(ctx, RunConfig{Seed: s, Duration: *flagDuration, Nemeses: nem, NoFaults: none,
-			ColdBlocks: *flagCold, FillBytes: *flagFill, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+			Blocks: *flagBlocks, ColdBlocks: *flagCold, FillBytes: *flagFill, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
 		cancel()
 		if err != nil {
 			t.Fatalf("seed %d: harness error (rerun with -jepsen.seed=%d): %v", s, s, err)
@@ -161,5 +162,19 @@ func TestJepsenCatchesRebuildFromLatestFault(t *testing.T) {
 		Nemeses: []string{"rebuild-target"}})
 	if rep.Anomalies.Total() == 0 {
 		t.Fatalf("rebuilds restarted from the latest fault passed every checker: the fault tests cannot find issue 13 A")
+	}
+}
+
+// TestJepsenCatchesUnorderedRebuild proves the fault tests find issue 13's
+// C: rebuild copies that are not ordered against the writes to the blocks
+// they copy leave older blocks on the target. The rebuild-writes nemesis
+// writes each of 12 cold registers (of 24) once while a rebuild copies the
+// volume, at about the moment the copy reaches its block. First run (seed
+// 105, 60 s, 4 rebuilds): linearizability 7, durability 6.
+func TestJepsenCatchesUnorderedRebuild(t *testing.T) {
+	rep := runBroken(t, RunConfig{Seed: 105, Duration: 60 * time.Second, Broken: "unordered-rebuild",
+		Blocks: 24, ColdBlocks: 12, Nemeses: []string{"rebuild-writes"}})
+	if rep.Anomalies.Total() == 0 {
+		t.Fatalf("unordered rebuild copies passed every checker: the fault tests cannot find issue 13 C")
 	}
 }

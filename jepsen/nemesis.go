@@ -60,6 +60,7 @@ func init() {
 	register(rebuildFault{name: "rebuild-target"})
 	register(rebuildFault{name: "rebuild-source", source: true})
 	register(replaceReplica{})
+	register(rebuildWrites{})
 	register(flushStorm{})
 	register(detachExpand{})
 	register(detachSnapshot{})

@@ -1,6 +1,7 @@
 package jepsen
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -410,3 +411,93 @@ func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 }
 
 func (replaceReplica) Heal(ctx context.Context, r *runner) error { return nil }
+
+// rebuildWrites writes the cold registers while a rebuild copies them: it
+// starts a rebuild as the other rebuild nemeses do (the target's link is
+// slowed from before its restart, so the copy of the run's some Blocks MiB
+// lasts seconds; the source's link is slowed as well), then writes each cold register once, in a random order
+// at random moments over the copy's expected length, and waits for the
+// target to be HEALTHY. Nothing writes a cold register afterwards, so if a
+// copy and a write to the same block interleave (the copy read the
+// source's block before the write and wrote it to the target after), the
+// target keeps the older block for good: the divergence checker reads every
+// replica at the end, and the workers' reads see it when the target is the
+// replica they read from (issue 13, C).
+type rebuildWrites struct{}
+
+func (rebuildWrites) Name() string { return "rebuild-writes" }
+
+func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
+	target, desc, err := r.startRebuild(ctx, rng)
+	if err != nil {
+		return "", err
+	}
+	defer slowLink(r.server(target.ServerId))()
+	// The source's link is slowed too: a copy reads a chunk from the source
+	// and then writes it to the target, so a write issued while that read
+	// is on its way reaches the target before the copy does. The slower
+	// the read, the wider the window in which the copy and a write to its
+	// block can interleave, unless the engine orders them.
+	if v, err := r.volume(ctx); err == nil {
+		if src := rebuildSource(v, target.Id); src != nil {
+			defer slowLink(r.server(src.ServerId))()
+		}
+	}
+	// The copy goes through the registers' strides in order, about a MiB
+	// each; register b's is copied at about b strides into the copy. Each
+	// cold register is written once, at a random moment within the time
+	// its own stride is expected to be copied (the last copy's pace, once
+	// one was measured; 500 ms a stride on the slowed links before).
+	copyStart := time.Now()
+	per := r.copyPerBlock
+	if per == 0 {
+		per = 500 * time.Millisecond
+	}
+	type plan struct {
+		b  int
+		at time.Duration
+	}
+	var writes []plan
+	for b := range r.cfg.Blocks {
+		if r.cold(b) {
+			at := time.Duration(b)*per + time.Duration(rng.Int64N(int64(per)))
+			writes = append(writes, plan{b, at})
+		}
+	}
+	slices.SortFunc(writes, func(x, y plan) int { return cmp.Compare(x.at, y.at) })
+	written, during := 0, 0
+	for _, w := range writes {
+		sleep(ctx, w.at-time.Since(copyStart))
+		if ctx.Err() != nil {
+			break
+		}
+		if r.do(ctx, r.cfg.Workers+1, r.active(), "write", w.b).OK {
+			written++
+			if v, err := r.volume(ctx); err == nil {
+				if now := replicaIn(v, target.Id); now != nil && now.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+					during++
+				}
+			}
+		}
+	}
+	if during > 0 {
+		r.hit("rebuild-writes: cold register written while the target was REBUILDING")
+	}
+	_, _, werr := r.waitReplica(ctx, rebuildDone, func(v *storpb.Volume) *storpb.Replica {
+		if now := replicaIn(v, target.Id); now != nil && now.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			return now
+		}
+		return nil
+	})
+	end := "the target is HEALTHY"
+	if werr != nil {
+		end = fmt.Sprintf("the target is not HEALTHY: %v", werr)
+	} else {
+		r.copyPerBlock = time.Since(copyStart) / time.Duration(max(r.cfg.Blocks, 1))
+		end += fmt.Sprintf(" (%v a register's stride)", r.copyPerBlock.Round(time.Millisecond))
+	}
+	return fmt.Sprintf("%s%d cold registers written during the copy of %s (%d seen while it was REBUILDING); %s", desc, written, target.Id, during, end), nil
+}
+
+// Heal is nothing: the link is restored when Inject returns.
+func (rebuildWrites) Heal(ctx context.Context, r *runner) error { return nil }

@@ -137,6 +137,10 @@ type runner struct {
 	// held keeps the workers from reopening the engine while a nemesis
 	// holds the volume detached (see detach.go).
 	held atomic.Bool
+	// copyPerBlock is how long the last rebuild-writes copy took per
+	// register stride (0: none measured yet); only the nemesis goroutine
+	// uses it.
+	copyPerBlock time.Duration
 
 	volumeID string
 
