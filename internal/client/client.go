@@ -3,9 +3,12 @@
 //
 // A Client holds one gRPC connection to a cluster, given by one or more
 // control addresses. Any server accepts any call (it forwards to the Raft
-// leader), so the connection uses pick_first over all the addresses: calls go
-// to the first address that accepts a connection, and move on to the next one
-// when that server goes away.
+// leader), so the connection balances calls round-robin over every address
+// that accepts a connection. That is also what lets a retry leave a server
+// that is reachable but cut off from its peers: it answers every call
+// Unavailable ("no leader"), and with pick_first (which moves on only when a
+// connection fails) a client stuck to it had no control plane at all while
+// the rest of the cluster had a leader (the jepsen harness saw 100 s of it).
 //
 // Unary calls that fail with codes.Unavailable are retried with capped
 // exponential backoff (50ms doubling to 500ms) until the call's context is
@@ -69,8 +72,7 @@ type Client struct {
 }
 
 // Dial connects to a stor cluster given one or more control addresses
-// ("host:port"). Calls go to the first reachable address (pick_first over all
-// of them, in the order given); a unary call that fails with
+// ("host:port"). Calls go round-robin to the reachable addresses; a unary call that fails with
 // codes.Unavailable is retried with capped exponential backoff (start 50ms,
 // cap 500ms) until its context is done, which makes a leader failover
 // invisible to callers. When the context ends while retrying, the call
@@ -101,7 +103,7 @@ func Dial(addrs []string, opts ...grpc.DialOption) (*Client, error) {
 	all := append([]grpc.DialOption{
 		grpc.WithResolvers(r),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig":[{"pick_first":{}}]}`),
+		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig":[{"round_robin":{}}]}`),
 		grpc.WithChainUnaryInterceptor(retryUnavailable),
 	}, opts...)
 	conn, err := grpc.NewClient(resolverScheme+":///cluster", all...)

@@ -219,23 +219,37 @@ func TestServerFailoverIsInvisible(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	resp, err := c.Cluster.Status(ctx, &storpb.StatusRequest{})
-	if err != nil {
+	if _, err := c.Cluster.Status(ctx, &storpb.StatusRequest{}); err != nil {
 		t.Fatalf("Status: %v", err)
 	}
-	if resp.GetClusterId() != "via-first" {
-		t.Fatalf("first call answered by %q, want the first address (pick_first)", resp.GetClusterId())
-	}
-
 	stopFirst()
-	resp, err = c.Cluster.Status(ctx, &storpb.StatusRequest{})
-	if err != nil {
-		t.Fatalf("Status after the first server stopped: %v", err)
+	for i := range 3 {
+		resp, err := c.Cluster.Status(ctx, &storpb.StatusRequest{})
+		if err != nil {
+			t.Fatalf("Status %d after the first server stopped: %v", i, err)
+		}
+		if resp.GetClusterId() != "via-second" {
+			t.Fatalf("call %d after failover answered by %q, want via-second", i, resp.GetClusterId())
+		}
 	}
-	if resp.GetClusterId() != "via-second" {
-		t.Fatalf("call after failover answered by %q, want via-second", resp.GetClusterId())
-	}
-	if got := first.statusCalls.Load(); got != 1 {
-		t.Fatalf("first server saw %d calls, want 1", got)
+}
+
+// A server that accepts connections but is cut off from its peers answers
+// every call Unavailable ("no leader"); the retries must reach another
+// server that can answer, not stay on the first address.
+func TestRetryLeavesAServerWithoutLeader(t *testing.T) {
+	cutOff := &fakeCluster{id: "never", unavailable: 1 << 62}
+	healthy := &fakeCluster{id: "cluster-1"}
+	a, _ := startServer(t, cutOff, nil)
+	b, _ := startServer(t, healthy, nil)
+	c := dial(t, a, b)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for i := range 4 {
+		resp, err := c.Cluster.Status(ctx, &storpb.StatusRequest{})
+		if err != nil || resp.GetClusterId() != "cluster-1" {
+			t.Fatalf("call %d: %v, %v; want the answer of the server that has a leader (the cut-off one was asked %d times)",
+				i, resp, err, cutOff.statusCalls.Load())
+		}
 	}
 }
