@@ -82,6 +82,10 @@ type BrokenMode struct {
 var BrokenModes = map[string]BrokenMode{
 	"early-ack": {Doc: "each replica write is acknowledged as soon as it is sent, before the replica answered", Conn: earlyAck},
 	"early-cut": {Doc: "each replica's snapshot cut is acknowledged at once and made 100-600 ms later, while writes go on", Conn: earlyCut},
+	"rebuild-from-latest-fault": {Doc: "a rebuild retried after a failed one starts its delta from the replica's latest fault, not from where it stopped being healthy (issue 13, A)",
+		Engine: rebuildFromLatestFault},
+	"unordered-rebuild": {Doc: "rebuild copies are not ordered against writes in flight, and a rebuild plans without waiting for the writes before its target joined (issue 13, C)",
+		Engine: unorderedRebuild},
 }
 
 type clientProc struct {

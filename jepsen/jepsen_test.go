@@ -146,3 +146,29 @@ func TestJepsenCatchesEarlySnapshotCut(t *testing.T) {
 		t.Fatalf("snapshots cut after writes resumed passed the snapshot checker: it cannot fail")
 	}
 }
+
+// TestJepsenCatchesRebuildFromLatestFault proves the fault tests find issue
+// 13's A: an engine that restarts a failed delta rebuild from the replica's
+// latest fault (instead of where it stopped being healthy) skips the writes
+// the replica missed in its first absence. The rebuild-target nemesis
+// faults rebuilds mid-copy and their retries, and writes the cold registers
+// while the replica is away; the checkers must see the lost writes.
+func TestJepsenCatchesRebuildFromLatestFault(t *testing.T) {
+	rep := runBroken(t, RunConfig{Seed: 103, Duration: 40 * time.Second, Broken: "rebuild-from-latest-fault",
+		Nemeses: []string{"rebuild-target"}})
+	if rep.Anomalies.Total() == 0 {
+		t.Fatalf("rebuilds restarted from the latest fault passed every checker: the fault tests cannot find issue 13 A")
+	}
+}
+
+// TestJepsenCatchesUnorderedRebuild proves the fault tests find issue 13's
+// C: rebuild copies that are not ordered against writes in flight copy old
+// blocks over acknowledged writes. The rebuild and replace nemeses start
+// rebuilds (full and delta) under load.
+func TestJepsenCatchesUnorderedRebuild(t *testing.T) {
+	rep := runBroken(t, RunConfig{Seed: 104, Duration: 40 * time.Second, Broken: "unordered-rebuild",
+		Nemeses: []string{"rebuild-target", "replace-replica"}})
+	if rep.Anomalies.Total() == 0 {
+		t.Fatalf("unordered rebuild copies passed every checker: the fault tests cannot find issue 13 C")
+	}
+}
