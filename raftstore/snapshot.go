@@ -337,7 +337,7 @@ func (w *writer) refuseLastCopies(v *storpb.Volume, old *storpb.Replica) error {
 	}
 	more := ""
 	if len(last) > 1 {
-		more = fmt.Sprintf(" (and of %d other snapshots)", len(last)-1)
+		more = fmt.Sprintf(" (and the last copy of %d more)", len(last)-1)
 	}
 	return fmt.Errorf("%w: replica %q of volume %q holds the last copy of snapshot %q%s; removing it would lose the snapshot: delete the snapshot first (clone it to a new volume to keep its data)%s",
 		ErrFailedPrecondition, old.Id, v.Name, s.Name, more, wait)
