@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
 )
 
 func TestValueRoundTripAndDamage(t *testing.T) {
@@ -242,4 +244,52 @@ func TestLockHostsUnit(t *testing.T) {
 		t.Fatalf("lock after the first let go: %v", err)
 	}
 	second.Close()
+}
+
+// TestSnapshotLossChecker: a snapshot seen ready whose copies all went
+// with replicas that left the volume is counted as lost, not an anomaly,
+// when the listing records the loss (failed, LOST entries with a reason);
+// a snapshot that turned not-ready without a recorded loss is a silent
+// loss, an anomaly.
+func TestSnapshotLossChecker(t *testing.T) {
+	const (
+		cut    = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT
+		missed = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED
+		lost   = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST
+	)
+	entry := func(id string, st storpb.SnapshotReplicaState, reason string) *storpb.SnapshotReplica {
+		return &storpb.SnapshotReplica{ReplicaId: id, State: st, Reason: reason}
+	}
+	const why = "its replica was removed from the volume; the copy went with it"
+	cases := []struct {
+		name    string
+		listing *storpb.Snapshot
+		lost    int    // counted in Report.SnapshotsLost
+		bad     int    // snapshot anomalies
+		detail  string // in the anomaly's detail
+	}{
+		{"every copy recorded lost", &storpb.Snapshot{Failed: true, StatusMessage: "every copy of the snapshot is lost",
+			Replicas: []*storpb.SnapshotReplica{entry("r1", lost, why), entry("r2", lost, why), entry("r3", missed, "not healthy")}}, 1, 0, ""},
+		{"failed with no copy recorded lost", &storpb.Snapshot{Failed: true, StatusMessage: "no replica could cut the snapshot",
+			Replicas: []*storpb.SnapshotReplica{entry("r1", missed, "x"), entry("r2", missed, "y")}}, 0, 1, "no copy recorded lost"},
+		{"lost without a reason", &storpb.Snapshot{Failed: true,
+			Replicas: []*storpb.SnapshotReplica{entry("r1", lost, "")}}, 0, 1, "no copy recorded lost"},
+		{"not ready, yet a copy is listed cut", &storpb.Snapshot{Failed: true,
+			Replicas: []*storpb.SnapshotReplica{entry("r1", cut, ""), entry("r2", lost, why)}}, 0, 1, "no copy recorded lost"},
+		{"not ready and not failed", &storpb.Snapshot{
+			Replicas: []*storpb.SnapshotReplica{entry("r1", lost, why)}}, 0, 1, "no copy recorded lost"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			ops := []Op{write(0, 0, 1, 0, 10, true), lostOp("s", 20, 100, c.listing)}
+			var a Anomalies
+			n := checkSnapshotLosses(ops, &a)
+			if n != c.lost || a.Snapshot != c.bad || a.Total() != c.bad {
+				t.Fatalf("lost %d, anomalies %+v; want lost %d and %d snapshot anomalies", n, a, c.lost, c.bad)
+			}
+			if c.bad > 0 && !strings.Contains(strings.Join(a.Details, "\n"), c.detail) {
+				t.Fatalf("details %q do not say %q", a.Details, c.detail)
+			}
+		})
+	}
 }

@@ -85,7 +85,22 @@
 //     contents, and they are the volume at one instant between the
 //     snapshot's request and the moment it was seen ready, consistent
 //     with the registers' linearizations; a clone holds its snapshot
-//     (checkSnapshots).
+//     (checkSnapshots). Only replicas still listed CUT after the run are
+//     read: a replica that left the volume took its copy with it, and the
+//     control plane lists its entry LOST;
+//   - snapshot losses: a snapshot acknowledged ready whose every copy went
+//     with replicas that left the volume (replace-replica, the leader's
+//     repair) is listed failed after the run. When the control plane
+//     recorded that loss (the snapshot is failed, with LOST entries naming
+//     why), it refused to hide it: that is a reported limitation, counted
+//     in Report.SnapshotsLost (snapshots-lost), not an anomaly. It is an
+//     anomaly only when the loss is silent: the listing still says
+//     ready/CUT but a CUT copy does not read back (checkSnapshots), or an
+//     acknowledged snapshot turned failed with no copy recorded LOST
+//     (checkSnapshotLosses). A removal the control plane refuses because
+//     the replica holds the last copy of a snapshot (FailedPrecondition)
+//     is a failed "replica-remove" op of replace-replica, not a harness
+//     error.
 //
 // A run writes report.json, summary.txt and history.jsonl to its
 // directory, and porcupine's HTML visualization for every register whose

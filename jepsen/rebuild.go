@@ -10,6 +10,9 @@ import (
 	"strings"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	storpb "github.com/stor-io/stor/api/proto"
 )
 
@@ -314,7 +317,9 @@ func (rebuildFault) Heal(ctx context.Context, r *runner) error { return nil }
 // go but the server it leaves, which placement refuses: then it is a
 // remove and an add on that server (two ReplaceReplica calls, as stor-ctl
 // replica remove and replica add), still a brand-new replica filled by a
-// full rebuild.
+// full rebuild. Each removal is a "replica-remove" op; one the control
+// plane refuses because the replica holds the last copy of a snapshot
+// (FailedPrecondition) ends the round as a failed op, not a harness error.
 type replaceReplica struct{}
 
 func (replaceReplica) Name() string { return "replace-replica" }
@@ -345,8 +350,29 @@ func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 	desc := fmt.Sprintf("%d cold registers written; replace %s on %s", cold, old.Id, old.ServerId)
 	// With three servers the new replica goes where the old one was.
 	defer slowLink(r.server(old.ServerId))()
-	if err := call(&storpb.ReplaceReplicaRequest{Volume: ref, ReplicaId: old.Id}); err != nil {
-		if err := call(&storpb.ReplaceReplicaRequest{Volume: ref, ReplicaId: old.Id, RemoveOnly: true}); err != nil {
+	// remove records the removal as a "replica-remove" op; the control
+	// plane may refuse it (FailedPrecondition: old holds the last copy of
+	// a snapshot), which is a failed op, not a harness error.
+	remove := func(req *storpb.ReplaceReplicaRequest) (refused bool, err error) {
+		o := Op{Client: -1, Kind: "replica-remove", Replica: old.Id, Call: r.now()}
+		err = call(req)
+		o.Return, o.OK = r.now(), err == nil
+		if err != nil {
+			o.Err = err.Error()
+		}
+		r.record(o)
+		return status.Code(err) == codes.FailedPrecondition, err
+	}
+	refusedDesc := func(err error) string {
+		r.hit("replace-replica: removal refused")
+		return fmt.Sprintf("%s: removal refused: %s", desc, status.Convert(err).Message())
+	}
+	if refused, err := remove(&storpb.ReplaceReplicaRequest{Volume: ref, ReplicaId: old.Id}); refused {
+		return refusedDesc(err), nil
+	} else if err != nil {
+		if refused, err := remove(&storpb.ReplaceReplicaRequest{Volume: ref, ReplicaId: old.Id, RemoveOnly: true}); refused {
+			return refusedDesc(err), nil
+		} else if err != nil {
 			return "", fmt.Errorf("remove %s: %w", old.Id, err)
 		}
 		if err := call(&storpb.ReplaceReplicaRequest{Volume: ref, ServerId: old.ServerId}); err != nil {

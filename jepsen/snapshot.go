@@ -168,8 +168,10 @@ func (r *runner) deleteSnapshot(ctx context.Context, s *snapOp) {
 // the workload asked for (Kind "snapshot"; Return is when it was seen
 // ready, OK whether it was), resolving those still pending by listing
 // them now, and reads every block of every listed ready snapshot from
-// every replica that cut it (Kind "snapshot-read", one op per replica and
-// block, carrying the snapshot's window as Call and Return).
+// every replica still listed CUT (Kind "snapshot-read", one op per replica
+// and block, carrying the snapshot's window as Call and Return). A
+// snapshot seen ready but listed not ready now is recorded as a
+// "snapshot-lost" op, OK when the listing records the loss (lossRecorded).
 func (r *runner) readSnapshots(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
@@ -217,8 +219,14 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 			}
 		}
 		r.record(o)
+		if o.OK && ls != nil && !ls.ReadyToUse {
+			// Seen ready, listed not ready now: its copies went with
+			// replicas that left the volume. Recorded if the listing says
+			// so (checkSnapshotLosses decides).
+			r.record(lostOp(s.name, o.Return, at, ls))
+		}
 		if !o.OK || ls == nil || !ls.ReadyToUse {
-			continue // never ready, or deleted
+			continue // never ready, deleted, or lost
 		}
 		blocks := int(ls.SizeBytes / blockStride)
 		layer := replica.LayerName(ls.Id, ls.CutEpoch)
@@ -231,6 +239,27 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 		}
 	}
 	return r.readClones(ctx, dataAddr)
+}
+
+// lostOp is the "snapshot-lost" op of snapshot name, seen ready at seen
+// and listed not ready (ls) at at: OK when the listing records the loss.
+func lostOp(name string, seen, at int64, ls *storpb.Snapshot) Op {
+	return Op{Client: -1, Kind: "snapshot-lost", Snapshot: name, Call: seen, Return: at, OK: lossRecorded(ls), Err: ls.StatusMessage}
+}
+
+// lossRecorded reports whether listed snapshot s, not ready, says why:
+// failed, with no CUT copy and at least one copy recorded LOST.
+func lossRecorded(s *storpb.Snapshot) bool {
+	lost := false
+	for _, rep := range s.Replicas {
+		switch rep.State {
+		case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT:
+			return false
+		case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST:
+			lost = lost || rep.Reason != ""
+		}
+	}
+	return s.Failed && lost
 }
 
 // readClones waits for every clone the workload asked for to be filled

@@ -78,7 +78,9 @@ func (w *writer) apply(c command) (proto.Message, error) {
 	case opSetReplicaState:
 		return w.setReplicaState(c.At, c.Body.(*storpb.SetReplicaStateRequest))
 	case opReplaceReplica:
-		return w.replaceReplica(c.At, c.ID, c.Body.(*storpb.ReplaceReplicaRequest))
+		return w.replaceReplica(c.At, c.ID, c.Body.(*storpb.ReplaceReplicaRequest), false)
+	case opRepairReplica:
+		return w.replaceReplica(c.At, c.ID, c.Body.(*storpb.ReplaceReplicaRequest), true)
 	case opRecordCut:
 		return w.recordCut(c.Body.(*storpb.RecordSnapshotCutRequest))
 	case opRecordCloneCopy:
@@ -148,7 +150,8 @@ func (w *writer) setServerState(at int64, in *storpb.Server) (proto.Message, err
 // removeServer forgets a server. Its replicas are lost with it: each
 // becomes faulty in a new replica-set generation and is flagged
 // ServerRemoved, so it counts against no server (not even one registered
-// again under the same id) until the leader replaces it.
+// again under the same id) until the leader replaces it, and its snapshot
+// copies are recorded lost at once (loseReplica).
 func (w *writer) removeServer(at int64, id string) (proto.Message, error) {
 	s, err := w.Server(id)
 	if err != nil {
@@ -163,12 +166,14 @@ func (w *writer) removeServer(at int64, id string) (proto.Message, error) {
 		for _, r := range v.Replicas {
 			if r.ServerId == id && !r.ServerRemoved {
 				w.must(moveReplica(v, r, eventServerRemoved, at, 0))
+				if err := w.loseReplica(v, r.Id, fmt.Sprintf("its server %s was removed from the cluster", id)); err != nil {
+					return nil, err
+				}
 				changed = true
 			}
 		}
 		if changed {
-			w.put(bucketVolumes, v.Id, v)
-			w.lastTouched = append(w.lastTouched, v.Id)
+			w.putVolume(v)
 		}
 	}
 	w.del(bucketServers, id)
@@ -435,8 +440,11 @@ func healthyCount(v *storpb.Volume) int {
 
 // replaceReplica removes a replica and/or adds a new one, which starts as
 // REBUILDING with a full rebuild ahead (newReplica). The last healthy
-// replica is never removed.
-func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceReplicaRequest) (proto.Message, error) {
+// replica is never removed. The removed replica's snapshot copies go with
+// it (loseReplica); unless repair is set (the leader replacing a replica
+// unhealthy too long), a replica whose server is up and that holds the
+// last copy of a ready snapshot is not removed (refuseLastCopies).
+func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceReplicaRequest, repair bool) (proto.Message, error) {
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
 		return nil, err
@@ -448,6 +456,11 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		}
 		if old.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && healthyCount(v) == 1 {
 			return nil, fmt.Errorf("%w: replica %q is the last healthy replica of volume %q", ErrFailedPrecondition, old.Id, v.Name)
+		}
+		if !repair {
+			if err := w.refuseLastCopies(v, old); err != nil {
+				return nil, err
+			}
 		}
 	} else if req.RemoveOnly {
 		return nil, fmt.Errorf("%w: remove needs a replica id", ErrInvalidArgument)
@@ -497,7 +510,7 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 	}
 	v.Replicas = keep
 	if old != nil {
-		if err := w.missReplica(v, old.Id, "the replica was removed from the volume"); err != nil {
+		if err := w.loseReplica(v, old.Id, "its replica was removed from the volume"); err != nil {
 			return nil, err
 		}
 	}

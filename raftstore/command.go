@@ -30,6 +30,10 @@ const (
 	opRecordCut       op = 14 // Body = storpb.RecordSnapshotCutRequest
 	opRecordCloneCopy op = 15 // Body = storpb.RecordCloneCopiedRequest
 	opRegisterNode    op = 16 // Body = storpb.Node (id, zone, labels, max volumes)
+	// opRepairReplica is opReplaceReplica proposed by the leader's repair
+	// of a replica unhealthy too long: it is not refused for holding the
+	// last copy of a snapshot (the loss is recorded instead).
+	opRepairReplica op = 17 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
 )
 
 var opNames = map[op]string{
@@ -41,6 +45,7 @@ var opNames = map[op]string{
 	opDeleteSnapshot: "delete-snapshot", opSetReplicaState: "set-replica-state",
 	opReplaceReplica: "replace-replica", opRecordCut: "record-snapshot-cut",
 	opRecordCloneCopy: "record-clone-copied", opRegisterNode: "register-node",
+	opRepairReplica: "repair-replica",
 }
 
 func (o op) String() string {
@@ -118,7 +123,7 @@ func decodeCommand(b []byte) (command, error) {
 		m = &storpb.SnapshotRef{}
 	case opSetReplicaState:
 		m = &storpb.SetReplicaStateRequest{}
-	case opReplaceReplica:
+	case opReplaceReplica, opRepairReplica:
 		m = &storpb.ReplaceReplicaRequest{}
 	case opRecordCut:
 		m = &storpb.RecordSnapshotCutRequest{}

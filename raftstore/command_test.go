@@ -35,6 +35,7 @@ func TestOpValuesArePinned(t *testing.T) {
 		{opRecordCut, 14, "record-snapshot-cut"},
 		{opRecordCloneCopy, 15, "record-clone-copied"},
 		{opRegisterNode, 16, "register-node"},
+		{opRepairReplica, 17, "repair-replica"},
 	}
 	if len(opNames) != len(want) {
 		t.Errorf("opNames has %d ops, this test knows %d: add the new op here and to commandRoundTripCases", len(opNames), len(want))
@@ -107,6 +108,9 @@ func commandRoundTripCases() []struct {
 		}}},
 		{name: "replace-replica", cmd: command{Op: opReplaceReplica, At: 12, ID: "vol-6c2a-r4", Body: &storpb.ReplaceReplicaRequest{
 			Volume: &storpb.VolumeRef{Id: "vol-6c2a"}, ReplicaId: "vol-6c2a-r2", ServerId: "s3", RemoveOnly: true,
+		}}},
+		{name: "repair-replica", cmd: command{Op: opRepairReplica, At: 12, ID: "vol-6c2a-r5", Body: &storpb.ReplaceReplicaRequest{
+			Volume: &storpb.VolumeRef{Id: "vol-6c2a"}, ReplicaId: "vol-6c2a-r2",
 		}}},
 		{name: "record-snapshot-cut", cmd: command{Op: opRecordCut, At: 13, Body: &storpb.RecordSnapshotCutRequest{
 			SnapshotId: "snap-9", Epoch: 4, CutReplicaIds: []string{"vol-6c2a-r1", "vol-6c2a-r2"},

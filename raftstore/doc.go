@@ -73,6 +73,35 @@
 // rebuilds, replacements and restarts against an oracle of the writes each
 // healthy replica must hold.
 //
+// # Snapshots and replicas that leave
+//
+// A snapshot's copies are layers of its replicas, and a replica that
+// leaves its volume (replaced or removed by an operator or the API,
+// replaced by the leader's repair, or gone with a server removed from
+// the cluster) is deleted by its server with its layers; a new replica
+// is rebuilt with the head only. The records never name a copy that is
+// gone: every such path marks the replica's CUT entries LOST (and its
+// PENDING ones MISSED) with the reason, and a snapshot left with no CUT
+// copy is failed, its status_message saying every copy is lost; a clone
+// from it is refused (snapshot.go). A copy is never lost silently:
+//
+//   - An operator or the API (ReplaceReplica, stor-ctl replica remove)
+//     removing the replica that holds the last CUT copy of a ready
+//     snapshot while its server is up is refused (FailedPrecondition,
+//     naming the snapshot): delete the snapshot first, after cloning it
+//     if its data matters. While the server is down the removal goes on
+//     and the loss is recorded: the copy cannot be read anyway, and the
+//     operator asked for the head to be repaired.
+//   - The leader's repair of a replica unhealthy longer than ReplaceAfter
+//     (its own command, opRepairReplica) is never refused for that: a
+//     volume held short of a replica for good (one more fault from losing
+//     acknowledged writes) is worse than a lost snapshot, and a replica
+//     unhealthy that long is usually on a dead machine whose copy is
+//     unreadable anyway. The loss is recorded as above and logged by the
+//     leader (a warning naming the snapshot, the volume and the replica).
+//   - A server removed from the cluster took its data: its replicas'
+//     copies are recorded LOST when the removal is applied.
+//
 // # Membership and liveness
 //
 // Join registers a server in the FSM and adds it to the Raft configuration:

@@ -190,7 +190,8 @@ func (s *Store) promoteVoters(ctx context.Context) {
 //   - a faulty replica unhealthy for longer than ReplaceAfter, or any
 //     replica whose server was removed, is replaced by a new replica
 //     elsewhere (full rebuild); a rebuild in progress is never replaced
-//     for being slow;
+//     for being slow; a snapshot whose last copy it held is then lost,
+//     recorded as such and logged (replaceUnhealthy);
 //   - a volume with fewer replicas than its count gets new ones.
 //
 // Each decision is one committed command, proposed with the volume's
@@ -225,10 +226,7 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 			}
 			switch {
 			case srv == nil || r.ServerRemoved || (r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && unhealthyFor > s.cfg.ReplaceAfter):
-				s.repair(ctx, "replace", v, r, func() error {
-					_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: r.Id})
-					return err
-				})
+				s.repair(ctx, "replace", v, r, func() error { return s.replaceUnhealthy(ctx, v, r) })
 			case r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY && down && (srv == nil || downFor > s.cfg.ReplicaGrace):
 				s.repair(ctx, "mark faulty (server down)", v, r, func() error {
 					return s.setReplica(ctx, v, r, storpb.ReplicaState_REPLICA_STATE_FAULTY, "server "+r.ServerId+" is down")
@@ -248,6 +246,32 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 			})
 		}
 	}
+}
+
+// replaceUnhealthy replaces replica r of v for the repair loop
+// (opRepairReplica): unlike an operator's removal it is not refused when
+// r holds the last copy of a ready snapshot, since a volume short of a
+// replica for good is worse than a lost snapshot (package doc, "Snapshots
+// and replicas that leave"). Each snapshot lost that way is logged; its
+// record says so (LOST entries, failed, status_message).
+func (s *Store) replaceUnhealthy(ctx context.Context, v *storpb.Volume, r *storpb.Replica) error {
+	var lost []*storpb.Snapshot
+	_ = s.fsm.View(func(rd *Reader) error {
+		var err error
+		lost, err = rd.lastCopies(v, r.Id)
+		return err
+	})
+	_, err := asVolume(s.propose(ctx, command{Op: opRepairReplica, ID: uuid.NewString(),
+		Body: &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: r.Id}}))
+	if err != nil {
+		return err
+	}
+	for _, snap := range lost {
+		s.logger.Warn("snapshot lost: its last copy went with a replaced replica",
+			"snapshot", snap.Name, "snapshot_id", snap.Id, "volume", v.Name, "replica", r.Id, "server", r.ServerId,
+			"replica_state", r.State.String(), "server_removed", r.ServerRemoved)
+	}
+	return nil
 }
 
 func (s *Store) setReplica(ctx context.Context, v *storpb.Volume, r *storpb.Replica, state storpb.ReplicaState, reason string) error {

@@ -31,6 +31,17 @@ import (
 //     MISSED. On a replica the layer is named replica.LayerName(snapshot
 //     id, epoch of the cut), so a cut at one epoch is never taken for a
 //     cut at another (a stray layer is merged away by its server).
+//   - A replica that leaves the volume takes its copies with it (its
+//     server deletes it with its layers, and a new replica is rebuilt with
+//     the head only): loseReplica, called by every path that takes a
+//     replica out (replaceReplica, its server removed), turns its PENDING
+//     entries MISSED and its CUT entries LOST, so no record names a copy
+//     that is gone, and a snapshot left with no CUT copy is failed (a
+//     clone from it is refused). An operator's or the API's removal of the
+//     replica that holds the last CUT copy of a ready snapshot, while its
+//     server is up, is refused instead (lastCopies); the leader's repair
+//     of a replica unhealthy too long is not (package doc, "Snapshots
+//     and replicas that leave").
 //   - A clone (CreateVolume with a content source) starts CREATING with
 //     clone_snapshot_id naming what its replicas are filled from; a volume
 //     source is snapshotted implicitly (snapshot id "<clone id>-source").
@@ -41,6 +52,7 @@ const (
 	snapPending = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING
 	snapCut     = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT
 	snapMissed  = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED
+	snapLost    = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST
 )
 
 // ImplicitSnapshotID is the id of the snapshot a clone from a volume takes.
@@ -79,9 +91,19 @@ func newSnapshot(at int64, id, name string, v *storpb.Volume) (*storpb.Snapshot,
 
 // resolveSnapshot recomputes ready_to_use, failed and status_message from
 // the replicas' entries. It reports whether any replica is still pending.
+// The snapshot's whole state follows from its entries:
+//
+//	some PENDING                 waiting (neither ready nor failed)
+//	none PENDING, some CUT       ready
+//	none PENDING, none CUT       failed: no replica could cut it, or every
+//	                             copy was LOST with the replica that held it
+//
+// An entry moves only PENDING -> CUT or MISSED (recordCut, loseReplica)
+// and CUT -> LOST (loseReplica), so a ready snapshot stays ready until
+// its last copy is lost, and a failed one never becomes ready.
 func resolveSnapshot(s *storpb.Snapshot) (pending bool) {
-	var waiting, missed []string
-	cut := 0
+	var waiting, gone []string
+	cut, lost := 0, 0
 	for _, r := range s.Replicas {
 		switch r.State {
 		case snapPending:
@@ -89,16 +111,22 @@ func resolveSnapshot(s *storpb.Snapshot) (pending bool) {
 		case snapCut:
 			cut++
 		case snapMissed:
-			missed = append(missed, fmt.Sprintf("%s: %s", r.ReplicaId, r.Reason))
+			gone = append(gone, fmt.Sprintf("%s: %s", r.ReplicaId, r.Reason))
+		case snapLost:
+			lost++
+			gone = append(gone, fmt.Sprintf("%s: %s", r.ReplicaId, r.Reason))
 		}
 	}
 	s.ReadyToUse, s.Failed = false, false
 	switch {
 	case len(waiting) > 0:
 		s.StatusMessage = "waiting for replicas to cut the snapshot: " + strings.Join(waiting, ", ")
+	case cut == 0 && lost > 0:
+		s.Failed = true
+		s.StatusMessage = "every copy of the snapshot is lost: " + strings.Join(gone, "; ")
 	case cut == 0:
 		s.Failed = true
-		s.StatusMessage = "no replica could cut the snapshot: " + strings.Join(missed, "; ")
+		s.StatusMessage = "no replica could cut the snapshot: " + strings.Join(gone, "; ")
 	default:
 		s.ReadyToUse = true
 		s.StatusMessage = ""
@@ -235,22 +263,84 @@ func (w *writer) putResolved(s *storpb.Snapshot, v *storpb.Volume) {
 	w.put(bucketSnapshots, s.Id, s)
 }
 
-// missReplica marks replica id MISSED in every pending snapshot of v (it
-// was removed, so it will never cut). The caller stores v.
-func (w *writer) missReplica(v *storpb.Volume, id, reason string) error {
-	for _, sid := range slices.Clone(v.PendingSnapshotIds) {
-		s, err := w.Snapshot(sid)
-		if err != nil {
-			return err
-		}
+// loseReplica records that replica id left volume v and took its copies
+// with it: in every snapshot of v its PENDING entry becomes MISSED (it
+// will never cut) and its CUT entry LOST, each with reason; a snapshot
+// left with no CUT copy is failed (resolveSnapshot). The caller stores v.
+func (w *writer) loseReplica(v *storpb.Volume, id, reason string) error {
+	snaps, _, err := w.Snapshots(v.Id, "", 0)
+	if err != nil {
+		return err
+	}
+	for _, s := range snaps {
+		changed := false
 		for _, r := range s.Replicas {
-			if r.ReplicaId == id && r.State == snapPending {
-				r.State, r.Reason = snapMissed, reason
+			if r.ReplicaId != id {
+				continue
+			}
+			switch r.State {
+			case snapPending:
+				r.State, r.Reason = snapMissed, reason+" before it cut the snapshot"
+				changed = true
+			case snapCut:
+				r.State, r.Reason = snapLost, reason+"; the copy went with it"
+				changed = true
 			}
 		}
-		w.putResolved(s, v)
+		if changed {
+			w.putResolved(s, v)
+		}
 	}
 	return nil
+}
+
+// lastCopies lists the ready snapshots of volume v whose only CUT copy is
+// replica id's: removing that replica would lose them.
+func (r *Reader) lastCopies(v *storpb.Volume, id string) ([]*storpb.Snapshot, error) {
+	snaps, _, err := r.Snapshots(v.Id, "", 0)
+	if err != nil {
+		return nil, err
+	}
+	var out []*storpb.Snapshot
+	for _, s := range snaps {
+		if !s.ReadyToUse || !SnapshotServes(s, id) {
+			continue
+		}
+		others := slices.ContainsFunc(s.Replicas, func(e *storpb.SnapshotReplica) bool {
+			return e.ReplicaId != id && e.State == snapCut
+		})
+		if !others {
+			out = append(out, s)
+		}
+	}
+	return out, nil
+}
+
+// refuseLastCopies is the operator's guard (replaceReplica, not the
+// leader's repair): replica old of v may not be removed while its server
+// is up and it holds the last copy of a ready snapshot.
+func (w *writer) refuseLastCopies(v *storpb.Volume, old *storpb.Replica) error {
+	if old.ServerRemoved {
+		return nil // its data went with its server
+	}
+	if srv, err := w.Server(old.ServerId); err != nil || srv.State != storpb.ServerState_SERVER_STATE_UP {
+		return nil // down: what it holds cannot be read now; repairing the head comes first
+	}
+	last, err := w.lastCopies(v, old.Id)
+	if err != nil || len(last) == 0 {
+		return err
+	}
+	s := last[0]
+	wait := ""
+	if s.ImplicitForVolumeId != "" {
+		wait = fmt.Sprintf(", or wait until clone %q is filled (its implicit snapshot is then deleted)", s.ImplicitForVolumeId)
+	}
+	more := ""
+	if len(last) > 1 {
+		more = fmt.Sprintf(" (and the last copy of %d more)", len(last)-1)
+	}
+	return fmt.Errorf("%w: replica %q of volume %q holds the last copy of snapshot %q%s; removing it would lose the snapshot: delete the snapshot first (clone it to a new volume to keep its data)%s",
+		ErrFailedPrecondition, old.Id, v.Name, s.Name, more, wait)
 }
 
 // cloneSource is what prepareClone found: the snapshot the clone is filled

@@ -168,3 +168,122 @@ func TestFSMClone(t *testing.T) {
 	}
 	mustApply(t, f, cmdDeleteVolume("vol-1"))
 }
+
+// TestFSMReplicaLeavesSnapshot: a replica that leaves its volume takes
+// its snapshot copies with it, and the records say so on every path: its
+// CUT entries become LOST (the snapshot stays ready while another copy is
+// CUT, and fails when none is), an operator's removal of the last copy of
+// a ready snapshot while its server is up is refused, and the leader's
+// repair, a removal while the server is down, and a server removed from
+// the cluster record the loss instead.
+func TestFSMReplicaLeavesSnapshot(t *testing.T) {
+	cases := []struct {
+		name  string
+		cut   []string  // replicas that cut snap-1 (the others missed it)
+		setup []command // before the removal
+		// remove is the command that takes vol-1-r1 out (server: its server).
+		remove  func(server string) command
+		refused bool   // the removal fails with ErrFailedPrecondition
+		lost    bool   // snap-1 is failed afterwards: every copy is lost
+		reason  string // in r1's entry (and the status, when lost)
+	}{
+		{name: "operator removes one of three copies", cut: []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"},
+			remove: func(string) command { return cmdReplaceReplica("vol-1", "vol-1-r1", "", "", true) },
+			reason: "its replica was removed from the volume; the copy went with it"},
+		{name: "operator replaces one of two copies", cut: []string{"vol-1-r1", "vol-1-r2"},
+			setup:  []command{cmdRegisterServer("s4", "d", gib, nil)},
+			remove: func(string) command { return cmdReplaceReplica("vol-1", "vol-1-r1", "", "vol-1-r4", false) },
+			reason: "its replica was removed from the volume; the copy went with it"},
+		{name: "operator removes the last copy, server up", cut: []string{"vol-1-r1"},
+			remove:  func(string) command { return cmdReplaceReplica("vol-1", "vol-1-r1", "", "", true) },
+			refused: true},
+		{name: "operator replaces the last copy, server up", cut: []string{"vol-1-r1"},
+			setup:   []command{cmdRegisterServer("s4", "d", gib, nil)},
+			remove:  func(string) command { return cmdReplaceReplica("vol-1", "vol-1-r1", "", "vol-1-r4", false) },
+			refused: true},
+		{name: "operator removes the last copy, server down", cut: []string{"vol-1-r1"},
+			setup:  []command{cmdSetServerState("s1", storpb.ServerState_SERVER_STATE_DOWN)},
+			remove: func(string) command { return cmdReplaceReplica("vol-1", "vol-1-r1", "", "", true) },
+			lost:   true, reason: "its replica was removed from the volume; the copy went with it"},
+		{name: "leader repairs the last copy, server up", cut: []string{"vol-1-r1"},
+			setup: []command{cmdRegisterServer("s4", "d", gib, nil)},
+			remove: func(string) command {
+				return command{Op: opRepairReplica, ID: "vol-1-r4", Body: &storpb.ReplaceReplicaRequest{
+					Volume: &storpb.VolumeRef{Id: "vol-1"}, ReplicaId: "vol-1-r1"}}
+			},
+			lost: true, reason: "its replica was removed from the volume; the copy went with it"},
+		{name: "server of the last copy removed", cut: []string{"vol-1-r1"},
+			remove: func(srv string) command { return cmdRemoveServer(srv) },
+			lost:   true, reason: "was removed from the cluster; the copy went with it"},
+		{name: "server of one of two copies removed", cut: []string{"vol-1-r1", "vol-1-r3"},
+			remove: func(srv string) command { return cmdRemoveServer(srv) },
+			reason: "was removed from the cluster; the copy went with it"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			f := snapshotBase(t)
+			var missed []string
+			for _, id := range []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"} {
+				if !slices.Contains(c.cut, id) {
+					missed = append(missed, id)
+				}
+			}
+			mustApply(t, f, cmdCreateSnapshot("snap-1", "vol-1", "snap-one"), cmdRecordCut("snap-1", 0, c.cut, missed))
+			if s := readSnapshot(t, f, "snap-1"); !s.ReadyToUse {
+				t.Fatalf("snapshot before the removal: %v", s)
+			}
+			srv := findReplica(readVolume(t, f, "vol-1"), "vol-1-r1").ServerId
+			for i := range c.setup {
+				if c.setup[i].Op == opSetServerState {
+					c.setup[i].Body.(*storpb.Server).Id = srv
+				}
+			}
+			mustApply(t, f, c.setup...)
+			err := applyCommands(t, f, c.remove(srv))[0].err
+			s := readSnapshot(t, f, "snap-1")
+			if c.refused {
+				if !errors.Is(err, ErrFailedPrecondition) || !strings.Contains(err.Error(), `snapshot "snap-one"`) ||
+					!strings.Contains(err.Error(), "last copy") {
+					t.Fatalf("removal of the last copy: %v, want a refusal naming the snapshot", err)
+				}
+				if findReplica(readVolume(t, f, "vol-1"), "vol-1-r1") == nil || !s.ReadyToUse || !SnapshotServes(s, "vol-1-r1") {
+					t.Fatalf("a refused removal changed something: snapshot %v", s)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("removal: %v", err)
+			}
+			var r1 *storpb.SnapshotReplica
+			for _, e := range s.Replicas {
+				if e.ReplicaId == "vol-1-r1" {
+					r1 = e
+				}
+			}
+			if r1.State != snapLost || !strings.Contains(r1.Reason, c.reason) || SnapshotServes(s, "vol-1-r1") {
+				t.Fatalf("r1's entry after the removal: %v, want LOST with %q", r1, c.reason)
+			}
+			clone := cmdCreateVolumeReq("clone-1", &storpb.CreateVolumeRequest{
+				Name: "pvc-clone", SizeBytes: mib, ReplicaCount: 1,
+				ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}},
+			})
+			cloneErr := applyCommands(t, f, clone)[0].err
+			if !c.lost {
+				if !s.ReadyToUse || s.Failed || s.StatusMessage != "" {
+					t.Fatalf("snapshot with copies left: %v, want still ready", s)
+				}
+				if cloneErr != nil {
+					t.Fatalf("clone of a snapshot with copies left: %v", cloneErr)
+				}
+				return
+			}
+			if s.ReadyToUse || !s.Failed || !strings.Contains(s.StatusMessage, "every copy of the snapshot is lost") ||
+				!strings.Contains(s.StatusMessage, c.reason) {
+				t.Fatalf("snapshot whose copies are gone: %v, want failed with the reason", s)
+			}
+			if !errors.Is(cloneErr, ErrFailedPrecondition) || !strings.Contains(cloneErr.Error(), "lost") {
+				t.Fatalf("clone of a lost snapshot: %v, want refused as lost", cloneErr)
+			}
+		})
+	}
+}

@@ -248,9 +248,13 @@ const (
 	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT SnapshotReplicaState = 2
 	// The replica can no longer cut at the snapshot's point (it was not
 	// healthy when the attached engine cut, or the volume was written since
-	// the others cut, or the replica was removed). It does not serve the
-	// snapshot; a layer it may hold is merged away.
+	// the others cut, or the replica was removed before it cut). It does not
+	// serve the snapshot; a layer it may hold is merged away.
 	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED SnapshotReplicaState = 3
+	// The replica had CUT, then left the volume (removed, replaced, or its
+	// server removed from the cluster): the copy went with it. It does not
+	// serve the snapshot. A snapshot whose every copy is LOST is failed.
+	SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST SnapshotReplicaState = 4
 )
 
 // Enum value maps for SnapshotReplicaState.
@@ -260,12 +264,14 @@ var (
 		1: "SNAPSHOT_REPLICA_STATE_PENDING",
 		2: "SNAPSHOT_REPLICA_STATE_CUT",
 		3: "SNAPSHOT_REPLICA_STATE_MISSED",
+		4: "SNAPSHOT_REPLICA_STATE_LOST",
 	}
 	SnapshotReplicaState_value = map[string]int32{
 		"SNAPSHOT_REPLICA_STATE_UNSPECIFIED": 0,
 		"SNAPSHOT_REPLICA_STATE_PENDING":     1,
 		"SNAPSHOT_REPLICA_STATE_CUT":         2,
 		"SNAPSHOT_REPLICA_STATE_MISSED":      3,
+		"SNAPSHOT_REPLICA_STATE_LOST":        4,
 	}
 )
 
@@ -1145,7 +1151,7 @@ type SnapshotReplica struct {
 	ReplicaId string                 `protobuf:"bytes,1,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
 	ServerId  string                 `protobuf:"bytes,2,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
 	State     SnapshotReplicaState   `protobuf:"varint,3,opt,name=state,proto3,enum=stor.v1.SnapshotReplicaState" json:"state,omitempty"`
-	// Why the replica missed the cut.
+	// Why the replica missed the cut, or lost its copy.
 	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1216,7 +1222,7 @@ type Snapshot struct {
 	VolumeId        string                 `protobuf:"bytes,3,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
 	CreatedUnixNano int64                  `protobuf:"varint,4,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	SizeBytes       uint64                 `protobuf:"varint,5,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
-	// True when no replica is PENDING and at least one has CUT.
+	// True when no replica is PENDING and at least one is CUT.
 	ReadyToUse bool `protobuf:"varint,6,opt,name=ready_to_use,json=readyToUse,proto3" json:"ready_to_use,omitempty"`
 	// The volume's healthy replicas when the snapshot was requested and
 	// whether each has cut its layer. Only CUT replicas serve the snapshot.
@@ -1227,7 +1233,8 @@ type Snapshot struct {
 	CutEpoch uint64 `protobuf:"varint,8,opt,name=cut_epoch,json=cutEpoch,proto3" json:"cut_epoch,omitempty"`
 	// Why the snapshot is not ready, or why it failed; empty when ready.
 	StatusMessage string `protobuf:"bytes,9,opt,name=status_message,json=statusMessage,proto3" json:"status_message,omitempty"`
-	// No replica could cut: the snapshot can never become ready.
+	// No replica could cut, or every copy was lost (LOST entries): the
+	// snapshot is not readable and never becomes ready again.
 	Failed bool `protobuf:"varint,10,opt,name=failed,proto3" json:"failed,omitempty"`
 	// Set on the snapshot a clone from a volume takes implicitly: the
 	// clone's volume id. It is deleted when the clone's copy is done.
@@ -4335,12 +4342,13 @@ const file_control_proto_rawDesc = "" +
 	"AccessMode\x12\x1b\n" +
 	"\x17ACCESS_MODE_UNSPECIFIED\x10\x00\x12\x1a\n" +
 	"\x16ACCESS_MODE_READ_WRITE\x10\x01\x12\x19\n" +
-	"\x15ACCESS_MODE_READ_ONLY\x10\x02*\xa5\x01\n" +
+	"\x15ACCESS_MODE_READ_ONLY\x10\x02*\xc6\x01\n" +
 	"\x14SnapshotReplicaState\x12&\n" +
 	"\"SNAPSHOT_REPLICA_STATE_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eSNAPSHOT_REPLICA_STATE_PENDING\x10\x01\x12\x1e\n" +
 	"\x1aSNAPSHOT_REPLICA_STATE_CUT\x10\x02\x12!\n" +
-	"\x1dSNAPSHOT_REPLICA_STATE_MISSED\x10\x03*O\n" +
+	"\x1dSNAPSHOT_REPLICA_STATE_MISSED\x10\x03\x12\x1f\n" +
+	"\x1bSNAPSHOT_REPLICA_STATE_LOST\x10\x04*O\n" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +

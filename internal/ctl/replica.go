@@ -116,7 +116,12 @@ func newReplicaRemoveCommand(a *app) *cobra.Command {
 		Short: "Remove a replica from a volume (refused for its last healthy replica)",
 		Long: `Remove REPLICA from VOLUME. With --replace a new replica is placed at the
 same time (on server --on if given) and rebuilt; without it the volume runs
-with one replica fewer until the leader, or "replica add", adds one.`,
+with one replica fewer until the leader, or "replica add", adds one.
+
+The replica's snapshot layers go with it (a new replica holds the head
+only): its copies are listed LOST in each snapshot. While its server is up,
+removing the replica that holds the last copy of a ready snapshot is
+refused; delete the snapshot first (clone it to keep its data).`,
 		Args: exactArgs("VOLUME", "REPLICA"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {

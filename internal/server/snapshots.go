@@ -32,9 +32,9 @@ import (
 //     flushed, and recorded with RecordCloneCopied.
 //   - merge: a local snapshot layer (named replica.LayerName(snapshot, cut
 //     epoch)) whose record is gone (deleted), whose record says this
-//     replica missed it, or that was cut at another epoch than the
-//     snapshot's recorded cuts, is deleted, which merges it into the layer
-//     above. A layer whose record this server cannot find is merged only
+//     replica missed it or lost it (LOST: the replica left the volume),
+//     or that was cut at another epoch than the snapshot's recorded cuts,
+//     is deleted, which merges it into the layer above. A layer whose record this server cannot find is merged only
 //     once this server has caught up with the leader.
 //
 // Each task runs in its own goroutine, at most one per key; a failed task
@@ -145,6 +145,8 @@ func strayLayer(s *storpb.Snapshot, v *storpb.Volume, id string, epoch uint64) s
 		if epoch < v.Epoch {
 			return fmt.Sprintf("cut at epoch %d, never recorded; the volume is at epoch %d", epoch, v.Epoch)
 		}
+	case storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST:
+		return "this replica's copy is recorded lost"
 	default:
 		return "this replica missed the snapshot"
 	}
