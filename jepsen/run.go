@@ -596,16 +596,8 @@ func (r *runner) readReplicas(ctx context.Context) error {
 		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		data, err := readBlocks(cctx, dataAddr[rep.ServerId], rep.Id, "", v.Epoch, blocks)
 		cancel()
-		for b := range blocks {
-			o := Op{Client: -1, Kind: "replica-read", Replica: rep.Id, Block: b, Call: r.now(), Return: r.now()}
-			if err != nil {
-				o.Err = err.Error()
-			} else {
-				o.OK = true
-				o.decode(data[b], r.cfg.Seed)
-			}
-			r.record(o)
-		}
+		now := r.now()
+		r.recordBlocks(Op{Kind: "replica-read", Replica: rep.Id, Call: now, Return: now}, data, err, blocks)
 	}
 	return nil
 }

@@ -303,10 +303,13 @@ func (r *runner) readClones(ctx context.Context, dataAddr map[string]string) err
 	return nil
 }
 
-// recordBlocks records what readBlocks returned as one "snapshot-read"
-// op per block, each otherwise like base.
+// recordBlocks records what readBlocks returned as one op per block, each
+// otherwise like base (Kind "snapshot-read" unless base names one).
 func (r *runner) recordBlocks(base Op, data [][]byte, err error, blocks int) {
-	base.Client, base.Kind = -1, "snapshot-read"
+	base.Client = -1
+	if base.Kind == "" {
+		base.Kind = "snapshot-read"
+	}
 	for b := range blocks {
 		o := base
 		o.Block = b
