@@ -41,12 +41,7 @@ func probePort(c corev1.Container, p intstr.IntOrString) int32 {
 //   - the node plugin has a startupProbe on /readyz whose budget covers
 //     recovery (minRecoveryBudget).
 func checkCSIProbes(p podTemplate, fail func(string, ...any)) {
-	var driver *corev1.Container
-	for i, c := range p.spec.Containers {
-		if c.Name == csiContainer {
-			driver = &p.spec.Containers[i]
-		}
-	}
+	driver := driverContainer(p)
 	if driver == nil {
 		return
 	}

@@ -437,15 +437,20 @@ func storBinary(c corev1.Container) (bin string, args []string, ok bool) {
 	return "", nil, false
 }
 
+// driverContainer returns the pod's stor-csi container, or nil.
+func driverContainer(p podTemplate) *corev1.Container {
+	for i, c := range p.spec.Containers {
+		if c.Name == csiContainer {
+			return &p.spec.Containers[i]
+		}
+	}
+	return nil
+}
+
 // checkCSIPod checks a pod that runs stor-csi: its driver name, and that
 // every sidecar reaches the driver's socket through the same volume.
 func checkCSIPod(p podTemplate, fail func(string, ...any)) {
-	var driver *corev1.Container
-	for i, c := range p.spec.Containers {
-		if c.Name == csiContainer {
-			driver = &p.spec.Containers[i]
-		}
-	}
+	driver := driverContainer(p)
 	if driver == nil {
 		return
 	}
