@@ -336,9 +336,15 @@ func TestSnapshotDetachedCutDyingHalfWay(t *testing.T) {
 	cfg.Control.Volumes = deadVolumes{cfg.Control.Volumes}
 	cfg.Control.Snapshots = deadSnapshots{cfg.Control.Snapshots}
 	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	start := time.Now()
 	err := engine.CutDetached(dctx, cfg)
 	cancel()
-	t.Logf("the dying cut: %v", err)
+	t.Logf("the dying cut: %v (after %v)", err, time.Since(start).Round(time.Millisecond))
+	// The cut's context bounds it: a dying server must not wait out the
+	// engine's FaultTimeout (2 minutes) to report replicas it cannot reach.
+	if took := time.Since(start); took > 20*time.Second {
+		t.Errorf("the dying cut returned %v after its 5 s context ended, want it to give up with its context", took)
+	}
 	if err == nil {
 		t.Log("the servers' cut got in first; the dying cut found nothing to do")
 	}

@@ -348,12 +348,14 @@ func (c cutVolumes) GetVolume(ctx context.Context, in *storpb.GetVolumeRequest, 
 	return c.VolumeServiceClient.GetVolume(ctx, in, opts...)
 }
 
-// ended is the answer once the cut's context has ended: Canceled, whether
-// it was cancelled or timed out (an engine waits on DeadlineExceeded, as
-// on a leader election).
+// ended is the answer once the cut's context has ended: Aborted, which the
+// engine takes as being fenced (faultAnswers) and so stops at once. It
+// retries Canceled, DeadlineExceeded and the like until FaultTimeout, as it
+// must through a leader election while it serves I/O; a detached cut serves
+// none and is retried by its server with a new fence.
 func (c cutVolumes) ended() error {
 	if err := c.ctx.Err(); err != nil {
-		return status.Errorf(codes.Canceled, "engine: the detached cut ended: %v", err)
+		return status.Errorf(codes.Aborted, "engine: the detached cut ended: %v", err)
 	}
 	return nil
 }
