@@ -307,16 +307,38 @@ func TestNodeRestartRecovers(t *testing.T) {
 	}
 }
 
+// driverUnderTest is a driver in mode all on a fake attacher and mount-utils'
+// fake mounter, against a 3-server in-process cluster, with its clients.
+type driverUnderTest struct {
+	d       *Driver
+	ctrl    csipb.ControllerClient
+	node    csipb.NodeClient
+	att     *fakeAttacher
+	mounter *mount.FakeMounter
+	resized *[]string
+	dir     string
+}
+
+func newDriverUnderTest(t *testing.T) *driverUnderTest {
+	t.Helper()
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	u := &driverUnderTest{att: newFakeAttacher(clusterClient(t, c).Volumes), dir: t.TempDir()}
+	var host *Host
+	host, u.mounter, u.resized = fakeHost(u.att)
+	var endpoint string
+	endpoint, u.d = startDriver(t, c, u.dir, u.att, host)
+	conn := dialCSI(t, endpoint)
+	u.ctrl, u.node = csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
+	return u
+}
+
 // Too few servers in the requisite topology is RESOURCE_EXHAUSTED, the CSI
 // spec's code for "unable to provision in accessible_topology" and the one
 // that makes csi-provisioner reschedule a WaitForFirstConsumer claim
 // (FAILED_PRECONDITION would not).
 func TestCreateVolumeTooFewServersInTopology(t *testing.T) {
-	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
-	att := newFakeAttacher(clusterClient(t, c).Volumes)
-	host, _, _ := fakeHost(att)
-	endpoint, d := startDriver(t, c, t.TempDir(), att, host)
-	ctrl := csipb.NewControllerClient(dialCSI(t, endpoint))
+	u := newDriverUnderTest(t)
+	ctrl, d := u.ctrl, u.d
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	for _, tc := range []struct {
@@ -345,13 +367,8 @@ func TestCreateVolumeTooFewServersInTopology(t *testing.T) {
 // A second NodePublish at the same target with another read-only flag or
 // access type is ALREADY_EXISTS (CSI spec); the same publish again is OK.
 func TestNodePublishIncompatibleAgain(t *testing.T) {
-	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
-	att := newFakeAttacher(clusterClient(t, c).Volumes)
-	host, _, _ := fakeHost(att)
-	dir := t.TempDir()
-	endpoint, _ := startDriver(t, c, dir, att, host)
-	conn := dialCSI(t, endpoint)
-	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
+	u := newDriverUnderTest(t)
+	ctrl, node, dir := u.ctrl, u.node, u.dir
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
@@ -397,13 +414,8 @@ func TestNodePublishIncompatibleAgain(t *testing.T) {
 // must mount beside it) and grows the filesystem to the device (a restore
 // or clone into a larger claim holds its source's smaller filesystem).
 func TestNodeStageXFSNoUUIDAndGrow(t *testing.T) {
-	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
-	att := newFakeAttacher(clusterClient(t, c).Volumes)
-	host, mounter, resized := fakeHost(att)
-	dir := t.TempDir()
-	endpoint, _ := startDriver(t, c, dir, att, host)
-	conn := dialCSI(t, endpoint)
-	ctrl, node := csipb.NewControllerClient(conn), csipb.NewNodeClient(conn)
+	u := newDriverUnderTest(t)
+	ctrl, node, dir, att, mounter, resized := u.ctrl, u.node, u.dir, u.att, u.mounter, u.resized
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
