@@ -106,6 +106,14 @@
 // and ControllerPublish to B, B's epoch is higher: A's engine, if still
 // running, can no longer write to any replica.
 //
+// The node plugin checks at New (with the kernel's attacher) that it
+// reaches the kernel's nbd netlink family, and fails otherwise: a kernel
+// before 6.3 hides the family from every network namespace but the
+// host's (nbd/kernel.ErrNetNamespace), so the plugin must run with
+// hostNetwork; deploy/'s DaemonSet does. Failing at start puts the reason
+// in the container's log; a plugin that started would register, report
+// ready and fail every NodeStageVolume.
+//
 // The node plugin serves its own node's writeback to /dev/nbdN: Start
 // first sets PR_SET_IO_FLUSHER and a low oom_score_adj on the process
 // (internal/attach.PrepareProcess; refusals are logged, not fatal).

@@ -104,8 +104,13 @@ type Config struct {
 	// CallTimeout bounds one cluster call. Default DefaultCallTimeout.
 	CallTimeout time.Duration
 	// Attacher serves volumes to kernel block devices (node mode).
-	// Default: package internal/attach on the real kernel (NewKernelAttacher).
+	// Default: package internal/attach on Kernel (NewKernelAttacher).
 	Attacher Attacher
+	// Kernel is the kernel side of the default Attacher (node mode, when
+	// Attacher is nil). New checks that it reaches the kernel's nbd
+	// netlink family and fails if not (checkKernel). Default: the real
+	// kernel (attach.RealKernel).
+	Kernel *attach.Kernel
 	// Process is what Start prepares (attach.PrepareProcess:
 	// PR_SET_IO_FLUSHER, oom_score_adj) in node mode before serving the
 	// kernel. Default: attach.RealProcess() when Attacher is the real

@@ -20,6 +20,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
 	"github.com/stor-io/stor/internal/durable"
+	"github.com/stor-io/stor/nbd/kernel"
 )
 
 // expandWait bounds how long NodeExpandVolume waits for the kernel device
@@ -57,9 +58,17 @@ type nodeServer struct {
 func newNodeServer(d *Driver) (*nodeServer, error) {
 	n := &nodeServer{d: d, attacher: d.cfg.Attacher, host: d.cfg.Host, dir: filepath.Join(d.cfg.StateDir, "staged")}
 	if n.attacher == nil {
+		k := d.cfg.Kernel
+		if k == nil {
+			k = attach.RealKernel()
+		}
+		if err := checkKernel(k); err != nil {
+			return nil, err
+		}
+		d.log.Info("the kernel's nbd netlink family is reachable")
 		n.attacher = NewKernelAttacher(KernelAttacherConfig{
 			StateDir: filepath.Join(d.cfg.StateDir, "nbd"), NodeID: d.cfg.NodeID,
-			Cluster: d.cfg.Cluster, Logger: d.log,
+			Cluster: d.cfg.Cluster, Kernel: k, Logger: d.log,
 		})
 	}
 	if n.host == nil {
@@ -69,6 +78,24 @@ func newNodeServer(d *Driver) (*nodeServer, error) {
 		return nil, fmt.Errorf("csi: state dir: %w", err)
 	}
 	return n, nil
+}
+
+// checkKernel is the node plugin's start-up check: it opens and closes a
+// connection to the kernel's nbd netlink family, so that a node whose
+// kernel the plugin cannot use stops it at start, with the reason in the
+// container's log, rather than letting it register, report ready and fail
+// every NodeStageVolume. Before Linux 6.3 the family answers only in the
+// host's network namespace (kernel.ErrNetNamespace): the pod must run with
+// hostNetwork (deploy/kubernetes/base/csi-node.yaml does).
+func checkKernel(k *attach.Kernel) error {
+	c, err := k.Dial()
+	switch {
+	case errors.Is(err, kernel.ErrNetNamespace):
+		return fmt.Errorf("csi: the node plugin cannot attach devices: %w (run the node plugin with hostNetwork: true)", err)
+	case err != nil:
+		return fmt.Errorf("csi: the node plugin cannot attach devices: %w", err)
+	}
+	return c.Close()
 }
 
 func (n *nodeServer) recordPath(id string) string { return filepath.Join(n.dir, id+".json") }

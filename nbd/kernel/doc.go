@@ -82,6 +82,22 @@
 // items one-by-one using a positional marker"). One connection is not
 // affected; stor-ctl nbd attach defaults to one.
 //
+// # Network namespaces
+//
+// A generic-netlink family is visible only in the network namespaces it
+// declares itself fit for. nbd's was not before Linux 6.3 (a February 2023
+// patch made it netns-aware): in any other namespace than the initial one
+// the kernel answers the family lookup with ENOENT, exactly as if the
+// module were not loaded. Dial tells the two apart by /sys/module/nbd
+// (the same in every namespace): module there, family not found is
+// ErrNetNamespace, which names the kernel's release and says to run in the
+// host's network namespace (a Kubernetes pod: hostNetwork). That covers
+// the kernels of Debian 12 (6.1), Ubuntu 22.04 (5.15), RHEL 9 (5.14) and
+// Amazon Linux 2023 (6.1), unless the distribution backported the patch
+// (then Dial simply succeeds). internal/vmtest's TestVMNodePluginNetns shows it on the
+// VM's kernel: under unshare -n, Debian's 6.1.0 answers ENOENT while the
+// module is loaded and serves the initial namespace.
+//
 // # Resizing
 //
 // Reconfigure with Size resizes a connected device in 6.1: the netlink

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -20,6 +21,13 @@ var (
 	// ErrUnsupported: the kernel has no "nbd" generic-netlink family,
 	// that is, the nbd module is not loaded (modprobe nbd) or not built.
 	ErrUnsupported = errors.New("kernel: the kernel has no nbd netlink interface (is the nbd module loaded? modprobe nbd)")
+	// ErrNetNamespace: the nbd module is loaded but its generic-netlink
+	// family is not visible in this process's network namespace. Before
+	// Linux 6.3 (a February 2023 patch made the family netns-aware) the
+	// kernel answers for it only in the initial network namespace, so a
+	// process in a container's own network namespace cannot attach:
+	// run it in the host's (Kubernetes: hostNetwork: true).
+	ErrNetNamespace = errors.New("kernel: the nbd netlink family is not visible in this network namespace (this kernel's nbd is not netns-aware: before Linux 6.3 it answers only in the initial network namespace)")
 	// ErrNoDevice: no /dev/nbdN with that index exists.
 	ErrNoDevice = errors.New("kernel: no such nbd device")
 	// ErrInvalid: the request is wrong before it reaches the kernel.
@@ -163,7 +171,9 @@ type Client struct {
 }
 
 // Dial opens a generic netlink socket and looks up the nbd family. It
-// returns ErrUnsupported when the kernel has no nbd module loaded.
+// returns ErrUnsupported when the kernel has no nbd module loaded, and
+// ErrNetNamespace (wrapped, with the kernel's release) when the module is
+// loaded but its family is not visible in this network namespace.
 // Every command but Status needs CAP_SYS_ADMIN.
 func Dial() (*Client, error) {
 	c, err := genetlink.Dial(nil)
@@ -178,12 +188,18 @@ func Dial() (*Client, error) {
 	return cl, nil
 }
 
+// sysModule is where the kernel lists its modules (loaded ones, and
+// built-in ones with parameters, as nbd's nbds_max); tests point it
+// elsewhere. Unlike netlink families, it is the same in every network
+// namespace.
+var sysModule = "/sys/module"
+
 // newClient looks the family up on an open connection (tests pass a fake).
 func newClient(c *genetlink.Conn) (*Client, error) {
 	f, err := c.GetFamily(familyName)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENOENT) {
-			return nil, ErrUnsupported
+			return nil, missingFamily()
 		}
 		return nil, fmt.Errorf("kernel: look up the nbd netlink family: %w", err)
 	}
@@ -192,6 +208,26 @@ func newClient(c *genetlink.Conn) (*Client, error) {
 
 // Close closes the netlink socket.
 func (c *Client) Close() error { return c.c.Close() }
+
+// missingFamily says why the kernel answered that it has no nbd family:
+// the module is not there (ErrUnsupported), or it is and the family is
+// hidden from this network namespace (ErrNetNamespace, naming the
+// kernel's release).
+func missingFamily() error {
+	if _, err := os.Stat(filepath.Join(sysModule, familyName)); err != nil {
+		return ErrUnsupported
+	}
+	return fmt.Errorf("%w; this is Linux %s: run in the host's network namespace", ErrNetNamespace, kernelRelease())
+}
+
+// kernelRelease is uname -r, or "unknown".
+func kernelRelease() string {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return "unknown"
+	}
+	return unix.ByteSliceToString(u.Release[:])
+}
 
 // seconds converts a timeout to the kernel's whole seconds, rounding up.
 func seconds(d time.Duration) uint64 {

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -297,14 +298,43 @@ func TestStatus(t *testing.T) {
 	}
 }
 
-// No nbd family (module not loaded): ErrUnsupported.
+// The kernel answers ENOENT for the nbd family: without the module
+// (not in /sys/module) that is ErrUnsupported; with it, the family is
+// hidden from this network namespace (a kernel before 6.3 in a container's
+// netns): ErrNetNamespace, which says so, and names the kernel.
 func TestUnsupported(t *testing.T) {
-	conn := genltest.Dial(func(genetlink.Message, netlink.Message) ([]genetlink.Message, error) {
-		return nil, genltest.Error(int(unix.ENOENT))
-	})
-	defer conn.Close()
-	if _, err := newClient(conn); !errors.Is(err, ErrUnsupported) {
-		t.Fatalf("newClient without the family: %v, want ErrUnsupported", err)
+	for _, tc := range []struct {
+		name   string
+		module bool
+		want   error
+		not    error
+	}{
+		{"no module", false, ErrUnsupported, ErrNetNamespace},
+		{"module loaded, family hidden by the netns", true, ErrNetNamespace, ErrUnsupported},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			old := sysModule
+			sysModule = root
+			t.Cleanup(func() { sysModule = old })
+			if tc.module {
+				if err := os.MkdirAll(filepath.Join(root, "nbd", "parameters"), 0o755); err != nil {
+					t.Fatal(err)
+				}
+			}
+			conn := genltest.Dial(func(genetlink.Message, netlink.Message) ([]genetlink.Message, error) {
+				return nil, genltest.Error(int(unix.ENOENT))
+			})
+			defer conn.Close()
+			_, err := newClient(conn)
+			if !errors.Is(err, tc.want) || errors.Is(err, tc.not) {
+				t.Fatalf("newClient without the family: %v, want %v", err, tc.want)
+			}
+			if tc.module && !strings.Contains(err.Error(), "this is Linux "+kernelRelease()+": run in the host's network namespace") {
+				t.Fatalf("newClient: %v: does not name the kernel's release %s", err, kernelRelease())
+			}
+			t.Logf("%s: %v", tc.name, err)
+		})
 	}
 }
 
