@@ -23,10 +23,13 @@
 // the driver name everywhere, service accounts and roles that exist, the
 // CSI socket shared by the driver and each sidecar, the kubelet
 // registration path, environment variables used in arguments, volumes
-// mounted, probe ports, the storage servers' --join list against the
-// StatefulSet's size, stor-server's --k8s-node from the pod's spec.nodeName
-// (data locality), and the flags passed to stor-server against its flag
-// set. Another test feeds deliberately broken copies through the
+// mounted, probe ports, the node plugin's host network (hostNetwork with
+// ClusterFirstWithHostNet DNS; every listening port declared as a host
+// port on loopback, probed on 127.0.0.1, none a well-known port of another
+// CSI driver or node agent, none shared), the storage servers' --join
+// list against the StatefulSet's size, stor-server's --k8s-node from the
+// pod's spec.nodeName (data locality), and the flags passed to
+// stor-server against its flag set. Another test feeds deliberately broken copies through the
 // same checks and asserts each is caught with the expected message; another
 // runs node-zone against a fake API server.
 package deploy

@@ -61,10 +61,11 @@ func checkCSIProbes(p podTemplate, fail func(string, ...any)) {
 	sidecarPort := int32(0)
 	for _, c := range p.spec.Containers {
 		if imageName(c.Image) == "livenessprobe" {
-			sidecarPort = 9808 // its default
-			if v, ok := flagValue(c.Args, "health-port"); ok {
-				n, _ := strconv.Atoi(v)
-				sidecarPort = int32(n)
+			ls, _ := listeners(c) // a bad flag is checkNodeHostNetwork's to report
+			for _, l := range ls {
+				if l.flag == "--http-endpoint" || l.flag == "--health-port" {
+					sidecarPort = l.port
+				}
 			}
 		}
 	}

@@ -359,6 +359,7 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 		checkNodeMemory(p, fail)
 		checkStorImages(p, fail)
 		checkNodeMounts(p, fail)
+		checkNodeHostNetwork(p, fail)
 		checkServerPod(p, objs, fail)
 		for _, c := range allContainers(spec) {
 			if bin, args, ok := storBinary(c); ok {
