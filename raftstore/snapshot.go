@@ -47,6 +47,10 @@ import (
 //     source is snapshotted implicitly (snapshot id "<clone id>-source").
 //     RecordCloneCopied marks replicas filled; the clone becomes AVAILABLE
 //     when all are, and its implicit snapshot is then deleted.
+//   - Snapshots outlive their volume: a volume deleted while it has
+//     snapshots (implicit ones included) is kept as a tombstone, state
+//     DELETED, whose replicas still serve them, and removeSnapshot removes
+//     it with its last snapshot (volumestate.go).
 
 const (
 	snapPending = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING

@@ -73,10 +73,13 @@ var volumeActionNames = map[volumeAction]string{
 
 // checkVolume says whether v's state allows act:
 //
-//	state      attach               expand  snapshot             clone from
-//	CREATING   FailedPrecondition   yes     FailedPrecondition   FailedPrecondition
-//	AVAILABLE  yes                  yes     yes                  yes
-//	DELETED    NotFound             NotFound NotFound            NotFound
+//	state      attach              expand    snapshot            clone from
+//	CREATING   FailedPrecondition  yes       FailedPrecondition  FailedPrecondition
+//	AVAILABLE  yes                 yes       yes                 yes
+//	DELETED    NotFound            NotFound  NotFound            NotFound
+//
+// (attach also has its own rules about where the volume is attached, in
+// attachVolume.)
 func checkVolume(v *storpb.Volume, act volumeAction) error {
 	switch v.State {
 	case storpb.VolumeState_VOLUME_STATE_AVAILABLE:
