@@ -160,8 +160,9 @@ func TestReplaceReplicaByOperator(t *testing.T) {
 // has a snapshot is kept for it, and its replicas are repaired like any
 // volume's: a server that goes down has its replica marked faulty by the
 // leader, and rebuilt when it returns; every replica still holds the
-// snapshot's layer with the snapshot's bytes. Deleting the snapshot then
-// removes the volume and frees its servers' space.
+// snapshot's layer with the snapshot's bytes. A new leader holds the same
+// deleted volume. Deleting the snapshot then removes the volume and frees
+// its servers' space.
 func TestDeletedVolumeKeptForSnapshotIsRepaired(t *testing.T) {
 	c := servertest.NewCluster(t, servertest.Options{Configure: func(i int, cfg *server.Config) {
 		cfg.Raft.ReplicaGrace = 500 * time.Millisecond
@@ -215,13 +216,26 @@ func TestDeletedVolumeKeptForSnapshotIsRepaired(t *testing.T) {
 		t.Fatal("the snapshot's layers do not hold the bytes written before it")
 	}
 
+	// A new leader (the old one killed and restarted, replaying its log)
+	// holds the same deleted volume: its name still free.
+	old := leader
+	c.Restart(old)
+	leader = c.Leader(10 * time.Second)
+	if kept := getVolume(t, c, leader, v.Id); kept.State != storpb.VolumeState_VOLUME_STATE_DELETED {
+		t.Fatalf("the deleted volume after the leader was restarted: %v", kept)
+	}
+	requireNotFound(t, "the deleted volume's name after the leader was restarted", func(ctx context.Context) error {
+		_, err := c.Client(old).Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: "kept"}})
+		return err
+	})
+
 	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.DeleteSnapshotResponse, error) {
 		return c.Client(leader).Snapshots.DeleteSnapshot(ctx, &storpb.DeleteSnapshotRequest{Snapshot: snapRef(s.Id)})
 	})
-	_, err := c.Client(leader).Volumes.GetVolume(ctxT(t, 10*time.Second), &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
-	if status.Code(err) != codes.NotFound {
-		t.Fatalf("the deleted volume after its last snapshot was deleted: %v, want NotFound", err)
-	}
+	requireNotFound(t, "the deleted volume after its last snapshot was deleted", func(ctx context.Context) error {
+		_, err := c.Client(leader).Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+		return err
+	})
 	servers := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
 		return c.Client(leader).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
 	}).Servers
@@ -229,5 +243,24 @@ func TestDeletedVolumeKeptForSnapshotIsRepaired(t *testing.T) {
 		if srv.AllocatedBytes != 0 {
 			t.Errorf("server %s allocates %d bytes with no volume left", srv.Id, srv.AllocatedBytes)
 		}
+	}
+}
+
+// requireNotFound calls fn until it answers something other than
+// Unavailable (an election) within 10s, and fails unless that is NotFound.
+func requireNotFound(t *testing.T, what string, fn func(ctx context.Context) error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		err := fn(ctx)
+		cancel()
+		switch code := status.Code(err); {
+		case code == codes.NotFound:
+			return
+		case (code != codes.Unavailable && code != codes.DeadlineExceeded) || time.Now().After(deadline):
+			t.Fatalf("%s: %v, want NotFound", what, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
