@@ -63,6 +63,9 @@ func (c *controllerServer) getVolume(ctx context.Context, id string) (*storpb.Vo
 		}
 		return nil, err
 	}
+	if resp.GetVolume().GetState() == storpb.VolumeState_VOLUME_STATE_DELETED {
+		return nil, notFoundf("volume %q was deleted (the cluster keeps its data only for its snapshots)", id)
+	}
 	return resp.GetVolume(), nil
 }
 
@@ -157,7 +160,11 @@ func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVo
 	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume())}, nil
 }
 
-// DeleteVolume deletes a volume; an unknown one is success.
+// DeleteVolume deletes a volume; an unknown one is success. A volume with
+// snapshots is kept by the cluster for them, out of every user's view,
+// until the last is deleted (snapshots outlive their volume, as
+// Kubernetes assumes); for CSI it is deleted, and deleting it again is
+// success too.
 func (c *controllerServer) DeleteVolume(ctx context.Context, req *csipb.DeleteVolumeRequest) (*csipb.DeleteVolumeResponse, error) {
 	id := req.GetVolumeId()
 	if id == "" {

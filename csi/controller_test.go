@@ -310,6 +310,7 @@ func TestNodeRestartRecovers(t *testing.T) {
 // driverUnderTest is a driver in mode all on a fake attacher and mount-utils'
 // fake mounter, against a 3-server in-process cluster, with its clients.
 type driverUnderTest struct {
+	c       *servertest.Cluster
 	d       *Driver
 	ctrl    csipb.ControllerClient
 	node    csipb.NodeClient
@@ -322,7 +323,7 @@ type driverUnderTest struct {
 func newDriverUnderTest(t *testing.T) *driverUnderTest {
 	t.Helper()
 	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
-	u := &driverUnderTest{att: newFakeAttacher(clusterClient(t, c).Volumes), dir: t.TempDir()}
+	u := &driverUnderTest{c: c, att: newFakeAttacher(clusterClient(t, c).Volumes), dir: t.TempDir()}
 	var host *Host
 	host, u.mounter, u.resized = fakeHost(u.att)
 	var endpoint string
@@ -437,5 +438,173 @@ func TestNodeStageXFSNoUUIDAndGrow(t *testing.T) {
 	dev, _, _ := att.Served(id)
 	if !slices.Contains(*resized, dev+" "+staging) {
 		t.Errorf("NodeStage did not grow the filesystem (resizes %q)", *resized)
+	}
+}
+
+// DeleteVolume of a volume with a snapshot is OK, and OK again: the
+// snapshot outlives its volume, as Kubernetes assumes (a PVC deleted while
+// its VolumeSnapshot lives; before, the provisioner retried the PV's
+// deletion forever). The deleted volume is gone for CSI (get, list,
+// publish) and its name is free, but a volume restored from the snapshot
+// afterwards holds the snapshot's data; deleting the snapshot (OK, again
+// OK) then removes the old volume and frees its space.
+func TestDeleteVolumeWithSnapshotThenRestore(t *testing.T) {
+	u := newDriverUnderTest(t)
+	ctrl, c := u.ctrl, u.c
+	cl := clusterClient(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	node := c.Nodes[0].ID
+	const size = 1 << 20
+	allocated := func() uint64 {
+		t.Helper()
+		resp, err := cl.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n uint64
+		for _, s := range resp.GetServers() {
+			n += s.GetAllocatedBytes()
+		}
+		return n
+	}
+	baseline := allocated()
+	create := func(name string, bytes int64, src *csipb.VolumeContentSource) string {
+		t.Helper()
+		vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+			Name: name, CapacityRange: &csipb.CapacityRange{RequiredBytes: bytes},
+			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, VolumeContentSource: src,
+		})
+		if err != nil {
+			t.Fatalf("CreateVolume %s: %v", name, err)
+		}
+		return vol.GetVolume().GetVolumeId()
+	}
+	// withEngine publishes the volume, runs fn on an engine opened on the
+	// node (as NodeStage does), closes it and unpublishes.
+	withEngine := func(id string, fn func(e *engine.Engine)) {
+		t.Helper()
+		if _, err := ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: rwoCap()}); err != nil {
+			t.Fatalf("publish %s: %v", id, err)
+		}
+		e, err := engine.Open(ctx, engine.Config{
+			Volume: id, VolumeIsID: true, NodeID: node,
+			Control: engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster, Snapshots: cl.Snapshots},
+			Connect: engine.WireConnector(wire.ClientConfig{}), Logger: testLogger(t),
+		})
+		if err != nil {
+			t.Fatalf("engine open %s: %v", id, err)
+		}
+		fn(e)
+		if err := e.Close(ctx, false); err != nil {
+			t.Fatalf("engine close %s: %v", id, err)
+		}
+		if _, err := ctrl.ControllerUnpublishVolume(ctx, &csipb.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: node}); err != nil {
+			t.Fatalf("unpublish %s: %v", id, err)
+		}
+	}
+	pattern := func(fill byte) []byte {
+		p := make([]byte, size)
+		for i := range p {
+			p[i] = fill ^ byte(i/4096)
+		}
+		return p
+	}
+	write := func(p []byte) func(e *engine.Engine) {
+		return func(e *engine.Engine) {
+			if err := e.WriteAt(ctx, p, 0, true); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+
+	id := create("pvc-src", size, nil)
+	snapData := pattern(0xa5)
+	withEngine(id, write(snapData))
+	snap, err := ctrl.CreateSnapshot(ctx, &csipb.CreateSnapshotRequest{SourceVolumeId: id, Name: "snap-src"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snapID := snap.GetSnapshot().GetSnapshotId()
+	for deadline := time.Now().Add(30 * time.Second); !snap.GetSnapshot().GetReadyToUse(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("snapshot not ready after 30s: %v", snap)
+		}
+		time.Sleep(100 * time.Millisecond)
+		l, err := ctrl.ListSnapshots(ctx, &csipb.ListSnapshotsRequest{SnapshotId: snapID})
+		if err != nil || len(l.GetEntries()) != 1 {
+			t.Fatalf("ListSnapshots: %v %v", l, err)
+		}
+		snap = &csipb.CreateSnapshotResponse{Snapshot: l.GetEntries()[0].GetSnapshot()}
+	}
+	withEngine(id, write(pattern(0x3c))) // the head moves on; the snapshot must not
+
+	for i := range 2 { // the provisioner retries: every answer is OK
+		if _, err := ctrl.DeleteVolume(ctx, &csipb.DeleteVolumeRequest{VolumeId: id}); err != nil {
+			t.Fatalf("DeleteVolume of a volume with a snapshot (call %d): %v", i+1, err)
+		}
+	}
+	if _, err := ctrl.ControllerGetVolume(ctx, &csipb.ControllerGetVolumeRequest{VolumeId: id}); status.Code(err) != codes.NotFound {
+		t.Errorf("ControllerGetVolume of the deleted volume: %v, want NotFound", err)
+	}
+	if _, err := ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: rwoCap()}); status.Code(err) != codes.NotFound {
+		t.Errorf("ControllerPublishVolume of the deleted volume: %v, want NotFound", err)
+	}
+	list, err := ctrl.ListVolumes(ctx, &csipb.ListVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range list.GetEntries() {
+		if e.GetVolume().GetVolumeId() == id {
+			t.Errorf("ListVolumes lists the deleted volume: %v", e)
+		}
+	}
+	if again := create("pvc-src", size, nil); again == id {
+		t.Errorf("CreateVolume with the deleted volume's name answered the deleted volume %s", id)
+	} else if _, err := ctrl.DeleteVolume(ctx, &csipb.DeleteVolumeRequest{VolumeId: again}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Restore into a larger volume: the snapshot's bytes, zeros beyond.
+	restored := create("pvc-restored", 2*size, &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Snapshot{
+		Snapshot: &csipb.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}})
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: restored}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.GetVolume().GetState() == storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the restored volume is not filled after 30s: %v", v.GetVolume())
+		}
+	}
+	withEngine(restored, func(e *engine.Engine) {
+		got := make([]byte, 2*size)
+		if err := e.ReadAt(ctx, got, 0); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got[:size], snapData) {
+			t.Error("the restored volume does not hold the snapshot's data")
+		}
+		if !bytes.Equal(got[size:], make([]byte, size)) {
+			t.Error("the restored volume is not zero beyond the snapshot's size")
+		}
+	})
+
+	for i := range 2 {
+		if _, err := ctrl.DeleteSnapshot(ctx, &csipb.DeleteSnapshotRequest{SnapshotId: snapID}); err != nil {
+			t.Fatalf("DeleteSnapshot (call %d): %v", i+1, err)
+		}
+	}
+	if _, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}}); status.Code(err) != codes.NotFound {
+		t.Errorf("the deleted volume after its last snapshot was deleted: %v, want NotFound", err)
+	}
+	if _, err := ctrl.DeleteVolume(ctx, &csipb.DeleteVolumeRequest{VolumeId: restored}); err != nil {
+		t.Fatal(err)
+	}
+	if got := allocated(); got != baseline {
+		t.Errorf("servers have %d bytes allocated after every volume went, want %d as before", got, baseline)
 	}
 }

@@ -17,6 +17,14 @@
 // name is the stor volume name (CreateVolume is idempotent by name, as
 // the cluster is).
 //
+// Deleting a volume that has snapshots is OK (and OK again): snapshots
+// outlive their volume, as Kubernetes assumes, so the cluster keeps the
+// volume's data for them (raftstore, "Volume lifecycle") until the last
+// is deleted, while for CSI the volume is gone: ControllerGetVolume,
+// ControllerPublishVolume and CreateVolume or CreateSnapshot from it are
+// NOT_FOUND, ListVolumes does not list it, its name may be used again,
+// and CreateVolume from its snapshots still restores them.
+//
 // Capacity rounding: a requested capacity is rounded UP to a multiple of
 // 4 KiB (4096 bytes, the cluster's and the kernel device's block size).
 // No capacity range gives DefaultVolumeSize (1 GiB). A rounded size above

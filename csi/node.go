@@ -230,7 +230,7 @@ func (n *nodeServer) getVolume(ctx context.Context, id string) (*storpb.Volume, 
 	cctx, cancel := n.d.call(ctx)
 	defer cancel()
 	resp, err := n.d.cfg.Cluster.Volumes.GetVolume(cctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
-	if clusterCode(err) == codes.NotFound {
+	if clusterCode(err) == codes.NotFound || (err == nil && resp.GetVolume().GetState() == storpb.VolumeState_VOLUME_STATE_DELETED) {
 		return nil, notFoundf("volume %q", id)
 	}
 	return resp.GetVolume(), err

@@ -64,7 +64,7 @@ func (w *writer) apply(c command) (proto.Message, error) {
 	case opCreateVolume:
 		return w.createVolume(c.At, c.ID, c.Body.(*storpb.CreateVolumeRequest))
 	case opDeleteVolume:
-		return w.deleteVolume(c.Body.(*storpb.VolumeRef))
+		return w.deleteVolume(c.At, c.Body.(*storpb.VolumeRef))
 	case opExpandVolume:
 		return w.expandVolume(c.Body.(*storpb.ExpandVolumeRequest))
 	case opAttachVolume:
@@ -262,31 +262,12 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 	return v, nil
 }
 
-func (w *writer) deleteVolume(ref *storpb.VolumeRef) (proto.Message, error) {
-	v, err := w.VolumeByRef(ref)
-	if err != nil {
-		return nil, err
-	}
-	if v.Attachment != nil {
-		return nil, fmt.Errorf("%w: volume %q is attached to node %q", ErrFailedPrecondition, v.Name, v.Attachment.NodeId)
-	}
-	if n, err := w.snapshotCount(v.Id); err != nil {
-		return nil, err
-	} else if n > 0 {
-		return nil, fmt.Errorf("%w: volume %q has %d snapshots; delete them first", ErrFailedPrecondition, v.Name, n)
-	}
-	if err := w.dropImplicitSnapshot(v); err != nil {
-		return nil, err
-	}
-	w.addAllocated(replicaServers(v), -int64(v.SizeBytes))
-	w.del(bucketVolumes, v.Id)
-	w.del(bucketVolumeNames, v.Name)
-	return v, nil
-}
-
 func (w *writer) expandVolume(req *storpb.ExpandVolumeRequest) (proto.Message, error) {
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
+		return nil, err
+	}
+	if err := checkVolume(v, actExpand); err != nil {
 		return nil, err
 	}
 	if err := checkSize(v.Name, req.SizeBytes); err != nil {
@@ -321,14 +302,13 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 	if err != nil {
 		return nil, err
 	}
-	switch {
-	case req.NodeId == "":
+	if req.NodeId == "" {
 		return nil, fmt.Errorf("%w: attach volume %q: node id is empty", ErrInvalidArgument, v.Name)
-	case v.State == storpb.VolumeState_VOLUME_STATE_CREATING:
-		return nil, fmt.Errorf("%w: volume %q is a clone still being filled from its source (%d of %d replicas copied); it can be attached when the copy is done",
-			ErrFailedPrecondition, v.Name, len(v.CloneDoneReplicaIds), len(v.Replicas))
-	case v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE:
-		return nil, fmt.Errorf("%w: volume %q is %v, not attachable yet", ErrFailedPrecondition, v.Name, v.State)
+	}
+	if err := checkVolume(v, actAttach); err != nil {
+		return nil, err
+	}
+	switch {
 	case v.Attachment != nil && v.Attachment.NodeId != req.NodeId && !req.Takeover:
 		return nil, fmt.Errorf("%w: volume %q is attached to node %q", ErrFailedPrecondition, v.Name, v.Attachment.NodeId)
 	case req.RequireAttached && (v.Attachment == nil || v.Attachment.NodeId != req.NodeId):

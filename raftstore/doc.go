@@ -17,8 +17,9 @@
 //
 //	meta            "applied_index" (8 bytes, big endian), "cluster_id"
 //	servers         server id   -> storpb.Server
-//	volumes         volume id   -> storpb.Volume (with its replica set, epoch, attachment)
-//	volume_names    volume name -> volume id
+//	volumes         volume id   -> storpb.Volume (with its replica set, epoch, attachment;
+//	                also the deleted volumes kept for their snapshots, state DELETED)
+//	volume_names    volume name -> volume id (live volumes only: a deleted volume's name is free)
 //	snapshots       snapshot id -> storpb.Snapshot
 //	snapshot_names  snapshot name -> snapshot id
 //	nodes           node id     -> storpb.Node (hosts that attach volumes; added
@@ -72,6 +73,31 @@
 // (replicamodel_test.go) drives these transitions with random faults,
 // rebuilds, replacements and restarts against an oracle of the writes each
 // healthy replica must hold.
+//
+// # Volume lifecycle: snapshots outlive their volume
+//
+// A volume is CREATING (a clone being filled), AVAILABLE, or DELETED;
+// volumestate.go states every transition in one table and what each
+// state allows. Kubernetes assumes a VolumeSnapshot outlives the claim it
+// was taken from (it is restored after the claim and its volume are
+// deleted), so deleting a volume that has snapshots does not remove it: it
+// becomes DELETED, a tombstone kept in the FSM state (so a restored
+// snapshot, a replayed log and a new leader all hold it). A tombstone is
+// gone from its users' view: its name is free for a new volume,
+// GetVolume by name and ListVolumes (unless asked to include the deleted)
+// do not show it, and attach, expand, snapshot and clone-from-volume are
+// refused with ErrNotFound saying it was deleted. Everything that keeps
+// its snapshots' data goes on as for any volume: its replicas stay placed
+// (their servers keep them, their space stays allocated), replica faults,
+// rebuilds and the leader's repair still apply, snapshots pending at the
+// delete are still cut, and clones are still filled from its snapshots.
+// Deleting it again succeeds and changes nothing. Deleting its last
+// snapshot (or dropping the implicit snapshot of a clone that copied from
+// it) removes it like any deleted volume: its record and allocation go,
+// and its servers delete its replicas with their layers. An attached
+// volume is not deleted (ErrFailedPrecondition: detach it first), so a
+// tombstone is never attached. A volume without snapshots is removed at
+// once.
 //
 // # Snapshots and replicas that leave
 //

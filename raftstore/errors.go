@@ -7,14 +7,17 @@ import "errors"
 // by the FSM travel back to the proposer inside the apply response, wrapped
 // with detail (which volume, which name) by %w.
 var (
-	// ErrNotFound: the server, volume or snapshot does not exist.
+	// ErrNotFound: the server, volume or snapshot does not exist. A volume
+	// deleted while it had snapshots is kept for them (state DELETED) but
+	// does not exist for its users: attaching, expanding, snapshotting or
+	// cloning it is ErrNotFound too.
 	ErrNotFound = errors.New("raftstore: not found")
 	// ErrAlreadyExists: the name is taken by an object with other parameters.
 	ErrAlreadyExists = errors.New("raftstore: already exists")
 	// ErrInvalidArgument: the request is malformed independent of state.
 	ErrInvalidArgument = errors.New("raftstore: invalid argument")
 	// ErrFailedPrecondition: the request is valid but the state forbids it
-	// (attached volume, shrink, volume with snapshots, ...).
+	// (attached volume, shrink, a clone still being filled, ...).
 	ErrFailedPrecondition = errors.New("raftstore: failed precondition")
 	// ErrInsufficientServers: fewer eligible distinct servers than replicas.
 	ErrInsufficientServers = errors.New("raftstore: not enough servers to place replicas")

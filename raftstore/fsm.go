@@ -3,6 +3,7 @@ package raftstore
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -161,15 +162,19 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
 			out[i] = result{msg: msg, err: err}
 			if err == nil && watching {
 				if v, ok := msg.(*storpb.Volume); ok {
-					ev := VolumeEvent{Index: l.Index, Deleted: cmd.Op == opDeleteVolume, id: v.Id}
+					// A deleted volume kept for its snapshots is still there.
+					ev := VolumeEvent{Index: l.Index, Deleted: cmd.Op == opDeleteVolume && !IsDeleted(v), id: v.Id}
 					if !ev.Deleted {
 						ev.Volume = proto.Clone(v).(*storpb.Volume)
 					}
 					events = append(events, ev)
 				}
-				for _, id := range w.lastTouched { // side effects (a removed server)
-					if v, err := w.Volume(id); err == nil {
+				for _, id := range w.lastTouched { // side effects (a removed server, a snapshot command)
+					switch v, err := w.Volume(id); {
+					case err == nil:
 						events = append(events, VolumeEvent{Volume: v, Index: l.Index, id: id})
+					case errors.Is(err, ErrNotFound): // a tombstone removed with its last snapshot
+						events = append(events, VolumeEvent{Deleted: true, Index: l.Index, id: id})
 					}
 				}
 			}

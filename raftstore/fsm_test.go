@@ -223,7 +223,8 @@ func topo(kv ...string) *storpb.Topology {
 // richWorkload builds a state that uses every bucket and most fields: 4
 // servers in 2 zones with labels and capacity, volumes with parameters,
 // accessibility, a content source, an attachment at epoch 2, an expansion,
-// replica state changes, snapshots, a deleted volume and snapshot, a server
+// replica state changes, snapshots, a deleted volume and snapshot, a volume
+// deleted with a snapshot (kept for it) whose name is taken again, a server
 // that is down.
 func richWorkload() []command {
 	return []command{
@@ -265,6 +266,12 @@ func richWorkload() []command {
 		cmdRecordCut(ImplicitSnapshotID("vol-6"), 0, []string{"vol-2-r1"}, []string{"vol-2-r2"}),
 		cmdRecordCloneCopied("vol-6", "vol-6-r1"),
 		cmdDeleteVolume("vol-3"),
+		// Deleted with a snapshot: kept for it, its name taken again.
+		cmdCreateVolume("vol-7", "pvc-seven", mib, 1),
+		cmdCreateSnapshot("snap-7", "vol-7", "snap-seven"),
+		cmdRecordCut("snap-7", 0, []string{"vol-7-r1"}, nil),
+		cmdDeleteVolume("vol-7"),
+		cmdCreateVolume("vol-8", "pvc-seven", mib, 1),
 		cmdSetServerState("s4", storpb.ServerState_SERVER_STATE_DOWN),
 		cmdRegisterNode("worker-1", "zone-a", map[string]string{"pool": "gpu"}),
 		cmdRegisterNode("s1", "zone-a", nil), // a server that attaches volumes too
@@ -301,6 +308,12 @@ func checkRichState(t testing.TB, f *FSM) {
 		}
 		if _, err := r.Volume("vol-3"); !errors.Is(err, ErrNotFound) {
 			t.Errorf("deleted vol-3: %v", err)
+		}
+		if v7, err := r.Volume("vol-7"); err != nil || v7.State != storpb.VolumeState_VOLUME_STATE_DELETED {
+			t.Errorf("vol-7 (deleted with a snapshot): %v, %v", v7, err)
+		}
+		if v8, err := r.VolumeByName("pvc-seven"); err != nil || v8.Id != "vol-8" {
+			t.Errorf("pvc-seven (the name of deleted vol-7, taken again): %v, %v", v8, err)
 		}
 		if _, err := r.SnapshotByRef(&storpb.SnapshotRef{Name: "snap-three"}); !errors.Is(err, ErrNotFound) {
 			t.Errorf("deleted snap-three: %v", err)
@@ -927,7 +940,6 @@ func TestFSMRefusedCommandsLeaveNoTrace(t *testing.T) {
 			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-a"}},
 		}), ErrInvalidArgument},
 		{"delete: attached", cmdDeleteVolume("vol-a"), ErrFailedPrecondition},
-		{"delete: has snapshots", cmdDeleteVolume("vol-b"), ErrFailedPrecondition},
 		{"delete: unknown", cmdDeleteVolume("nope"), ErrNotFound},
 		{"delete: id and name", command{Op: opDeleteVolume, Body: &storpb.VolumeRef{Id: "vol-b", Name: "pvc-b"}}, ErrInvalidArgument},
 		{"delete: empty ref", command{Op: opDeleteVolume, Body: &storpb.VolumeRef{}}, ErrInvalidArgument},
@@ -1297,7 +1309,7 @@ func TestFSMRemoveServerMarksReplicasFaulty(t *testing.T) {
 		t.Errorf("second remove: %v, want ErrNotFound", r.err)
 	}
 	for _, v := range beforeVols {
-		if !slices.Contains(replicaServers(v), gone) {
+		if !slices.Contains(replicaServers(v), gone) || IsDeleted(v) {
 			continue
 		}
 		if r := applyCommands(t, f, cmdExpandVolume(v.Id, v.SizeBytes+mib))[0]; r.err != nil {
@@ -1314,6 +1326,8 @@ func TestFSMRemoveServerMarksReplicasFaulty(t *testing.T) {
 			t.Errorf("delete %s: %v", v.Id, r.err)
 		}
 	}
+	// vol-7, deleted with a snapshot, is kept for it until it goes too.
+	mustApply(t, f, cmdDeleteSnapshot("snap-7"))
 	if got := totalAllocated(t, f); got != 0 {
 		t.Errorf("total allocated %d with no volumes left", got)
 	}

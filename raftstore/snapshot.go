@@ -47,6 +47,10 @@ import (
 //     source is snapshotted implicitly (snapshot id "<clone id>-source").
 //     RecordCloneCopied marks replicas filled; the clone becomes AVAILABLE
 //     when all are, and its implicit snapshot is then deleted.
+//   - Snapshots outlive their volume: a volume deleted while it has
+//     snapshots (implicit ones included) is kept as a tombstone, state
+//     DELETED, whose replicas still serve them, and removeSnapshot removes
+//     it with its last snapshot (volumestate.go).
 
 const (
 	snapPending = storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_PENDING
@@ -72,9 +76,8 @@ func SnapshotServes(s *storpb.Snapshot, replicaID string) bool {
 // newSnapshot builds the record of a snapshot of v: PENDING on every
 // healthy replica. It writes nothing.
 func newSnapshot(at int64, id, name string, v *storpb.Volume) (*storpb.Snapshot, error) {
-	if v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
-		return nil, fmt.Errorf("%w: volume %q is still being filled from its content source; snapshot it when the copy is done",
-			ErrFailedPrecondition, v.Name)
+	if err := checkVolume(v, actSnapshot); err != nil {
+		return nil, err
 	}
 	s := &storpb.Snapshot{Id: id, Name: name, VolumeId: v.Id, CreatedUnixNano: at, SizeBytes: v.SizeBytes}
 	for _, r := range v.Replicas {
@@ -175,13 +178,20 @@ func (w *writer) addSnapshot(s *storpb.Snapshot, v *storpb.Volume) {
 // snapshots this way).
 func (w *writer) putVolume(v *storpb.Volume) {
 	w.put(bucketVolumes, v.Id, v)
-	if !slices.Contains(w.lastTouched, v.Id) {
-		w.lastTouched = append(w.lastTouched, v.Id)
+	w.touch(v.Id)
+}
+
+// touch names volume id, changed or removed as a side effect of the
+// command being applied, for the watchers.
+func (w *writer) touch(id string) {
+	if !slices.Contains(w.lastTouched, id) {
+		w.lastTouched = append(w.lastTouched, id)
 	}
 }
 
 // removeSnapshot deletes a snapshot record and un-pends it on its volume
-// (v, when the caller holds it, else it is read).
+// (v, when the caller holds it, else it is read). The last snapshot of a
+// deleted volume takes the volume with it (volumestate.go).
 func (w *writer) removeSnapshot(s *storpb.Snapshot, v *storpb.Volume) error {
 	if v == nil {
 		var err error
@@ -189,12 +199,24 @@ func (w *writer) removeSnapshot(s *storpb.Snapshot, v *storpb.Volume) error {
 			return err
 		}
 	}
+	last := false
+	if IsDeleted(v) {
+		n, err := w.snapshotCount(v.Id)
+		if err != nil {
+			return err
+		}
+		last = n == 1 // s is the one left
+	}
 	if i := slices.Index(v.PendingSnapshotIds, s.Id); i >= 0 {
 		v.PendingSnapshotIds = slices.Delete(v.PendingSnapshotIds, i, i+1)
 		w.putVolume(v)
 	}
 	w.del(bucketSnapshots, s.Id)
 	w.del(bucketSnapshotNames, s.Name)
+	if last {
+		w.removeVolume(v)
+		w.touch(v.Id)
+	}
 	return nil
 }
 
@@ -372,6 +394,9 @@ func (w *writer) prepareClone(at int64, cloneID string, src *storpb.ContentSourc
 	case *storpb.ContentSource_VolumeId:
 		vol, err := w.Volume(s.VolumeId)
 		if err != nil {
+			return nil, fmt.Errorf("content source: %w", err)
+		}
+		if err := checkVolume(vol, actCloneFrom); err != nil {
 			return nil, fmt.Errorf("content source: %w", err)
 		}
 		if size < vol.SizeBytes {

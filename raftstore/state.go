@@ -76,7 +76,8 @@ func (r *Reader) Servers() ([]*storpb.Server, error) {
 	return out, err
 }
 
-// Volume returns the volume with the given id, or ErrNotFound.
+// Volume returns the volume with the given id, or ErrNotFound; a deleted
+// volume kept for its snapshots is returned (state DELETED).
 func (r *Reader) Volume(id string) (*storpb.Volume, error) {
 	v := &storpb.Volume{}
 	if err := r.get(bucketVolumes, id, v); err != nil {
@@ -85,7 +86,9 @@ func (r *Reader) Volume(id string) (*storpb.Volume, error) {
 	return v, nil
 }
 
-// VolumeByName returns the volume with the given name, or ErrNotFound.
+// VolumeByName returns the volume with the given name, or ErrNotFound. A
+// deleted volume kept for its snapshots has no name any more (Volume finds
+// it by id).
 func (r *Reader) VolumeByName(name string) (*storpb.Volume, error) {
 	id := r.tx.Bucket(bucketVolumeNames).Get([]byte(name))
 	if id == nil {
@@ -109,12 +112,23 @@ func (r *Reader) VolumeByRef(ref *storpb.VolumeRef) (*storpb.Volume, error) {
 // Volumes returns up to limit volumes (0: all) in id order, starting after
 // the position encoded in token, and the token for the next page ("" on the
 // last page). A token that was not returned by Volumes is ErrInvalidArgument.
+// It includes the deleted volumes kept for their snapshots (state DELETED),
+// which the servers keep and repair like any other.
 func (r *Reader) Volumes(token string, limit int) ([]*storpb.Volume, string, error) {
+	return r.ListVolumes(token, limit, true)
+}
+
+// ListVolumes is Volumes as users list them: the deleted volumes kept for
+// their snapshots only if includeDeleted.
+func (r *Reader) ListVolumes(token string, limit int, includeDeleted bool) ([]*storpb.Volume, string, error) {
 	var out []*storpb.Volume
 	next, err := r.page(bucketVolumes, token, limit, func(v []byte) (bool, error) {
 		vol := &storpb.Volume{}
 		if err := proto.Unmarshal(v, vol); err != nil {
 			return false, fmt.Errorf("%w: volume: %v", ErrCorrupt, err)
+		}
+		if IsDeleted(vol) && !includeDeleted {
+			return false, nil
 		}
 		out = append(out, vol)
 		return true, nil

@@ -399,10 +399,15 @@ func (s *Store) CreateVolume(ctx context.Context, req *storpb.CreateVolumeReques
 	return asVolume(m, err)
 }
 
-// DeleteVolume deletes a volume; ErrNotFound if there is none.
-func (s *Store) DeleteVolume(ctx context.Context, ref *storpb.VolumeRef) error {
-	_, err := s.propose(ctx, command{Op: opDeleteVolume, Body: ref})
-	return err
+// DeleteVolume deletes a volume; ErrNotFound if there is none. A volume
+// with snapshots is kept for them (volumestate.go): it is returned as
+// retained, in state DELETED; a removed volume returns nil.
+func (s *Store) DeleteVolume(ctx context.Context, ref *storpb.VolumeRef) (retained *storpb.Volume, err error) {
+	v, err := asVolume(s.propose(ctx, command{Op: opDeleteVolume, Body: ref}))
+	if err != nil || !IsDeleted(v) {
+		return nil, err
+	}
+	return v, nil
 }
 
 // ExpandVolume grows a volume.

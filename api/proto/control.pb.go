@@ -94,6 +94,14 @@ const (
 	// Replicas are being filled from a content source; not attachable yet.
 	VolumeState_VOLUME_STATE_CREATING  VolumeState = 1
 	VolumeState_VOLUME_STATE_AVAILABLE VolumeState = 2
+	// Deleted while it had snapshots, which outlive it (Kubernetes restores
+	// a VolumeSnapshot after its source claim is gone): its name is free for
+	// a new volume, it cannot be attached, expanded, snapshotted or cloned,
+	// but its replicas and their snapshot layers are kept and repaired like
+	// any volume's, so its snapshots can still be restored. Deleting its
+	// last snapshot removes it and its replicas. GetVolume by id shows it;
+	// by name and ListVolumes (unless include_deleted) do not.
+	VolumeState_VOLUME_STATE_DELETED VolumeState = 3
 )
 
 // Enum value maps for VolumeState.
@@ -102,11 +110,13 @@ var (
 		0: "VOLUME_STATE_UNSPECIFIED",
 		1: "VOLUME_STATE_CREATING",
 		2: "VOLUME_STATE_AVAILABLE",
+		3: "VOLUME_STATE_DELETED",
 	}
 	VolumeState_value = map[string]int32{
 		"VOLUME_STATE_UNSPECIFIED": 0,
 		"VOLUME_STATE_CREATING":    1,
 		"VOLUME_STATE_AVAILABLE":   2,
+		"VOLUME_STATE_DELETED":     3,
 	}
 )
 
@@ -1000,8 +1010,11 @@ type Volume struct {
 	// every replica's copy is.
 	CloneSnapshotId     string   `protobuf:"bytes,15,opt,name=clone_snapshot_id,json=cloneSnapshotId,proto3" json:"clone_snapshot_id,omitempty"`
 	CloneDoneReplicaIds []string `protobuf:"bytes,16,rep,name=clone_done_replica_ids,json=cloneDoneReplicaIds,proto3" json:"clone_done_replica_ids,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// When the volume was deleted (state DELETED; unix nanoseconds, the
+	// proposer's clock); 0 otherwise.
+	DeletedUnixNano int64 `protobuf:"varint,17,opt,name=deleted_unix_nano,json=deletedUnixNano,proto3" json:"deleted_unix_nano,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Volume) Reset() {
@@ -1144,6 +1157,13 @@ func (x *Volume) GetCloneDoneReplicaIds() []string {
 		return x.CloneDoneReplicaIds
 	}
 	return nil
+}
+
+func (x *Volume) GetDeletedUnixNano() int64 {
+	if x != nil {
+		return x.DeletedUnixNano
+	}
+	return 0
 }
 
 type SnapshotReplica struct {
@@ -2467,9 +2487,12 @@ type ListVolumesRequest struct {
 	PageSize uint32 `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	// From a previous response's next_page_token; INVALID_ARGUMENT if it is
 	// not one.
-	PageToken     string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	PageToken string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// Also list volumes that were deleted and are kept only for their
+	// snapshots (state DELETED).
+	IncludeDeleted bool `protobuf:"varint,3,opt,name=include_deleted,json=includeDeleted,proto3" json:"include_deleted,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ListVolumesRequest) Reset() {
@@ -2514,6 +2537,13 @@ func (x *ListVolumesRequest) GetPageToken() string {
 		return x.PageToken
 	}
 	return ""
+}
+
+func (x *ListVolumesRequest) GetIncludeDeleted() bool {
+	if x != nil {
+		return x.IncludeDeleted
+	}
+	return false
 }
 
 type ListVolumesResponse struct {
@@ -2614,7 +2644,10 @@ func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
 }
 
 type DeleteVolumeResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set when the volume had snapshots: it is kept for them (state
+	// DELETED) until the last one is deleted. Unset when it was removed.
+	Retained      *Volume `protobuf:"bytes,1,opt,name=retained,proto3" json:"retained,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2647,6 +2680,13 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
 	return file_control_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *DeleteVolumeResponse) GetRetained() *Volume {
+	if x != nil {
+		return x.Retained
+	}
+	return nil
 }
 
 type ExpandVolumeRequest struct {
@@ -3426,7 +3466,9 @@ type VolumeEvent struct {
 	// state; then one event per committed change.
 	Volume *Volume `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
 	Index  uint64  `protobuf:"varint,2,opt,name=index,proto3" json:"index,omitempty"`
-	// Set on the last event of a stream whose volume was deleted.
+	// Set on the last event of a stream whose volume was removed (a volume
+	// deleted while it has snapshots is kept, state DELETED, until its last
+	// snapshot is deleted: the stream goes on until then).
 	Deleted       bool `protobuf:"varint,3,opt,name=deleted,proto3" json:"deleted,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4105,7 +4147,7 @@ const file_control_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"w\n" +
 	"\x13TopologyRequirement\x12/\n" +
 	"\trequisite\x18\x01 \x03(\v2\x11.stor.v1.TopologyR\trequisite\x12/\n" +
-	"\tpreferred\x18\x02 \x03(\v2\x11.stor.v1.TopologyR\tpreferred\"\xf7\x05\n" +
+	"\tpreferred\x18\x02 \x03(\v2\x11.stor.v1.TopologyR\tpreferred\"\xa3\x06\n" +
 	"\x06Volume\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1d\n" +
@@ -4130,7 +4172,8 @@ const file_control_proto_rawDesc = "" +
 	"\raccessibility\x18\r \x01(\v2\x1c.stor.v1.TopologyRequirementR\raccessibility\x120\n" +
 	"\x14pending_snapshot_ids\x18\x0e \x03(\tR\x12pendingSnapshotIds\x12*\n" +
 	"\x11clone_snapshot_id\x18\x0f \x01(\tR\x0fcloneSnapshotId\x123\n" +
-	"\x16clone_done_replica_ids\x18\x10 \x03(\tR\x13cloneDoneReplicaIds\x1a=\n" +
+	"\x16clone_done_replica_ids\x18\x10 \x03(\tR\x13cloneDoneReplicaIds\x12*\n" +
+	"\x11deleted_unix_nano\x18\x11 \x01(\x03R\x0fdeletedUnixNano\x1a=\n" +
 	"\x0fParametersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x9a\x01\n" +
@@ -4225,17 +4268,19 @@ const file_control_proto_rawDesc = "" +
 	"\x10GetVolumeRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\"<\n" +
 	"\x11GetVolumeResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"P\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"y\n" +
 	"\x12ListVolumesRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\rR\bpageSize\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\x02 \x01(\tR\tpageToken\"h\n" +
+	"page_token\x18\x02 \x01(\tR\tpageToken\x12'\n" +
+	"\x0finclude_deleted\x18\x03 \x01(\bR\x0eincludeDeleted\"h\n" +
 	"\x13ListVolumesResponse\x12)\n" +
 	"\avolumes\x18\x01 \x03(\v2\x0f.stor.v1.VolumeR\avolumes\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"A\n" +
 	"\x13DeleteVolumeRequest\x12*\n" +
-	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\"\x16\n" +
-	"\x14DeleteVolumeResponse\"`\n" +
+	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\"C\n" +
+	"\x14DeleteVolumeResponse\x12+\n" +
+	"\bretained\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\bretained\"`\n" +
 	"\x13ExpandVolumeRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x1d\n" +
 	"\n" +
@@ -4328,11 +4373,12 @@ const file_control_proto_rawDesc = "" +
 	"\x18SERVER_STATE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fSERVER_STATE_UP\x10\x01\x12\x15\n" +
 	"\x11SERVER_STATE_DOWN\x10\x02\x12\x19\n" +
-	"\x15SERVER_STATE_DRAINING\x10\x03*b\n" +
+	"\x15SERVER_STATE_DRAINING\x10\x03*|\n" +
 	"\vVolumeState\x12\x1c\n" +
 	"\x18VOLUME_STATE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15VOLUME_STATE_CREATING\x10\x01\x12\x1a\n" +
-	"\x16VOLUME_STATE_AVAILABLE\x10\x02*\x80\x01\n" +
+	"\x16VOLUME_STATE_AVAILABLE\x10\x02\x12\x18\n" +
+	"\x14VOLUME_STATE_DELETED\x10\x03*\x80\x01\n" +
 	"\fReplicaState\x12\x1d\n" +
 	"\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15REPLICA_STATE_HEALTHY\x10\x01\x12\x1c\n" +
@@ -4504,79 +4550,80 @@ var file_control_proto_depIdxs = []int32{
 	13, // 31: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
 	13, // 32: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
 	35, // 33: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	35, // 34: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 35: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	35, // 36: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	3,  // 37: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
-	13, // 38: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	35, // 39: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 40: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
-	2,  // 41: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
-	13, // 42: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	35, // 43: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 44: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
-	13, // 45: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	35, // 46: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 47: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	15, // 48: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	58, // 49: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 50: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	15, // 51: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	58, // 52: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 53: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
-	16, // 54: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	18, // 55: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	20, // 56: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	23, // 57: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	25, // 58: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	27, // 59: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
-	29, // 60: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
-	31, // 61: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
-	33, // 62: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	36, // 63: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	38, // 64: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	40, // 65: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	42, // 66: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	44, // 67: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	46, // 68: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	54, // 69: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	48, // 70: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	50, // 71: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	52, // 72: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	56, // 73: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	59, // 74: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	61, // 75: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	63, // 76: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	65, // 77: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	17, // 78: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	19, // 79: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	22, // 80: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	24, // 81: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	26, // 82: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	28, // 83: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
-	30, // 84: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
-	32, // 85: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
-	34, // 86: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	37, // 87: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	39, // 88: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	41, // 89: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	43, // 90: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	45, // 91: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	47, // 92: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	55, // 93: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	49, // 94: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	51, // 95: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	53, // 96: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	57, // 97: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	60, // 98: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	62, // 99: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	64, // 100: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	66, // 101: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	78, // [78:102] is the sub-list for method output_type
-	54, // [54:78] is the sub-list for method input_type
-	54, // [54:54] is the sub-list for extension type_name
-	54, // [54:54] is the sub-list for extension extendee
-	0,  // [0:54] is the sub-list for field type_name
+	13, // 34: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
+	35, // 35: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 36: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
+	35, // 37: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	3,  // 38: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
+	13, // 39: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
+	35, // 40: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 41: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
+	2,  // 42: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
+	13, // 43: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
+	35, // 44: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 45: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	13, // 46: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
+	35, // 47: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 48: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	15, // 49: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	58, // 50: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 51: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	15, // 52: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	58, // 53: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 54: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
+	16, // 55: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	18, // 56: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	20, // 57: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	23, // 58: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	25, // 59: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	27, // 60: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
+	29, // 61: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
+	31, // 62: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
+	33, // 63: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	36, // 64: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	38, // 65: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	40, // 66: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	42, // 67: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	44, // 68: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	46, // 69: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	54, // 70: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	48, // 71: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	50, // 72: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	52, // 73: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	56, // 74: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	59, // 75: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	61, // 76: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	63, // 77: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	65, // 78: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 79: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 80: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 81: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 82: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 83: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 84: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 85: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 86: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	34, // 87: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	37, // 88: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	39, // 89: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	41, // 90: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	43, // 91: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	45, // 92: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	47, // 93: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	55, // 94: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	49, // 95: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	51, // 96: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	53, // 97: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	57, // 98: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	60, // 99: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	62, // 100: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	64, // 101: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	66, // 102: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	79, // [79:103] is the sub-list for method output_type
+	55, // [55:79] is the sub-list for method input_type
+	55, // [55:55] is the sub-list for extension type_name
+	55, // [55:55] is the sub-list for extension extendee
+	0,  // [0:55] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }

@@ -65,6 +65,8 @@ type fakeVolumes struct {
 	pageSplit int
 	// errFor makes GetVolume of that name fail with the error.
 	errFor map[string]error
+	// retained names the volumes DeleteVolume keeps for their snapshots.
+	retained map[string]bool
 
 	mu         sync.Mutex
 	creates    []*storpb.CreateVolumeRequest
@@ -147,8 +149,14 @@ func (f *fakeVolumes) DeleteVolume(_ context.Context, req *storpb.DeleteVolumeRe
 	f.mu.Lock()
 	f.deletes = append(f.deletes, req.GetVolume())
 	f.mu.Unlock()
-	if _, err := f.find(req.GetVolume()); err != nil {
+	v, err := f.find(req.GetVolume())
+	if err != nil {
 		return nil, err
+	}
+	if f.retained[v.GetName()] {
+		kept := proto.Clone(v).(*storpb.Volume)
+		kept.State, kept.DeletedUnixNano = storpb.VolumeState_VOLUME_STATE_DELETED, testNow.UnixNano()
+		return &storpb.DeleteVolumeResponse{Retained: kept}, nil
 	}
 	return &storpb.DeleteVolumeResponse{}, nil
 }
@@ -521,6 +529,31 @@ func TestVolumeListPages(t *testing.T) {
 		if reqs[i].GetPageToken() != wantToken || reqs[i].GetPageSize() != 500 {
 			t.Errorf("ListVolumes call %d = %v, want page_size 500, page_token %q", i, reqs[i], wantToken)
 		}
+	}
+}
+
+// A volume deleted while it has snapshots is kept for them: stor-ctl says
+// so when it deletes it, lists it only with --deleted, and get says when
+// it was deleted and what keeps it.
+func TestVolumeDeletedKeptForSnapshots(t *testing.T) {
+	f := newFake(t)
+	f.volumes.retained = map[string]bool{"db": true}
+	out := mustRun(t, "--server", f.addr, "volume", "delete", "db")
+	if !strings.Contains(out, `volume "db" deleted; its data (id vol-1) is kept for its snapshots until the last is deleted`) {
+		t.Errorf("delete of a volume kept for its snapshots printed %q", out)
+	}
+	mustRun(t, "--server", f.addr, "volume", "list")
+	mustRun(t, "--server", f.addr, "volume", "list", "--deleted")
+	reqs := f.volumes.listReqs
+	if len(reqs) != 4 || reqs[0].GetIncludeDeleted() || reqs[1].GetIncludeDeleted() || !reqs[2].GetIncludeDeleted() || !reqs[3].GetIncludeDeleted() {
+		t.Errorf("ListVolumes requests %v: want include_deleted only with --deleted", reqs)
+	}
+	f.volumes.volumes = append(f.volumes.volumes, &storpb.Volume{Id: "vol-9", Name: "old", SizeBytes: 1 << 30, ReplicaCount: 1,
+		State: storpb.VolumeState_VOLUME_STATE_DELETED, DeletedUnixNano: testNow.Add(-time.Hour).UnixNano()})
+	out = mustRun(t, "--server", f.addr, "volume", "get", "--id", "vol-9")
+	assertCells(t, out, "STATE:", "deleted")
+	if !strings.Contains(out, "kept only for its snapshots") || !strings.Contains(out, "stor-ctl snapshot list --id vol-9") {
+		t.Errorf("get of a deleted volume does not say what keeps it:\n%s", out)
 	}
 }
 

@@ -225,6 +225,10 @@ func (a *app) printVolume(v *storpb.Volume) error {
 	if len(v.GetParameters()) > 0 {
 		fields = append(fields, field{"PARAMETERS", formatMap(v.GetParameters())})
 	}
+	if v.GetState() == storpb.VolumeState_VOLUME_STATE_DELETED {
+		fields = append(fields, field{"DELETED", formatTime(v.GetDeletedUnixNano()) +
+			" (kept only for its snapshots, until the last is deleted; see: stor-ctl snapshot list --id " + v.GetId() + ")"})
+	}
 	if src := v.GetContentSource(); src.GetSnapshotId() != "" {
 		fields = append(fields, field{"SOURCE", "snapshot " + src.GetSnapshotId()})
 	} else if src.GetVolumeId() != "" {
@@ -238,16 +242,20 @@ func (a *app) printVolume(v *storpb.Volume) error {
 }
 
 func newVolumeListCommand(a *app) *cobra.Command {
-	return &cobra.Command{
+	var deleted bool
+	cmd := &cobra.Command{
 		Use:   "list",
 		Short: "List all volumes",
-		Args:  exactArgs(),
+		Long: `List all volumes. A volume deleted while it had snapshots is kept, with its
+replicas, until its last snapshot is deleted (its snapshots can still be
+restored); --deleted lists those too, in state "deleted".`,
+		Args: exactArgs(),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
 				all := &storpb.ListVolumesResponse{}
 				token := ""
 				for {
-					resp, err := c.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{PageSize: listPageSize, PageToken: token})
+					resp, err := c.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{PageSize: listPageSize, PageToken: token, IncludeDeleted: deleted})
 					if err != nil {
 						return err
 					}
@@ -273,6 +281,8 @@ func newVolumeListCommand(a *app) *cobra.Command {
 			})
 		},
 	}
+	cmd.Flags().BoolVar(&deleted, "deleted", false, "also list deleted volumes kept for their snapshots")
+	return cmd
 }
 
 // replicaHealth renders healthy replicas over the volume's replica count,
@@ -296,7 +306,14 @@ func newVolumeDeleteCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "delete NAME",
 		Short: "Delete a volume",
-		Args:  exactArgs("NAME"),
+		Long: `Delete a volume. An attached volume is refused (detach it first).
+
+Snapshots outlive their volume: a volume that has snapshots is deleted for
+its users (its name is free, it cannot be attached, expanded or
+snapshotted) but its replicas are kept, and repaired, until its last
+snapshot is deleted, so its snapshots can still be restored with
+"volume create --from-snapshot". "volume list --deleted" shows such volumes.`,
+		Args: exactArgs("NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
 				resp, err := c.Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: volumeRef(args[0], byID)})
@@ -305,6 +322,11 @@ func newVolumeDeleteCommand(a *app) *cobra.Command {
 				}
 				if a.jsonOutput() {
 					return a.printJSON(resp)
+				}
+				if v := resp.GetRetained(); v != nil {
+					_, err = fmt.Fprintf(a.stdout, "volume %q deleted; its data (id %s) is kept for its snapshots until the last is deleted (stor-ctl snapshot list --id %s)\n",
+						args[0], v.GetId(), v.GetId())
+					return err
 				}
 				_, err = fmt.Fprintf(a.stdout, "volume %q deleted\n", args[0])
 				return err

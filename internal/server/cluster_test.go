@@ -240,6 +240,13 @@ func TestBadInput(t *testing.T) {
 	retry(t, 5*time.Second, func(ctx context.Context) (*storpb.CreateSnapshotResponse, error) {
 		return cl.Snapshots.CreateSnapshot(ctx, &storpb.CreateSnapshotRequest{VolumeId: snapped.Id, Name: "snap-1"})
 	})
+	// Deleted with a snapshot: kept for it, out of its users' reach.
+	del := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.DeleteVolumeResponse, error) {
+		return cl.Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Name: "snapped"}})
+	})
+	if del.GetRetained().GetState() != storpb.VolumeState_VOLUME_STATE_DELETED {
+		t.Fatalf("delete of a volume with a snapshot answered %v, want it retained in state DELETED", del)
+	}
 
 	cases := []struct {
 		name string
@@ -302,10 +309,22 @@ func TestBadInput(t *testing.T) {
 			_, err := cl.Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Name: "attached"}})
 			return err
 		}, codes.FailedPrecondition},
-		{"delete volume with snapshots", func(ctx context.Context) error {
-			_, err := cl.Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Name: "snapped"}})
+		{"get a deleted volume by name", func(ctx context.Context) error {
+			_, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: "snapped"}})
 			return err
-		}, codes.FailedPrecondition},
+		}, codes.NotFound},
+		{"attach a deleted volume", func(ctx context.Context) error {
+			_, err := cl.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: snapped.Id}, NodeId: "node-a"})
+			return err
+		}, codes.NotFound},
+		{"expand a deleted volume", func(ctx context.Context) error {
+			_, err := cl.Volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: snapped.Id}, SizeBytes: 2 * gib})
+			return err
+		}, codes.NotFound},
+		{"snapshot a deleted volume", func(ctx context.Context) error {
+			_, err := cl.Snapshots.CreateSnapshot(ctx, &storpb.CreateSnapshotRequest{VolumeId: snapped.Id, Name: "snap-2"})
+			return err
+		}, codes.NotFound},
 		{"bad page token", func(ctx context.Context) error {
 			_, err := cl.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{PageToken: "garbage"})
 			return err

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"testing"
 	"time"
@@ -152,5 +153,114 @@ func TestReplaceReplicaByOperator(t *testing.T) {
 	_, err = cl.Volumes.ReplaceReplica(ctxT(t, 5*time.Second), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: healthy[1], RemoveOnly: true})
 	if status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("removing the last healthy replica: %v", err)
+	}
+}
+
+// TestDeletedVolumeKeptForSnapshotIsRepaired: a volume deleted while it
+// has a snapshot is kept for it, and its replicas are repaired like any
+// volume's: a server that goes down has its replica marked faulty by the
+// leader, and rebuilt when it returns; every replica still holds the
+// snapshot's layer with the snapshot's bytes. A new leader holds the same
+// deleted volume. Deleting the snapshot then removes the volume and frees
+// its servers' space.
+func TestDeletedVolumeKeptForSnapshotIsRepaired(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Configure: func(i int, cfg *server.Config) {
+		cfg.Raft.ReplicaGrace = 500 * time.Millisecond
+		cfg.Raft.ReplaceAfter = time.Minute
+	}})
+	leader := c.Leader(10 * time.Second)
+	const size = 1 << 20
+	v := createVolume(t, c.Client(leader), "kept", size, 3)
+	ctx := ctxT(t, 2*time.Minute)
+	data := make([]byte, size)
+	for b := uint64(0); b < size/snapBlock; b++ {
+		copy(data[b*snapBlock:], blockData(b, 1))
+	}
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, data, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	s := createSnapshot(t, c, leader, v.Id, "kept-snap")
+	s = waitSnapshot(t, c, leader, s.Id, 30*time.Second, "snapshot ready", func(s *storpb.Snapshot) bool { return s.ReadyToUse || s.Failed })
+	if cutCount(s) != 3 {
+		t.Fatalf("snapshot cut on %d replicas, want 3: %v", cutCount(s), s)
+	}
+	del := retry(t, 10*time.Second, func(ctx context.Context) (*storpb.DeleteVolumeResponse, error) {
+		return c.Client(leader).Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+	})
+	if del.GetRetained().GetState() != storpb.VolumeState_VOLUME_STATE_DELETED {
+		t.Fatalf("delete of a volume with a snapshot: %v, want it retained", del)
+	}
+
+	victim := (leader + 1) % 3
+	id := c.Nodes[victim].ID
+	c.Kill(victim)
+	waitVolume(t, c, leader, v.Id, 10*time.Second, "replica of the deleted volume faulty after its server went down", func(v *storpb.Volume) bool {
+		return replicaOn(v, id).GetState() == storpb.ReplicaState_REPLICA_STATE_FAULTY
+	})
+	c.Start(victim)
+	healed := waitVolume(t, c, leader, v.Id, 30*time.Second, "replica of the deleted volume rebuilt after its server returned", func(v *storpb.Volume) bool {
+		return replicaOn(v, id).GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	if healed.State != storpb.VolumeState_VOLUME_STATE_DELETED || len(healed.Replicas) != 3 {
+		t.Fatalf("deleted volume after the repair: %v", healed)
+	}
+	s = getSnapshot(t, c, leader, s.Id)
+	if cutCount(s) != 3 || !s.ReadyToUse {
+		t.Fatalf("snapshot after the repair: %v, want ready with 3 copies", s)
+	}
+	if got := requireOneCutPoint(t, c, healed, s); !bytes.Equal(got, data) {
+		t.Fatal("the snapshot's layers do not hold the bytes written before it")
+	}
+
+	// A new leader (the old one killed and restarted, replaying its log)
+	// holds the same deleted volume: its name still free.
+	old := leader
+	c.Restart(old)
+	leader = c.Leader(10 * time.Second)
+	if kept := getVolume(t, c, leader, v.Id); kept.State != storpb.VolumeState_VOLUME_STATE_DELETED {
+		t.Fatalf("the deleted volume after the leader was restarted: %v", kept)
+	}
+	requireNotFound(t, "the deleted volume's name after the leader was restarted", func(ctx context.Context) error {
+		_, err := c.Client(old).Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: "kept"}})
+		return err
+	})
+
+	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.DeleteSnapshotResponse, error) {
+		return c.Client(leader).Snapshots.DeleteSnapshot(ctx, &storpb.DeleteSnapshotRequest{Snapshot: snapRef(s.Id)})
+	})
+	requireNotFound(t, "the deleted volume after its last snapshot was deleted", func(ctx context.Context) error {
+		_, err := c.Client(leader).Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+		return err
+	})
+	servers := retry(t, 5*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
+		return c.Client(leader).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	}).Servers
+	for _, srv := range servers {
+		if srv.AllocatedBytes != 0 {
+			t.Errorf("server %s allocates %d bytes with no volume left", srv.Id, srv.AllocatedBytes)
+		}
+	}
+}
+
+// requireNotFound calls fn until it answers something other than
+// Unavailable (an election) within 10s, and fails unless that is NotFound.
+func requireNotFound(t *testing.T, what string, fn func(ctx context.Context) error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		err := fn(ctx)
+		cancel()
+		switch code := status.Code(err); {
+		case code == codes.NotFound:
+			return
+		case (code != codes.Unavailable && code != codes.DeadlineExceeded) || time.Now().After(deadline):
+			t.Fatalf("%s: %v, want NotFound", what, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -166,14 +166,21 @@ func (v *volumeService) ListVolumes(ctx context.Context, req *storpb.ListVolumes
 	resp := &storpb.ListVolumesResponse{}
 	err := v.s.store.View(func(r *raftstore.Reader) error {
 		var err error
-		resp.Volumes, resp.NextPageToken, err = r.Volumes(req.PageToken, int(req.PageSize))
+		resp.Volumes, resp.NextPageToken, err = r.ListVolumes(req.PageToken, int(req.PageSize), req.IncludeDeleted)
 		return err
 	})
 	return resp, err
 }
 
 func (v *volumeService) DeleteVolume(ctx context.Context, req *storpb.DeleteVolumeRequest) (*storpb.DeleteVolumeResponse, error) {
-	return &storpb.DeleteVolumeResponse{}, v.s.store.DeleteVolume(ctx, req.Volume)
+	retained, err := v.s.store.DeleteVolume(ctx, req.Volume)
+	if err != nil {
+		return nil, err
+	}
+	if retained != nil {
+		v.s.logger.Info("volume deleted; kept for its snapshots until they are deleted", "volume", retained.Name, "id", retained.Id)
+	}
+	return &storpb.DeleteVolumeResponse{Retained: retained}, nil
 }
 
 func (v *volumeService) ExpandVolume(ctx context.Context, req *storpb.ExpandVolumeRequest) (*storpb.ExpandVolumeResponse, error) {
