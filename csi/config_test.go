@@ -31,6 +31,11 @@ func TestValidateRefusesNodeFieldsInControllerMode(t *testing.T) {
 		{"all with all of them", func(c *Config) {
 			c.Mode, c.NodeID, c.Zone, c.StateDir, c.MaxVolumesPerNode = ModeAll, "worker-1", "a", "/x", 8
 		}, ""},
+		// The kubelet could not label nodes with this driver's topology
+		// keys (NodeRestriction): the driver would never register.
+		{"driver name under k8s.io", func(c *Config) { c.DriverName = "stor.csi.k8s.io" }, "NodeRestriction"},
+		{"driver name under kubernetes.io", func(c *Config) { c.DriverName = "csi.kubernetes.io" }, "NodeRestriction"},
+		{"the default driver name", func(c *Config) { c.DriverName = DefaultDriverName }, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := DefaultConfig()

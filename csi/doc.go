@@ -12,7 +12,7 @@
 //
 // # Names, ids, sizes
 //
-// The driver name defaults to "stor.csi.k8s.io". A CSI volume id is the
+// The driver name defaults to "csi.stor.io". A CSI volume id is the
 // stor volume id; a CSI snapshot id is the stor snapshot id; a CSI volume
 // name is the stor volume name (CreateVolume is idempotent by name, as
 // the cluster is).

@@ -24,7 +24,7 @@ import (
 
 // Defaults of Config.
 const (
-	DefaultDriverName = "stor.csi.k8s.io"
+	DefaultDriverName = "csi.stor.io"
 	DefaultStateDir   = "/var/lib/stor-csi"
 	// DefaultVolumeSize is the size of a volume created without a
 	// capacity range.
@@ -161,7 +161,26 @@ func (c *Config) Validate() error {
 	if strings.ContainsAny(c.DriverName, " /") {
 		return fmt.Errorf("csi: driver name %q must not contain spaces or slashes", c.DriverName)
 	}
+	if reservedLabelDomain(c.DriverName) {
+		return fmt.Errorf("csi: driver name %q is under kubernetes.io or k8s.io: the kubelet labels each node with the "+
+			"driver's topology keys (topology.<driver name>/...), and the NodeRestriction admission plugin forbids "+
+			"kubelets to set labels in those domains, so the driver would never register on a node; use a domain of your own", c.DriverName)
+	}
 	return nil
+}
+
+// reservedLabelDomain reports whether labels in domain "topology."+name
+// are Kubernetes' own: NodeRestriction lets a kubelet set only a fixed
+// few of those on its Node, and the kubelet sets a CSI driver's topology
+// keys as node labels when the driver registers.
+func reservedLabelDomain(name string) bool {
+	d := "topology." + strings.ToLower(name)
+	for _, r := range []string{"kubernetes.io", "k8s.io"} {
+		if d == r || strings.HasSuffix(d, "."+r) {
+			return true
+		}
+	}
+	return false
 }
 
 func (c *Config) defaults() {

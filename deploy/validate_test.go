@@ -34,7 +34,7 @@ import (
 // The names the manifests must agree on.
 const (
 	// driverName is stor-csi's default --driver-name (issue 6).
-	driverName = "stor.csi.k8s.io"
+	driverName = "csi.stor.io"
 	// csiContainer is the name of the stor-csi container in the CSI pods.
 	csiContainer = "stor-csi"
 	// serverContainer is the name of the stor-server container.

@@ -17,7 +17,7 @@
 # log in DIR/stor-csi.log; sets PID_CSI.
 start_plugin() {
 	mkdir -p "$1/state"
-	stor-csi --mode=node --endpoint "unix://$1/csi.sock" --driver-name=stor.csi.k8s.io --node-id=vm \
+	stor-csi --mode=node --endpoint "unix://$1/csi.sock" --driver-name=csi.stor.io --node-id=vm \
 		--servers="$2" --state-dir="$1/state" >"$1/stor-csi.log" 2>&1 &
 	PID_CSI=$!
 }
