@@ -9,6 +9,7 @@ PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 .PHONY: image-binaries images test-deploy
 .PHONY: test-csi vm-csi bench-csi
 .PHONY: jepsen jepsen-soak
+.PHONY: k8s k8s-tools
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -153,6 +154,18 @@ JEPSEN_SEED ?= 0
 JEPSEN_NEMESES ?= all
 JEPSEN_EXTRA ?=
 JEPSEN_FLAGS = -jepsen.seed=$(JEPSEN_SEED) -jepsen.nemeses=$(JEPSEN_NEMESES) $(JEPSEN_EXTRA)
+# The real control-plane tier: deploy/'s base on kube-apiserver,
+# kube-controller-manager, kube-scheduler and etcd (v1.37.2) with the CSI
+# sidecars at deploy/'s tags, all built from the tools modules under
+# tools/k8s (scripts/k8s-tools.sh; ~15 CPU-minutes cold, cached in
+# ~/.cache/stor/k8s), and fake kubelets driving in-process node plugins
+# (package internal/k8stest; the kernel path is make vm's).
+k8s-tools:
+	scripts/k8s-tools.sh
+
+k8s:
+	tools=$$(scripts/k8s-tools.sh) && STOR_K8S_TOOLS=$$tools $(GO) test -count=1 -timeout 20m -v -run '^TestK8s$$' ./deploy/
+
 jepsen:
 	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout 15m -v -run '^TestJepsen' ./jepsen/ \
 		-jepsen.duration=60s $(JEPSEN_FLAGS)
