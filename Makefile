@@ -164,7 +164,7 @@ k8s-tools:
 	scripts/k8s-tools.sh
 
 k8s:
-	tools=$$(scripts/k8s-tools.sh) && STOR_K8S_TOOLS=$$tools $(GO) test -count=1 -timeout 20m -v -run '^TestK8s$$' ./deploy/
+	tools=$$(scripts/k8s-tools.sh) && STOR_K8S_TOOLS=$$tools $(GO) test -count=1 -timeout 20m -v -run '^(TestK8s|TestControlPlaneAuthorizes)$$' ./deploy/ ./internal/k8stest/
 
 jepsen:
 	JEPSEN=1 JEPSEN_OUT=$(abspath $(JEPSEN_OUT)) $(GO) test -count=1 -timeout 15m -v -run '^TestJepsen' ./jepsen/ \
