@@ -31,7 +31,10 @@ import (
 //     target every new write);
 //   - cuts snapshots of detached volumes, fills clones' replicas, and
 //     merges deleted snapshots' layers (snapshots.go).
-
+//
+// The data service authorises each OPEN and each request against the
+// applied metadata (dataauth.go); this server's own opens (rebuild, clone
+// copy, detached cut) state their purpose so that other servers can.
 type dataPlane struct {
 	s     *Server
 	store *replica.Store
@@ -71,7 +74,7 @@ func (s *Server) startDataPlane() error {
 			return nil, err
 		}
 		return r, nil
-	}), wire.ServerConfig{Logger: s.logger})
+	}), wire.ServerConfig{Logger: s.logger, Authorizer: newDataAccess(s), Identify: cfg.DataIdentify})
 	if err != nil {
 		d.lis.Close()
 		store.Close()
