@@ -56,7 +56,8 @@ import (
 // refusal that a later entry could lift (an epoch or size above what is
 // applied here, an attachment, replica or snapshot not seen yet) is
 // checked again once this server has caught up with the leader's applied
-// index (catchUp), waiting at most dataAuthWait; only then is it final.
+// index (catchUp, retried while the leader cannot be reached), waiting at
+// most dataAuthWait; only then is it final.
 //
 // Identities. Who the peer is comes from wire.ServerConfig.Identify, which
 // the TLS layer fills from the client certificate. Without it (every peer
@@ -117,6 +118,8 @@ func newDataAccess(s *Server) *dataAccess {
 
 // decide runs check on the applied metadata; a refusal wrapping
 // errLagging is checked again once this server has caught up.
+// This server may not reach the leader at first (an election, a brief
+// partition): catching up is retried until dataAuthWait has passed.
 func (a *dataAccess) decide(ctx context.Context, check func(metaView) error) error {
 	err := a.view(check)
 	if err == nil || !errors.Is(err, errLagging) {
@@ -124,10 +127,20 @@ func (a *dataAccess) decide(ctx context.Context, check func(metaView) error) err
 	}
 	cctx, cancel := context.WithTimeout(ctx, a.wait)
 	defer cancel()
-	if cerr := a.catchUp(cctx); cerr != nil {
-		return fmt.Errorf("%w (and this server could not catch up: %v)", err, cerr)
+	for backoff := 20 * time.Millisecond; ; backoff = min(2*backoff, 500*time.Millisecond) {
+		cerr := a.catchUp(cctx)
+		if cerr == nil {
+			return a.view(check)
+		}
+		select {
+		case <-cctx.Done():
+			return fmt.Errorf("%w (and this server could not catch up: %v)", err, cerr)
+		case <-time.After(backoff):
+		}
+		if err = a.view(check); err == nil || !errors.Is(err, errLagging) {
+			return err // applied meanwhile
+		}
 	}
-	return a.view(check)
 }
 
 func denied(format string, args ...any) error {

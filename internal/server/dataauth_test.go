@@ -241,3 +241,77 @@ func TestDataPortTakeoverStillWorks(t *testing.T) {
 		t.Fatalf("read after the takeover: %v", err)
 	}
 }
+
+// TestDataPortFollowerAppliesAttachLate: an engine opens its replicas as
+// soon as the leader has applied its attach; a server cut off from the
+// leader applies it late. Its OPEN at the new epoch waits for it (bounded),
+// and is granted once the server has caught up — never on the stale view,
+// never refused for good while the wait lasts. A server that cannot catch
+// up within the wait refuses, and the refusal fences nothing.
+func TestDataPortFollowerAppliesAttachLate(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	leader := c.Leader(10 * time.Second)
+	v := createVolume(t, c.Client(leader), "late", 1<<20, 3)
+	attach := func(node string) *storpb.Volume {
+		return retry(t, 10*time.Second, func(ctx context.Context) (*storpb.AttachVolumeResponse, error) {
+			return c.Client(leader).Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}, NodeId: node, Takeover: true})
+		}).Volume
+	}
+	v = attach("node-1")
+	f := (leader + 1) % 3
+	var rep *storpb.Replica
+	for _, r := range v.Replicas {
+		if r.ServerId == c.Nodes[f].ID {
+			rep = r
+		}
+	}
+	if rep == nil {
+		t.Fatalf("no replica on server %s: %v", c.Nodes[f].ID, v)
+	}
+	a := newDataAttacker(t, c, leader, v)
+	ctx := ctxT(t, time.Minute)
+	openAt := func(node string, epoch uint64) (*wire.Handle, error) {
+		return a.open(ctx, wire.OpenRequest{Replica: rep.Id, Volume: v.Id, Node: node, Epoch: epoch, Purpose: wire.PurposeAttach})
+	}
+
+	// Cut off, the follower misses the takeover; the cut heals a second
+	// into the open.
+	c.Partition(f)
+	moved := attach("node-2")
+	healed := make(chan time.Time, 1)
+	go func() {
+		time.Sleep(time.Second)
+		c.Heal()
+		healed <- time.Now()
+	}()
+	h, err := openAt("node-2", moved.Epoch)
+	granted := time.Now()
+	if err != nil {
+		t.Fatalf("open at the takeover's epoch %d on a follower that applies it late: %v", moved.Epoch, err)
+	}
+	if at := <-healed; granted.Before(at) {
+		t.Fatalf("granted at %v, before the follower could apply the takeover (healed at %v)", granted, at)
+	}
+	if h.Epoch() != moved.Epoch {
+		t.Fatalf("handle at epoch %d, want %d", h.Epoch(), moved.Epoch)
+	}
+
+	// Cut off for longer than the wait: refused, and nothing fenced.
+	c.Partition(f)
+	moved = attach("node-3")
+	start := time.Now()
+	if _, err := openAt("node-3", moved.Epoch); !errors.Is(err, wire.ErrDenied) {
+		t.Fatalf("open at an epoch the cut-off follower has not applied: %v, want ErrDenied", err)
+	}
+	if d := time.Since(start); d > 15*time.Second {
+		t.Fatalf("the refusal took %v: the wait is not bounded", d)
+	}
+	c.Heal()
+	h, err = openAt("node-3", moved.Epoch)
+	if err != nil {
+		t.Fatalf("open at epoch %d after the follower caught up: %v", moved.Epoch, err)
+	}
+	if h.Epoch() != moved.Epoch {
+		t.Fatalf("handle at epoch %d, want %d: the refused open fenced the replica", h.Epoch(), moved.Epoch)
+	}
+}
