@@ -264,8 +264,8 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 
 // wrapConns is next with every replica connection it opens wrapped.
 func wrapConns(next engine.Connector, wrap func(engine.ReplicaConn) engine.ReplicaConn) engine.Connector {
-	return func(ctx context.Context, addr, id string, epoch uint64) (engine.ReplicaConn, error) {
-		c, err := next(ctx, addr, id, epoch)
+	return func(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
+		c, err := next(ctx, addr, open)
 		if err != nil {
 			return nil, err
 		}

@@ -118,6 +118,7 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 				"--data-advertise", fmt.Sprintf("%s:%d", h.Addr, portDataProxy),
 				"--join", strings.Join(join, ","),
 				"--server-down-timeout", "5s", "--capacity", "10GiB",
+				"--insecure-data-inspect", // the checkers read replicas and snapshot layers (readBlocks)
 			}}
 		s.Proxy = &Proc{Name: id + "-proxy", Host: h, Bin: cfg.SelfBin, LogPath: filepath.Join(cfg.Dir, id+"-proxy.log"),
 			Env: []string{"STOR_JEPSEN_ROLE=proxy"},

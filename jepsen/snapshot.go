@@ -234,7 +234,7 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 			if rep.State != storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT {
 				continue
 			}
-			data, err := readBlocks(ctx, dataAddr[rep.ServerId], rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
+			data, err := readBlocks(ctx, dataAddr[rep.ServerId], vol.Volume.Id, rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
 			r.recordBlocks(Op{Snapshot: s.name, Replica: rep.ReplicaId, Call: o.Call, Return: o.Return}, data, err, blocks)
 		}
 	}
@@ -296,7 +296,7 @@ func (r *runner) readClones(ctx context.Context, dataAddr map[string]string) err
 		}
 		blocks := int(c.snap.size / blockStride)
 		for _, rep := range v.Replicas {
-			data, err := readBlocks(ctx, dataAddr[rep.ServerId], rep.Id, "", v.Epoch, blocks)
+			data, err := readBlocks(ctx, dataAddr[rep.ServerId], v.Id, rep.Id, "", v.Epoch, blocks)
 			r.recordBlocks(Op{Snapshot: c.snap.name, Clone: c.name, Replica: rep.Id, Call: c.snap.call, Return: c.snap.ready}, data, err, blocks)
 		}
 	}
@@ -323,10 +323,11 @@ func (r *runner) recordBlocks(base Op, data [][]byte, err error, blocks int) {
 	}
 }
 
-// readBlocks reads the first block of every register from one replica,
-// of snapshot layer layer, or of its head when layer is "", without
-// fencing it (epoch 0 open, reads at the volume's current epoch).
-func readBlocks(ctx context.Context, addr, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
+// readBlocks reads the first block of every register from one replica of
+// volume volumeID, of snapshot layer layer, or of its head when layer is
+// "", opened for inspection at the volume's current epoch (the servers
+// run with --insecure-data-inspect).
+func readBlocks(ctx context.Context, addr, volumeID, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
 	if addr == "" {
 		return nil, errors.New("the replica's server has no data address")
 	}
@@ -335,7 +336,7 @@ func readBlocks(ctx context.Context, addr, replicaID, layer string, epoch uint64
 		return nil, err
 	}
 	defer conn.Close()
-	h, err := conn.Open(ctx, replicaID, 0)
+	h, err := conn.OpenFor(ctx, wire.OpenRequest{Replica: replicaID, Volume: volumeID, Epoch: epoch, Purpose: wire.PurposeInspect})
 	if err != nil {
 		return nil, err
 	}

@@ -51,6 +51,7 @@ func run(args []string) error {
 	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")
 	downAfter := fs.Duration("server-down-timeout", cfg.Raft.ServerDownTimeout, "the leader marks a server down after this long without a heartbeat")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil

@@ -12,6 +12,7 @@ import (
 
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // Config is everything a stor-server needs. DefaultConfig gives a
@@ -80,6 +81,15 @@ type Config struct {
 	// ReplicaFS is the filesystem under the replica store. Default the
 	// operating system's. Tests inject disk errors here (replica/errorfs).
 	ReplicaFS replica.FS
+	// DataIdentify tells the replica data service who the peer of a
+	// connection is (wire.ServerConfig.Identify; the TLS layer fills it
+	// from the client certificate). Default nil: every peer is
+	// unverified, and only the metadata is enforced (dataauth.go).
+	DataIdentify func(net.Conn) wire.Identity
+	// InsecureDataInspect lets an unverified peer open any replica for
+	// inspection (read-only, at the committed epoch): test harnesses that
+	// compare replicas' bytes. Default false; never set in a deployment.
+	InsecureDataInspect bool
 	// Logger receives structured logs. Default slog.Default().
 	Logger *slog.Logger
 }

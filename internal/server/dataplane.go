@@ -31,6 +31,10 @@ import (
 //     target every new write);
 //   - cuts snapshots of detached volumes, fills clones' replicas, and
 //     merges deleted snapshots' layers (snapshots.go).
+//
+// The data service authorises each OPEN and each request against the
+// applied metadata (dataauth.go); this server's own opens (rebuild, clone
+// copy, detached cut) state their purpose so that other servers can.
 type dataPlane struct {
 	s     *Server
 	store *replica.Store
@@ -70,7 +74,7 @@ func (s *Server) startDataPlane() error {
 			return nil, err
 		}
 		return r, nil
-	}), wire.ServerConfig{Logger: s.logger})
+	}), wire.ServerConfig{Logger: s.logger, Authorizer: newDataAccess(s), Identify: cfg.DataIdentify})
 	if err != nil {
 		d.lis.Close()
 		store.Close()
@@ -210,6 +214,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		return err
 	})
 	connect := engine.WireConnector(wire.ClientConfig{Dial: d.s.cfg.Dial})
+	// Every open states the rebuild of r on this server (dataauth.go).
 	open := func(rep *storpb.Replica) (engine.ReplicaConn, error) {
 		srv := servers[rep.ServerId]
 		if srv == nil {
@@ -217,7 +222,9 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		}
 		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
-		return connect(cctx, srv.DataAddress, rep.Id, v.Epoch)
+		return connect(cctx, srv.DataAddress, wire.OpenRequest{
+			Replica: rep.Id, Volume: v.Id, Node: d.s.cfg.ID, Epoch: v.Epoch, Purpose: wire.PurposeRebuild,
+		})
 	}
 	var history []engine.ReplicaConn
 	defer func() {

@@ -19,8 +19,8 @@ import (
 )
 
 // writeOneReplica writes p at off to replica replicaID of v only, over the
-// data protocol at epoch (as an engine's write that reached one replica
-// before the engine died).
+// data protocol at epoch, opened as the engine of v's attachment (as an
+// engine's write that reached one replica before the engine died).
 func writeOneReplica(t *testing.T, c *servertest.Cluster, v *storpb.Volume, replicaID string, epoch uint64, p []byte, off int64) {
 	t.Helper()
 	ctx := ctxT(t, 20*time.Second)
@@ -40,7 +40,9 @@ func writeOneReplica(t *testing.T, c *servertest.Cluster, v *storpb.Volume, repl
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	h, err := conn.Open(ctx, replicaID, epoch)
+	h, err := conn.OpenFor(ctx, wire.OpenRequest{
+		Replica: replicaID, Volume: v.Id, Node: v.GetAttachment().GetNodeId(), Epoch: epoch, Purpose: wire.PurposeAttach,
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -278,12 +280,12 @@ func (c crashingConn) CreateSnapshot(ctx context.Context, o replica.Op, id strin
 }
 
 func (cc crashingCut) connect(next engine.Connector) engine.Connector {
-	return func(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
-		c, err := next(ctx, addr, replicaID, epoch)
+	return func(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
+		c, err := next(ctx, addr, open)
 		if err != nil {
 			return nil, err
 		}
-		return crashingConn{c, replicaID, cc.survivor}, nil
+		return crashingConn{c, open.Replica, cc.survivor}, nil
 	}
 }
 

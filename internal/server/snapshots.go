@@ -264,7 +264,7 @@ func (d *dataPlane) copyClone(v *storpb.Volume, rep *storpb.Replica, s *storpb.S
 			continue
 		}
 		start := time.Now()
-		n, err := d.copyFrom(ctx, srv.DataAddress, from.Id, src.Epoch, s, dst, replica.Op{Epoch: v.Epoch, Generation: v.Generation})
+		n, err := d.copyFrom(ctx, srv.DataAddress, from.Id, src, s, dst, replica.Op{Epoch: v.Epoch, Generation: v.Generation})
 		if err != nil {
 			errs = append(errs, fmt.Errorf("from %s: %w", from.Id, err))
 			continue
@@ -292,9 +292,11 @@ func boolInt(b bool) int {
 	return 0
 }
 
-// copyFrom copies snapshot s from replica srcID (on the server at addr,
-// opened at epoch) into dst, flushes dst, and returns the bytes copied.
-func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, epoch uint64, s *storpb.Snapshot, dst *replica.Replica, o replica.Op) (int64, error) {
+// copyFrom copies snapshot s from replica srcID of volume src (on the
+// server at addr, opened at src's epoch for this clone copy) into dst,
+// flushes dst, and returns the bytes copied.
+func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storpb.Volume, s *storpb.Snapshot, dst *replica.Replica, o replica.Op) (int64, error) {
+	epoch := src.Epoch
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	conn, err := wire.Dial(dctx, "tcp", addr, wire.ClientConfig{Dial: d.s.cfg.Dial})
 	if err != nil {
@@ -302,7 +304,9 @@ func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, epoch uint
 		return 0, err
 	}
 	defer conn.Close()
-	h, err := conn.Open(dctx, srcID, epoch)
+	h, err := conn.OpenFor(dctx, wire.OpenRequest{
+		Replica: srcID, Volume: src.Id, Node: d.s.cfg.ID, Snapshot: s.Id, Epoch: epoch, Purpose: wire.PurposeCloneCopy,
+	})
 	cancel()
 	if err != nil {
 		return 0, err

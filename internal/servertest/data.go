@@ -100,19 +100,21 @@ func Checksums(ctx context.Context, cl *client.Client, volumeID string) ([]Repli
 	var out []ReplicaDigest
 	for _, r := range v.Volume.Replicas {
 		d := ReplicaDigest{Replica: r}
-		d.SHA256, d.Err = checksum(ctx, addr[r.ServerId], r.Id, v.Volume.Epoch, v.Volume.SizeBytes)
+		d.SHA256, d.Err = checksum(ctx, addr[r.ServerId], v.Volume.Id, r.Id, v.Volume.Epoch, v.Volume.SizeBytes)
 		out = append(out, d)
 	}
 	return out, nil
 }
 
-func checksum(ctx context.Context, addr, replicaID string, epoch, size uint64) (string, error) {
+// checksum reads a replica over the data protocol for inspection (the
+// cluster's servers run with InsecureDataInspect).
+func checksum(ctx context.Context, addr, volumeID, replicaID string, epoch, size uint64) (string, error) {
 	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
 	if err != nil {
 		return "", err
 	}
 	defer conn.Close()
-	h, err := conn.Open(ctx, replicaID, epoch)
+	h, err := conn.OpenFor(ctx, wire.OpenRequest{Replica: replicaID, Volume: volumeID, Epoch: epoch, Purpose: wire.PurposeInspect})
 	if err != nil {
 		return "", err
 	}
@@ -164,7 +166,7 @@ func (c *Cluster) ReadSnapshot(volumeID, layer, replicaID string, size uint64) (
 		return nil, err
 	}
 	defer conn.Close()
-	h, err := conn.Open(ctx, replicaID, v.Volume.Epoch)
+	h, err := conn.OpenFor(ctx, wire.OpenRequest{Replica: replicaID, Volume: volumeID, Epoch: v.Volume.Epoch, Purpose: wire.PurposeInspect})
 	if err != nil {
 		return nil, err
 	}

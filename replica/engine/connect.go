@@ -15,14 +15,14 @@ import (
 // (the server creates replicas when it applies the volume's creation) is
 // retried until ctx ends.
 func WireConnector(cfg wire.ClientConfig) Connector {
-	return func(ctx context.Context, addr, replicaID string, epoch uint64) (ReplicaConn, error) {
+	return func(ctx context.Context, addr string, open wire.OpenRequest) (ReplicaConn, error) {
 		backoff := 20 * time.Millisecond
 		for {
 			c, err := wire.Dial(ctx, "tcp", addr, cfg)
 			if err != nil {
 				return nil, err
 			}
-			h, err := c.Open(ctx, replicaID, epoch)
+			h, err := c.OpenFor(ctx, open)
 			if err == nil {
 				return wireConn{Handle: h, conn: c}, nil
 			}

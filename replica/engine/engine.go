@@ -48,8 +48,10 @@ type ReplicaConn interface {
 	Close(ctx context.Context) error
 }
 
-// Connector opens a replica on the server at dataAddr at the given epoch.
-type Connector func(ctx context.Context, dataAddr, replicaID string, epoch uint64) (ReplicaConn, error)
+// Connector opens replica open.Replica on the server at dataAddr at epoch
+// open.Epoch, stating the volume, node and purpose the server authorises
+// the open by (wire.OpenRequest).
+type Connector func(ctx context.Context, dataAddr string, open wire.OpenRequest) (ReplicaConn, error)
 
 // ControlPlane is what the engine needs of the cluster's control API; the
 // generated gRPC clients satisfy it.
@@ -133,6 +135,9 @@ type Engine struct {
 	id     string // volume id
 	name   string
 	epoch  uint64
+	// purpose is what the engine's OPENs state: PurposeAttach, or
+	// PurposeSnapshotCut for CutDetached's engine.
+	purpose wire.Purpose
 
 	size   atomic.Uint64
 	fenced atomic.Bool
@@ -257,7 +262,7 @@ func (c *Config) ref() *storpb.VolumeRef {
 // newEngine returns an engine for v at v's epoch with no replica opened.
 func newEngine(cfg Config, v *storpb.Volume) *Engine {
 	e := &Engine{
-		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch,
+		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch, purpose: wire.PurposeAttach,
 		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
 		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
 		flushTurn: make(chan struct{}, 1),
@@ -361,7 +366,9 @@ func (e *Engine) connect(ctx context.Context, r *storpb.Replica) (ReplicaConn, e
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
 	defer cancel()
-	return e.cfg.Connect(ctx, srv.DataAddress, r.Id, e.epoch)
+	return e.cfg.Connect(ctx, srv.DataAddress, wire.OpenRequest{
+		Replica: r.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose,
+	})
 }
 
 func (e *Engine) healthyCount() int {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // memReplica is an in-memory replica that fences by epoch like the real
@@ -265,8 +266,8 @@ func (m *memReplicas) get(id string) *memReplica {
 	return r
 }
 
-func (m *memReplicas) connect(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
-	r := m.get(replicaID)
+func (m *memReplicas) connect(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
+	r, epoch := m.get(open.Replica), open.Epoch
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.failIO {

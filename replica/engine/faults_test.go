@@ -16,6 +16,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // refusingVolumes answers the first n fault reports (SetReplicaState to
@@ -295,11 +296,11 @@ func TestLongZeroesAreSplitToTheReplicaCap(t *testing.T) {
 	var mu sync.Mutex
 	cfg := f.config("n1")
 	cfg.Volume = "big"
-	cfg.Connect = func(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
+	cfg.Connect = func(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
 		mu.Lock()
 		defer mu.Unlock()
 		z := &zeroConn{}
-		conns[replicaID] = z
+		conns[open.Replica] = z
 		return z, nil
 	}
 	e := f.open(cfg)

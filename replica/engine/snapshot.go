@@ -13,6 +13,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // Crash-consistent snapshots of an attached volume (DESIGN.md "Snapshots,
@@ -294,6 +295,7 @@ func CutDetached(ctx context.Context, cfg Config) error {
 		return nil // recorded meanwhile (by an engine attached and detached since)
 	}
 	e := newEngine(cfg, v)
+	e.purpose = wire.PurposeSnapshotCut
 	e.logger.Info("detached volume fenced for a snapshot cut", "snapshots", v.PendingSnapshotIds)
 	if err := e.refreshServers(ctx); err != nil {
 		e.abort()

@@ -15,6 +15,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // snapLayers gives memReplicas snapshot layers: a cut copies the
@@ -43,8 +44,8 @@ func (s *snapLayers) layer(replicaID, name string) []byte {
 }
 
 func (s *snapLayers) connect(mem *memReplicas) engine.Connector {
-	return func(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
-		c, err := mem.connect(ctx, addr, replicaID, epoch)
+	return func(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
+		c, err := mem.connect(ctx, addr, open)
 		if err != nil {
 			return nil, err
 		}

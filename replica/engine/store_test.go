@@ -10,6 +10,7 @@ import (
 
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // storeReplicas serves the engine real replica stores in the same process
@@ -61,9 +62,9 @@ func (s *storeReplicas) read(id string, epoch uint64, off, n int64) []byte {
 	return p
 }
 
-func (s *storeReplicas) connect(ctx context.Context, addr, replicaID string, epoch uint64) (engine.ReplicaConn, error) {
-	r, g := s.get(replicaID)
-	if err := r.Fence(epoch); err != nil {
+func (s *storeReplicas) connect(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
+	r, g := s.get(open.Replica)
+	if err := r.Fence(open.Epoch); err != nil {
 		return nil, err
 	}
 	return storeConn{r, g}, nil

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -155,20 +156,39 @@ func (c *Conn) Ping(ctx context.Context) error {
 // replica first (replica.Replica.Fence): it fails with
 // replica.ErrStaleEpoch if the replica has seen a newer one. Epoch 0 opens
 // without fencing; every request still carries its own epoch.
+//
+// Open states no purpose: a server with an Authorizer refuses it (see
+// OpenFor).
 func (c *Conn) Open(ctx context.Context, replicaID string, epoch uint64) (*Handle, error) {
+	return c.OpenFor(ctx, OpenRequest{Replica: replicaID, Epoch: epoch})
+}
+
+// OpenFor opens a replica as Open does, stating what the open is for:
+// the volume, the node and the purpose that the server's Authorizer
+// checks against the cluster's metadata.
+func (c *Conn) OpenFor(ctx context.Context, r OpenRequest) (*Handle, error) {
+	replicaID, epoch := r.Replica, r.Epoch
 	if len(replicaID) == 0 || len(replicaID) > MaxIDLen {
 		return nil, fmt.Errorf("wire: open: replica id of %d bytes, want 1..%d: %w", len(replicaID), MaxIDLen, replica.ErrInvalid)
 	}
-	reply, err := c.roundTrip(ctx, &RequestHeader{Op: OpOpen, Epoch: epoch}, []byte(replicaID), nil, OpenReplySize)
+	for _, f := range []string{r.Replica, r.Volume, r.Node, r.Snapshot} {
+		if len(f) > MaxIDLen || strings.IndexByte(f, 0) >= 0 {
+			return nil, fmt.Errorf("wire: open: field %q: longer than %d bytes or holds a NUL: %w", f, MaxIDLen, replica.ErrInvalid)
+		}
+	}
+	if r.Purpose >= purposeMax {
+		return nil, fmt.Errorf("wire: open: %v: %w", r.Purpose, replica.ErrInvalid)
+	}
+	reply, err := c.roundTrip(ctx, &RequestHeader{Op: OpOpen, Epoch: epoch}, encodeOpen(r), nil, OpenReplySize)
 	if err != nil {
 		return nil, err
 	}
-	r, err := DecodeOpenReply(reply)
+	rep, err := DecodeOpenReply(reply)
 	if err != nil {
 		return nil, err
 	}
-	h := &Handle{c: c, id: r.Handle, replicaID: replicaID, epoch: r.Epoch}
-	h.size.Store(r.Size)
+	h := &Handle{c: c, id: rep.Handle, replicaID: replicaID, epoch: rep.Epoch}
+	h.size.Store(rep.Size)
 	return h, nil
 }
 

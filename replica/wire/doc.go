@@ -17,7 +17,7 @@
 //
 //	off size field
 //	  0   4  magic         0x53545251 ("STRQ")
-//	  4   1  version       1
+//	  4   1  version       2
 //	  5   1  op            opcode, see below; 0 is never valid
 //	  6   2  flags         bit 0: FUA; all other bits must be 0
 //	  8   8  request id    chosen by the client, echoed in the reply
@@ -34,7 +34,7 @@
 //
 //	off size field
 //	  0   4  magic         0x53545250 ("STRP")
-//	  4   1  version       1
+//	  4   1  version       2
 //	  5   1  status        0 OK, else an error, see below
 //	  6   2  reserved      0
 //	  8   8  request id    of the request answered
@@ -53,7 +53,7 @@
 // with every op and mean what replica.Op says.
 //
 //	code op               handle offset          length            request payload  reply payload (OK)
-//	   1 OPEN             -      0               0                 replica id       handle u32, 0 u32, size u64, epoch u64
+//	   1 OPEN             -      0               0                 open request     handle u32, 0 u32, size u64, epoch u64
 //	   2 CLOSE            yes    0               0                 -                -
 //	   3 PING             -      0               0                 -                -
 //	   4 READ             yes    offset          bytes <= MaxIO    -                data (exactly length bytes)
@@ -79,10 +79,33 @@
 // last extent. (The store's "limit <= 0: all" is not offered over the
 // wire: every reply is bounded.)
 //
+// An open request (at most MaxOpenPayload bytes) is five fields separated
+// by NUL bytes: replica id, purpose ("attach", "rebuild", "snapshot-cut",
+// "clone-copy" or "inspect"), volume id, node (or server id), snapshot id
+// (clone-copy only), each at most MaxIDLen bytes; a payload of the replica
+// id alone is an open with no purpose (Conn.Open). The epoch is the
+// header's. Version 2 added the fields; version 1's OPEN carried only the
+// replica id, and a version 1 frame is refused.
+//
 // OPEN with a non-zero epoch fences the replica (replica.Replica.Fence)
 // before answering; with epoch 0 it opens without fencing. Either way
 // every request carries its own epoch and the store refuses stale ones.
 // Handles belong to the connection that opened them and die with it.
+//
+// # Authorisation
+//
+// A Server with an Authorizer (ServerConfig.Authorizer; stor-server's is
+// internal/server's dataAccess) asks it about every OPEN before the
+// replica is looked up or fenced, passing the open request and the Peer:
+// its address and the Identity that ServerConfig.Identify read from the
+// connection (the TLS layer's job; without it every peer is unverified).
+// A refused OPEN fails with ErrDenied (or replica.ErrNotFound,
+// replica.ErrStaleEpoch, as the Authorizer says); a granted one keeps the
+// Grant with its handle, and every later request on the handle but CLOSE
+// is put to Grant.Allow first (op, epoch, generation, GROW's size, the
+// snapshot id). A refused request fails with ErrDenied and never reaches
+// the replica. Without an Authorizer every OPEN is accepted, as before
+// (tests of the protocol and of the engine).
 //
 // FLUSH covers the writes whose replies the client has received, as a
 // disk's flush covers completed writes; requests in flight together are
@@ -111,6 +134,7 @@
 //	  34 ErrProtocol     a malformed request
 //	  35 ErrChecksum     the request payload failed its CRC
 //	  36 ErrInternal     an error that maps to none of the above
+//	  37 ErrDenied       the Authorizer refused the OPEN or the request
 //
 // # Malformed input
 //

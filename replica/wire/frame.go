@@ -16,7 +16,7 @@ const (
 	// ReplyMagic opens every reply frame ("STRP").
 	ReplyMagic uint32 = 0x53545250
 	// Version is the protocol version this package speaks.
-	Version = 1
+	Version = 2
 
 	// RequestHeaderSize and ReplyHeaderSize are the fixed header lengths.
 	RequestHeaderSize = 64
@@ -83,6 +83,7 @@ const (
 	payloadData                     // 0..MaxIO bytes of data; Len == PayloadLen
 	payloadID                       // an id, 1..MaxIDLen bytes
 	payloadOptID                    // an id, 0..MaxIDLen bytes (empty: the head)
+	payloadOpen                     // an OPEN request, 1..MaxOpenPayload bytes (open.go)
 )
 
 // argKind says what the Off or Len field holds.
@@ -108,7 +109,7 @@ type opSpec struct {
 }
 
 var opSpecs = [opMax]opSpec{
-	OpOpen:           {"OPEN", false, payloadID, argZero, argZero},
+	OpOpen:           {"OPEN", false, payloadOpen, argZero, argZero},
 	OpClose:          {"CLOSE", true, payloadNone, argZero, argZero},
 	OpPing:           {"PING", false, payloadNone, argZero, argZero},
 	OpRead:           {"READ", true, payloadNone, argInt, argIOLen},
@@ -255,6 +256,10 @@ func (h *RequestHeader) Validate() error {
 	case payloadID:
 		if n == 0 || n > MaxIDLen {
 			return fmt.Errorf("wire: %v: id of %d bytes, want 1..%d: %w", h.Op, n, MaxIDLen, replica.ErrInvalid)
+		}
+	case payloadOpen:
+		if n == 0 || n > MaxOpenPayload {
+			return fmt.Errorf("wire: %v: request of %d bytes, want 1..%d: %w", h.Op, n, MaxOpenPayload, replica.ErrInvalid)
 		}
 	case payloadOptID:
 		if n > MaxIDLen {

@@ -111,7 +111,8 @@ func TestDecodeRequestRejects(t *testing.T) {
 		{"short header", mutate(func([]byte) {}, true)[:63], ErrProtocol, false},
 		{"bad magic", mutate(func(b []byte) { b[0] = 'X' }, true), ErrProtocol, false},
 		{"bad header crc", mutate(func(b []byte) { b[9] ^= 1 }, false), ErrProtocol, false},
-		{"version", mutate(func(b []byte) { b[4] = 2 }, true), ErrProtocol, true},
+		{"version", mutate(func(b []byte) { b[4] = Version + 1 }, true), ErrProtocol, true},
+		{"version 1", mutate(func(b []byte) { b[4] = 1 }, true), ErrProtocol, true}, // OPEN stated no purpose then
 		{"unknown op", mutate(func(b []byte) { b[5] = 0 }, true), ErrUnknownOp, false},
 		{"unknown op 255", mutate(func(b []byte) { b[5] = 255 }, true), ErrUnknownOp, false},
 		{"unknown flag", mutate(func(b []byte) { b[7] |= 2 }, true), ErrProtocol, false},
@@ -127,7 +128,7 @@ func TestDecodeRequestRejects(t *testing.T) {
 		{"flush with payload", AppendRequest(nil, RequestHeader{Op: OpFlush, Handle: 1}, []byte("x")), ErrProtocol, false},
 		{"flush with offset", AppendRequest(nil, RequestHeader{Op: OpFlush, Handle: 1, Off: 1}, nil), ErrProtocol, false},
 		{"open without id", AppendRequest(nil, RequestHeader{Op: OpOpen}, nil), replica.ErrInvalid, false},
-		{"id too long", AppendRequest(nil, RequestHeader{Op: OpOpen}, make([]byte, MaxIDLen+1)), replica.ErrInvalid, false},
+		{"open request too long", AppendRequest(nil, RequestHeader{Op: OpOpen}, make([]byte, MaxOpenPayload+1)), replica.ErrInvalid, false},
 		{"extents limit 0", AppendRequest(nil, RequestHeader{Op: OpExtents, Handle: 1}, nil), replica.ErrInvalid, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -2,6 +2,7 @@ package wire
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -32,6 +33,15 @@ type ServerConfig struct {
 	// WriteTimeout drops a connection whose peer stops reading replies
 	// for this long. Default 30s.
 	WriteTimeout time.Duration
+	// Authorizer decides each OPEN and each request on the handle it
+	// grants (doc.go, "Authorisation"). Default nil: every OPEN is
+	// accepted and a handle may do anything, which only tests of the
+	// protocol itself and of the engine use.
+	Authorizer Authorizer
+	// Identify tells who the peer of a new connection is, for the
+	// Authorizer. Default nil: every peer is unverified (the zero
+	// Identity); the TLS layer sets it from the peer certificate.
+	Identify func(net.Conn) Identity
 }
 
 // DefaultServerConfig returns the defaults documented on ServerConfig.
@@ -86,6 +96,8 @@ type Server struct {
 	cfg     ServerConfig
 	log     *slog.Logger
 	done    chan struct{} // closed by Close
+	ctx     context.Context
+	cancel  context.CancelFunc // by Close: ends Authorizer waits
 
 	mu        sync.Mutex
 	closed    bool
@@ -103,7 +115,10 @@ func NewServer(b Backend, cfg ServerConfig) (*Server, error) {
 		return nil, err
 	}
 	cfg.withDefaults()
+	ctx, cancel := context.WithCancel(context.Background())
 	return &Server{
+		ctx:       ctx,
+		cancel:    cancel,
 		backend:   b,
 		cfg:       cfg,
 		log:       cfg.Logger,
@@ -193,6 +208,7 @@ func (s *Server) Close() error {
 	if !s.closed {
 		s.closed = true
 		close(s.done)
+		s.cancel()
 		for ln := range s.listeners {
 			ln.Close()
 		}
@@ -223,9 +239,18 @@ type serverConn struct {
 
 	w *frameWriter // replies
 
+	peer Peer // who the peer is (ServerConfig.Identify), for the Authorizer
+
 	hmu        sync.Mutex
-	handles    map[uint32]Replica // guarded by hmu
-	nextHandle uint32             // guarded by hmu
+	handles    map[uint32]handle // guarded by hmu
+	nextHandle uint32            // guarded by hmu
+}
+
+// handle is an open replica and what the Authorizer granted it (nil: no
+// Authorizer).
+type handle struct {
+	r     Replica
+	grant Grant
 }
 
 func newServerConn(s *Server, nc net.Conn) *serverConn {
@@ -236,7 +261,11 @@ func newServerConn(s *Server, nc net.Conn) *serverConn {
 		log:     s.log.With("remote", nc.RemoteAddr().String()),
 		budget:  newBudget(s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
 		closing: make(chan struct{}),
-		handles: make(map[uint32]Replica),
+		handles: make(map[uint32]handle),
+		peer:    Peer{Addr: nc.RemoteAddr()},
+	}
+	if s.cfg.Identify != nil {
+		c.peer.Identity = s.cfg.Identify(nc)
 	}
 	c.w = newFrameWriter(nc, s.cfg.WriteTimeout, c.shutdown)
 	return c
@@ -346,7 +375,11 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 	case OpPing:
 		return nil, nil, nil
 	case OpOpen:
-		return c.open(string(payload), h.Epoch)
+		req, err := decodeOpen(payload, h.Epoch)
+		if err != nil {
+			return nil, nil, err
+		}
+		return c.open(req)
 	case OpClose:
 		c.hmu.Lock()
 		_, ok := c.handles[h.Handle]
@@ -359,10 +392,23 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 	}
 
 	c.hmu.Lock()
-	r := c.handles[h.Handle]
+	hd := c.handles[h.Handle]
 	c.hmu.Unlock()
+	r := hd.r
 	if r == nil {
 		return nil, nil, fmt.Errorf("wire: %v handle %d: %w", h.Op, h.Handle, ErrBadHandle)
+	}
+	if hd.grant != nil {
+		req := Request{Op: h.Op, Epoch: h.Epoch, Generation: h.Generation}
+		switch h.Op {
+		case OpGrow:
+			req.Len = h.Len
+		case OpSnapshotCreate, OpSnapshotDelete, OpSnapshotRead, OpExtents:
+			req.ID = string(payload)
+		}
+		if err := hd.grant.Allow(c.s.ctx, req); err != nil {
+			return nil, nil, err
+		}
 	}
 	off, n := int64(h.Off), int64(h.Len) // in range: Validate
 	switch h.Op {
@@ -413,9 +459,23 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 	return nil, nil, fmt.Errorf("wire: %v: %w", h.Op, ErrUnknownOp) // unreachable: Validate
 }
 
-func (c *serverConn) open(id string, epoch uint64) ([]byte, *[]byte, error) {
+func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
+	id, epoch := req.Replica, req.Epoch
 	if err := c.checkHandles(id); err != nil { // before fencing anything
 		return nil, nil, err
+	}
+	var grant Grant
+	if a := c.s.cfg.Authorizer; a != nil { // before touching the replica
+		g, err := a.Open(c.s.ctx, c.peer, req)
+		if err != nil {
+			c.log.Info("wire: OPEN refused", "replica", id, "volume", req.Volume, "epoch", epoch,
+				"purpose", req.Purpose, "node", req.Node, "err", err)
+			return nil, nil, err
+		}
+		if g == nil {
+			return nil, nil, fmt.Errorf("wire: OPEN %q: authorizer granted nothing: %w", id, ErrDenied)
+		}
+		grant = g
 	}
 	r, err := c.s.backend.Replica(id)
 	if err != nil {
@@ -438,10 +498,10 @@ func (c *serverConn) open(id string, epoch uint64) ([]byte, *[]byte, error) {
 	if c.nextHandle == 0 {
 		c.nextHandle = 1
 	}
-	handle := c.nextHandle
-	c.handles[handle] = r
+	hid := c.nextHandle
+	c.handles[hid] = handle{r, grant}
 	c.hmu.Unlock()
-	rep := OpenReply{Handle: handle, Size: r.Size(), Epoch: r.Epoch()}
+	rep := OpenReply{Handle: hid, Size: r.Size(), Epoch: r.Epoch()}
 	return rep.AppendTo(make([]byte, 0, OpenReplySize)), nil, nil
 }
 

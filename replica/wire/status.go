@@ -28,6 +28,9 @@ var (
 	// ErrInternal: the server failed with an error that is none of the
 	// above nor a replica sentinel.
 	ErrInternal = errors.New("wire: internal server error")
+	// ErrDenied: the server's Authorizer refused an OPEN, or a request
+	// on a handle its Grant does not allow (doc.go, "Authorisation").
+	ErrDenied = errors.New("wire: access denied")
 	// ErrServerClosed: Serve was called on, or returned from, a closed
 	// Server.
 	ErrServerClosed = errors.New("wire: server closed")
@@ -54,6 +57,7 @@ const (
 	StatusProtocol    Status = 34
 	StatusBadChecksum Status = 35
 	StatusInternal    Status = 36
+	StatusDenied      Status = 37
 )
 
 // statusTable is the one mapping between errors and status codes, both
@@ -65,6 +69,7 @@ var statusTable = [...]struct {
 	err    error
 }{
 	{StatusStaleEpoch, replica.ErrStaleEpoch},
+	{StatusDenied, ErrDenied},
 	{StatusCorrupt, replica.ErrCorrupt},
 	{StatusHistoryLost, replica.ErrHistoryLost},
 	{StatusNoSpace, replica.ErrNoSpace},
