@@ -448,10 +448,10 @@ const minMaxMemory = 2 * (16 << 20)
 // readPayload reads n payload bytes into a buffer from the pool, charging
 // s.mem for every buffer it holds; give the buffer back with c.putBuf.
 // The time spent waiting for memory does not count against the peer's
-// FrameTimeout.
+// FrameTimeout; each wait is bounded by FrameTimeout of its own.
 func (c *serverConn) readPayload(n int) (*[]byte, error) {
 	if n <= fillChunk {
-		buf, err := c.getBuf(n)
+		buf, err := c.getFrameBuf(n)
 		if err != nil {
 			return nil, err
 		}
@@ -470,7 +470,7 @@ func (c *serverConn) readPayload(n int) (*[]byte, error) {
 	}()
 	have := 0
 	for have < n/2 {
-		ch, err := c.getBuf(fillChunk)
+		ch, err := c.getFrameBuf(fillChunk)
 		if err != nil {
 			return nil, err
 		}
@@ -482,7 +482,7 @@ func (c *serverConn) readPayload(n int) (*[]byte, error) {
 		}
 		have += k
 	}
-	buf, err := c.getBuf(n)
+	buf, err := c.getFrameBuf(n)
 	if err != nil {
 		return nil, err
 	}
@@ -504,6 +504,23 @@ func (c *serverConn) readPayload(n int) (*[]byte, error) {
 func (c *serverConn) getBuf(n int) (*[]byte, error) {
 	if err := c.s.mem.Acquire(c.ctx, int64(bufSize(n))); err != nil {
 		return nil, fmt.Errorf("wire: waiting for payload memory: %w", net.ErrClosed)
+	}
+	return getBuf(n), nil
+}
+
+// getFrameBuf is getBuf for the reader, which may already hold part of a
+// frame: it waits at most FrameTimeout, so that readers holding chunks and
+// waiting for each other's memory cannot wait forever (the one that gives
+// up is dropped and frees what it held).
+func (c *serverConn) getFrameBuf(n int) (*[]byte, error) {
+	ctx, cancel := context.WithTimeout(c.ctx, c.s.cfg.FrameTimeout)
+	defer cancel()
+	if err := c.s.mem.Acquire(ctx, int64(bufSize(n))); err != nil {
+		if c.ctx.Err() != nil {
+			return nil, fmt.Errorf("wire: waiting for payload memory: %w", net.ErrClosed)
+		}
+		c.log.Warn("wire: no payload memory within the frame timeout; closing connection", "timeout", c.s.cfg.FrameTimeout, "max_memory", c.s.cfg.MaxMemory)
+		return nil, fmt.Errorf("wire: no payload memory (MaxMemory %d bytes) within %v: %w", c.s.cfg.MaxMemory, c.s.cfg.FrameTimeout, ErrServerBusy)
 	}
 	return getBuf(n), nil
 }
