@@ -70,7 +70,7 @@ func (s *Server) startDataPlane() error {
 			return nil, err
 		}
 		return r, nil
-	}), wire.ServerConfig{Logger: s.logger})
+	}), dataConfig(cfg.Data, s.logger))
 	if err != nil {
 		d.lis.Close()
 		store.Close()
