@@ -115,6 +115,9 @@ func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, err
 	if in.Id == "" || in.Address == "" || in.RaftAddress == "" {
 		return nil, fmt.Errorf("%w: a server needs an id, a control address and a raft address", ErrInvalidArgument)
 	}
+	if err := checkServerIDs(in); err != nil {
+		return nil, err
+	}
 	s, err := w.Server(in.Id)
 	switch {
 	case err == nil:
@@ -302,8 +305,8 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 	if err != nil {
 		return nil, err
 	}
-	if req.NodeId == "" {
-		return nil, fmt.Errorf("%w: attach volume %q: node id is empty", ErrInvalidArgument, v.Name)
+	if err := CheckNodeID(fmt.Sprintf("attach volume %q: node id", v.Name), req.NodeId); err != nil {
+		return nil, err
 	}
 	if err := checkVolume(v, actAttach); err != nil {
 		return nil, err
@@ -338,6 +341,11 @@ func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, e
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
 		return nil, err
+	}
+	if req.NodeId != "" {
+		if err := CheckNodeID(fmt.Sprintf("detach volume %q: node id", v.Name), req.NodeId); err != nil {
+			return nil, err
+		}
 	}
 	switch {
 	case req.FenceDetached && v.Attachment != nil:
@@ -425,6 +433,11 @@ func healthyCount(v *storpb.Volume) int {
 // unhealthy too long), a replica whose server is up and that holds the
 // last copy of a ready snapshot is not removed (refuseLastCopies).
 func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceReplicaRequest, repair bool) (proto.Message, error) {
+	if req.ServerId != "" {
+		if err := CheckServerID("replace replica: server id", req.ServerId); err != nil {
+			return nil, err
+		}
+	}
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
 		return nil, err

@@ -93,6 +93,9 @@ func (c *clusterService) RegisterNode(ctx context.Context, req *storpb.RegisterN
 }
 
 func (c *clusterService) GetNode(ctx context.Context, req *storpb.GetNodeRequest) (*storpb.GetNodeResponse, error) {
+	if err := raftstore.CheckNodeID("node id", req.Id); err != nil {
+		return nil, err
+	}
 	if err := c.s.store.ConsistentRead(ctx); err != nil {
 		return nil, err
 	}
