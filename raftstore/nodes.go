@@ -89,16 +89,22 @@ func (r *Reader) Node(id string) (*storpb.Node, error) {
 
 // Nodes returns every registered node, ordered by id.
 func (r *Reader) Nodes() ([]*storpb.Node, error) {
+	out, _, err := r.ListNodes(Page{})
+	return out, err
+}
+
+// ListNodes pages through the registered nodes in id order, as
+// ListVolumes does.
+func (r *Reader) ListNodes(p Page) ([]*storpb.Node, string, error) {
 	var out []*storpb.Node
-	err := r.tx.Bucket(bucketNodes).ForEach(func(k, v []byte) error {
+	next, err := r.page(bucketNodes, p, func(v []byte) (func(), error) {
 		n := &storpb.Node{}
 		if err := proto.Unmarshal(v, n); err != nil {
-			return fmt.Errorf("%w: node %q: %v", ErrCorrupt, k, err)
+			return nil, fmt.Errorf("%w: node: %v", ErrCorrupt, err)
 		}
-		out = append(out, n)
-		return nil
+		return func() { out = append(out, n) }, nil
 	})
-	return out, err
+	return out, next, err
 }
 
 // registerNode records a node: an upsert by id that replaces zone, labels

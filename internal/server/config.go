@@ -115,6 +115,16 @@ type APILimits struct {
 	MaxConnectionIdle time.Duration
 	// ConnectionTimeout bounds a new connection's handshake. Default 10s.
 	ConnectionTimeout time.Duration
+	// DefaultPageSize is the page of ListVolumes, ListSnapshots and
+	// ListNodes when the request asks for 0. Default 100.
+	DefaultPageSize int
+	// MaxPageSize cuts a larger page size asked for. Default 1000.
+	MaxPageSize int
+	// MaxPageBytes ends a page before the entry that would take its
+	// encoded entries past it (a page holds at least one entry), so a
+	// listing never nears a client's message size limit (gRPC's default:
+	// 4 MiB). Default 1 MiB.
+	MaxPageBytes int
 }
 
 // DefaultAPILimits returns the defaults documented on APILimits.
@@ -126,6 +136,9 @@ func DefaultAPILimits() APILimits {
 		KeepaliveMinTime:     10 * time.Second,
 		MaxConnectionIdle:    15 * time.Minute,
 		ConnectionTimeout:    10 * time.Second,
+		DefaultPageSize:      100,
+		MaxPageSize:          1000,
+		MaxPageBytes:         1 << 20,
 	}
 }
 
@@ -148,6 +161,15 @@ func (l *APILimits) withDefaults() {
 	}
 	if l.ConnectionTimeout == 0 {
 		l.ConnectionTimeout = d.ConnectionTimeout
+	}
+	if l.DefaultPageSize == 0 {
+		l.DefaultPageSize = d.DefaultPageSize
+	}
+	if l.MaxPageSize == 0 {
+		l.MaxPageSize = d.MaxPageSize
+	}
+	if l.MaxPageBytes == 0 {
+		l.MaxPageBytes = d.MaxPageBytes
 	}
 }
 
@@ -213,7 +235,8 @@ func (c *Config) Validate() error {
 	case c.HeartbeatInterval <= 0:
 		return fmt.Errorf("server: heartbeat interval must be positive")
 	case c.API.MaxConns < 0 || c.API.MaxRecvMsgSize < 0 || c.API.KeepaliveMinTime < 0 ||
-		c.API.MaxConnectionIdle < 0 || c.API.ConnectionTimeout < 0:
+		c.API.MaxConnectionIdle < 0 || c.API.ConnectionTimeout < 0 ||
+		c.API.DefaultPageSize < 0 || c.API.MaxPageSize < 0 || c.API.MaxPageBytes < 0:
 		return fmt.Errorf("server: control API limits must not be negative")
 	}
 	if err := c.Data.Validate(); err != nil {

@@ -6,6 +6,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica/wire"
 )
 
@@ -24,6 +25,16 @@ func apiLimits(l APILimits) []grpc.ServerOption {
 		}),
 		grpc.ConnectionTimeout(l.ConnectionTimeout),
 	}
+}
+
+// page is the raftstore.Page a listing request gets: its size, 0 taking
+// the default and cut to the maximum, and the byte bound.
+func (l APILimits) page(size uint32, token string) raftstore.Page {
+	n := int(min(size, uint32(l.MaxPageSize)))
+	if n == 0 {
+		n = l.DefaultPageSize
+	}
+	return raftstore.Page{Token: token, Limit: min(n, l.MaxPageSize), MaxBytes: l.MaxPageBytes}
 }
 
 // dataConfig is the replica data service's configuration: cfg with the

@@ -2,13 +2,16 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/net/http2"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
@@ -95,5 +98,95 @@ func TestControlAPILimits(t *testing.T) {
 	fr := http2.NewFramer(waiting, waiting)
 	if _, err := fr.ReadFrame(); err != nil {
 		t.Fatalf("the waiting connection was not served once another closed: %v", err)
+	}
+}
+
+// TestListingsPage: with a client that accepts at most 16 KiB per message
+// and more volumes, snapshots and nodes than fit in one, every listing
+// asked for "everything" (page size 0, or a huge one) answers a page that
+// fits, and following the tokens yields each entry exactly once. Unpaged,
+// the one response exceeded the client's limit (ResourceExhausted).
+func TestListingsPage(t *testing.T) {
+	const n, recvLimit = 40, 16 << 10
+	c := servertest.NewCluster(t, servertest.Options{Servers: 1, Configure: func(_ int, cfg *server.Config) {
+		cfg.API.MaxPageBytes = 8 << 10
+	}})
+	c.Leader(10 * time.Second)
+	cl := c.Client(0)
+	pad := strings.Repeat("p", 400)
+	for i := range n {
+		name := fmt.Sprintf("vol-%02d", i)
+		retry(t, 10*time.Second, func(ctx context.Context) (*storpb.CreateVolumeResponse, error) {
+			return cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: name, SizeBytes: 1 << 20, ReplicaCount: 1, Parameters: map[string]string{"pad": pad}})
+		})
+		retry(t, 10*time.Second, func(ctx context.Context) (*storpb.RegisterNodeResponse, error) {
+			return cl.Cluster.RegisterNode(ctx, &storpb.RegisterNodeRequest{Node: &storpb.Node{Id: fmt.Sprintf("node-%02d", i), Labels: map[string]string{"pad": pad}}})
+		})
+	}
+
+	conn, err := grpc.NewClient("passthrough:///"+c.Nodes[0].Addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(recvLimit)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	vols, clu := storpb.NewVolumeServiceClient(conn), storpb.NewClusterServiceClient(conn)
+
+	for _, size := range []uint32{0, 1 << 20} {
+		seen := map[string]bool{}
+		pages := 0
+		for token := ""; pages == 0 || token != ""; pages++ {
+			if pages > 2*n {
+				t.Fatalf("page size %d: no last page after %d pages", size, pages)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			resp, err := vols.ListVolumes(ctx, &storpb.ListVolumesRequest{PageSize: size, PageToken: token})
+			cancel()
+			if err != nil {
+				t.Fatalf("ListVolumes page %d (page size %d): %v", pages, size, status.Code(err))
+			}
+			for _, v := range resp.Volumes {
+				if seen[v.Name] {
+					t.Fatalf("volume %s listed twice", v.Name)
+				}
+				seen[v.Name] = true
+			}
+			token = resp.NextPageToken
+		}
+		if len(seen) != n || pages < 2 {
+			t.Errorf("page size %d: %d volumes in %d pages, want %d in several", size, len(seen), pages, n)
+		}
+
+		seen = map[string]bool{}
+		pages = 0
+		for token := ""; pages == 0 || token != ""; pages++ {
+			if pages > 2*n {
+				t.Fatalf("nodes: no last page after %d pages", pages)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			resp, err := clu.ListNodes(ctx, &storpb.ListNodesRequest{PageSize: size, PageToken: token})
+			cancel()
+			if err != nil {
+				t.Fatalf("ListNodes page %d (page size %d): %v", pages, size, status.Code(err))
+			}
+			for _, nd := range resp.Nodes {
+				if seen[nd.Id] {
+					t.Fatalf("node %s listed twice", nd.Id)
+				}
+				seen[nd.Id] = true
+			}
+			token = resp.NextPageToken
+		}
+		if len(seen) != n || pages < 2 {
+			t.Errorf("nodes, page size %d: %d in %d pages, want %d in several", size, len(seen), pages, n)
+		}
+	}
+
+	// The default page size applies with no byte bound in the way.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := c.Client(0).Cluster.ListNodes(ctx, &storpb.ListNodesRequest{PageSize: 7})
+	if err != nil || len(resp.Nodes) > 7 || resp.NextPageToken == "" {
+		t.Fatalf("ListNodes with page size 7: %d nodes, next %q, err %v", len(resp.GetNodes()), resp.GetNextPageToken(), err)
 	}
 }
