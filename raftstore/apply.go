@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"unicode"
 	"unicode/utf8"
 
@@ -23,7 +24,50 @@ const (
 	// maxNameLen bounds volume and snapshot names (a Kubernetes PV name is
 	// at most 253 bytes).
 	maxNameLen = 253
+	// MaxLabels bounds the entries of a volume's parameters and of a
+	// server's or node's labels.
+	MaxLabels = 64
+	// MaxLabelKeyLen bounds a parameter or label key (a Kubernetes
+	// qualified name is at most a 253-byte prefix, '/', and 63 bytes).
+	MaxLabelKeyLen = 317
+	// MaxLabelValueLen bounds a parameter or label value.
+	MaxLabelValueLen = 4096
+	// MaxLabelBytes bounds the keys and values of one map together.
+	MaxLabelBytes = 16 << 10
+	// MaxSnapshotsPerVolume bounds a volume's snapshots (each is a layer
+	// on every replica, which reads may have to walk); one more is
+	// ErrResourceExhausted.
+	MaxSnapshotsPerVolume = 256
 )
+
+// CheckLabels checks a volume's parameters or a server's or node's labels
+// (what names the map in the error): at most MaxLabels entries, keys of
+// 1..MaxLabelKeyLen bytes with no whitespace or control characters, values
+// of at most MaxLabelValueLen bytes, MaxLabelBytes in all; else
+// ErrInvalidArgument. Keys are checked in sorted order, so the error is
+// deterministic.
+func CheckLabels(what string, m map[string]string) error {
+	if len(m) > MaxLabels {
+		return fmt.Errorf("%w: %s: %d entries, the limit is %d", ErrInvalidArgument, what, len(m), MaxLabels)
+	}
+	total := 0
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		v := m[k]
+		switch {
+		case k == "" || len(k) > MaxLabelKeyLen:
+			return fmt.Errorf("%w: %s: key %s is %d bytes, want 1..%d", ErrInvalidArgument, what, QuoteID(k), len(k), MaxLabelKeyLen)
+		case strings.IndexFunc(k, func(r rune) bool { return unicode.IsControl(r) || unicode.IsSpace(r) }) >= 0:
+			return fmt.Errorf("%w: %s: key %s contains whitespace or a control character", ErrInvalidArgument, what, QuoteID(k))
+		case len(v) > MaxLabelValueLen:
+			return fmt.Errorf("%w: %s: the value of %s is %d bytes, the limit is %d", ErrInvalidArgument, what, QuoteID(k), len(v), MaxLabelValueLen)
+		}
+		total += len(k) + len(v)
+	}
+	if total > MaxLabelBytes {
+		return fmt.Errorf("%w: %s: %d bytes of keys and values, the limit is %d", ErrInvalidArgument, what, total, MaxLabelBytes)
+	}
+	return nil
+}
 
 // RoundSize rounds a size up to a multiple of BlockSize. Sizes above
 // MaxVolumeSize are returned unchanged (callers refuse them).
@@ -116,6 +160,9 @@ func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, err
 		return nil, fmt.Errorf("%w: a server needs an id, a control address and a raft address", ErrInvalidArgument)
 	}
 	if err := checkServerIDs(in); err != nil {
+		return nil, err
+	}
+	if err := CheckLabels(fmt.Sprintf("server %s: labels", in.Id), in.Labels); err != nil {
 		return nil, err
 	}
 	s, err := w.Server(in.Id)
@@ -219,6 +266,9 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 		return nil, err
 	}
 	if err := checkSize(req.Name, req.SizeBytes); err != nil {
+		return nil, err
+	}
+	if err := CheckLabels(fmt.Sprintf("volume %q: parameters", req.Name), req.Parameters); err != nil {
 		return nil, err
 	}
 	size := RoundSize(req.SizeBytes)

@@ -114,6 +114,9 @@ func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) 
 	if err := CheckNodeID("node id", in.Id); err != nil {
 		return nil, err
 	}
+	if err := CheckLabels(fmt.Sprintf("node %s: labels", in.Id), in.Labels); err != nil {
+		return nil, err
+	}
 	n, err := w.Node(in.Id)
 	if err != nil {
 		n = &storpb.Node{Id: in.Id, RegisteredUnixNano: at}
