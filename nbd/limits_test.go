@@ -6,7 +6,10 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"runtime"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -94,6 +97,59 @@ func TestStalledWritesHoldLittleMemory(t *testing.T) {
 	if e != 0 || !bytes.Equal(got, data) {
 		t.Fatalf("a well-behaved read: errno %d, data equal %v", e, bytes.Equal(got, data))
 	}
+}
+
+// TestStalledWritesRSSBounded: 200 clients each send an 8 MiB WRITE but its
+// last 4 KiB, then stall. Without a server-wide budget the server held all
+// of it resident (1.6 GiB); with the default MaxMemory (256 MiB) the rest
+// waits in the clients' sockets.
+func TestStalledWritesRSSBounded(t *testing.T) {
+	if testing.Short() {
+		t.Skip("sends 1.6 GiB over loopback")
+	}
+	const conns, n = 200, 8 << 20
+	s := newTestServer(t, newMemDevice(16<<20), func(c *Config) {
+		c.MaxConns = conns + 1
+		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	})
+	addr := serveTCP(t, s)
+	frame := append(writeHeader(1, n), make([]byte, n-4096)...)
+	runtime.GC()
+	baseRSS := vmRSS(t)
+	for range conns {
+		c := dialTCP(t, addr)
+		c.handshake("mem")
+		go c.nc.Write(frame) // blocks once the server stops reading
+	}
+	var peakRSS uint64
+	for end := time.Now().Add(6 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		peakRSS = max(peakRSS, vmRSS(t))
+	}
+	growth := int64(peakRSS) - int64(baseRSS)
+	t.Logf("%d stalled 8 MiB writes, all but 4 KiB sent: RSS grew by %d MiB (peak %d MiB)", conns, growth>>20, peakRSS>>20)
+	if growth > 768<<20 {
+		t.Errorf("RSS grew by %d MiB; want under 768 MiB (MaxMemory is 256 MiB)", growth>>20)
+	}
+}
+
+// vmRSS reads this process's resident set size from /proc/self/status.
+func vmRSS(t *testing.T) uint64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) == 3 && f[0] == "VmRSS:" {
+			kb, err := strconv.ParseUint(f[1], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmRSS in /proc/self/status")
+	return 0
 }
 
 // TestFrameTimeout: a client from Serve that sends part of a request and

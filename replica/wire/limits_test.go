@@ -93,6 +93,37 @@ func TestStalledFramesHoldLittleMemory(t *testing.T) {
 	}
 }
 
+// TestStalledFramesRSSUnderDeployLimit is the audit with the payloads
+// really sent: 200 connections each send an 8 MiB WRITE but its last 4
+// KiB, then stall. Without a server-wide budget the server held all of it
+// resident (1.6 GiB, close to deploy/'s 2 GiB limit); with the default
+// MaxMemory (512 MiB) the rest waits in the peers' sockets.
+func TestStalledFramesRSSUnderDeployLimit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("sends 1.6 GiB over loopback")
+	}
+	const conns = 200
+	h := newHarness(t, ServerConfig{Logger: discardLogger()}, newFakeReplica("r1", testSize))
+	frame := AppendRequest(nil, RequestHeader{Op: OpWrite, ID: 7, Handle: 1, Epoch: 1, Len: replica.MaxIO}, make([]byte, replica.MaxIO))
+	frame = frame[:len(frame)-4096]
+	runtime.GC()
+	baseRSS := vmRSS(t)
+	for range conns {
+		r := dialRaw(t, h.addr)
+		go r.nc.Write(frame) // blocks once the server stops reading; ends when the test closes it
+	}
+	var peakRSS uint64
+	for end := time.Now().Add(6 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		peakRSS = max(peakRSS, vmRSS(t))
+	}
+	growth := int64(peakRSS) - int64(baseRSS)
+	t.Logf("%d stalled 8 MiB frames, all but 4 KiB sent: RSS grew by %d MiB (peak %d MiB)", conns, growth>>20, peakRSS>>20)
+	if growth > 1<<30 || peakRSS > deployMemoryLimit {
+		t.Errorf("RSS grew by %d MiB to %d MiB; want the growth under 1 GiB and the whole under deploy's %d MiB",
+			growth>>20, peakRSS>>20, deployMemoryLimit>>20)
+	}
+}
+
 // TestMemoryBudgetIsServerWide: with MaxMemory at its minimum, peers that
 // send most of a large frame and stall spend the budget; a well-behaved
 // request waits rather than the server allocating past it, and goes
