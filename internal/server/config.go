@@ -71,7 +71,7 @@ type Config struct {
 	API APILimits
 	// Data tunes the replica data service: its connection cap, payload
 	// memory budget and timeouts. Logger is filled in; zero fields take
-	// wire.DefaultServerConfig()'s values (512 connections, 512 MiB of
+	// wire.DefaultServerConfig()'s values (4096 connections, 512 MiB of
 	// payload memory: deploy/ gives stor-server 2 GiB).
 	Data wire.ServerConfig
 	// Raft tunes the metadata store; ID, Dir, addresses, Dial and Logger

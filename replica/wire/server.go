@@ -37,7 +37,10 @@ type ServerConfig struct {
 	// for this long. Default 30s.
 	WriteTimeout time.Duration
 	// MaxConns bounds the connections the server serves at once; one
-	// accepted beyond it is closed at once. Default 512.
+	// accepted beyond it is closed at once. Every replica an engine or a
+	// rebuild has open here is one connection, so this is also how many
+	// replicas can be in use on this server at once. Default 4096 (each
+	// costs a 64 KiB read buffer: 256 MiB at the cap, beside MaxMemory).
 	MaxConns int
 	// MaxMemory bounds the payload buffers (request data read in, reply
 	// data read out of the store) all connections together hold. A
@@ -63,7 +66,7 @@ func DefaultServerConfig() ServerConfig {
 		MaxInFlightBytes: 64 << 20,
 		MaxHandles:       1024,
 		WriteTimeout:     30 * time.Second,
-		MaxConns:         512,
+		MaxConns:         4096,
 		MaxMemory:        512 << 20,
 		FrameTimeout:     30 * time.Second,
 		IdleTimeout:      5 * time.Minute,
