@@ -107,6 +107,9 @@ func TestStalledWritesRSSBounded(t *testing.T) {
 	if testing.Short() {
 		t.Skip("sends 1.6 GiB over loopback")
 	}
+	if raceEnabled {
+		t.Skip("RSS under -race is the race detector's, not the server's")
+	}
 	const conns, n = 200, 8 << 20
 	s := newTestServer(t, newMemDevice(16<<20), func(c *Config) {
 		c.MaxConns = conns + 1

@@ -102,6 +102,9 @@ func TestStalledFramesRSSUnderDeployLimit(t *testing.T) {
 	if testing.Short() {
 		t.Skip("sends 1.6 GiB over loopback")
 	}
+	if raceEnabled {
+		t.Skip("RSS under -race is the race detector's, not the server's")
+	}
 	const conns = 200
 	h := newHarness(t, ServerConfig{Logger: discardLogger()}, newFakeReplica("r1", testSize))
 	frame := AppendRequest(nil, RequestHeader{Op: OpWrite, ID: 7, Handle: 1, Epoch: 1, Len: replica.MaxIO}, make([]byte, replica.MaxIO))
