@@ -91,3 +91,27 @@ func TestFSMSnapshotsPerVolumeCap(t *testing.T) {
 	mustApply(t, f, cmdDeleteSnapshot("snap-0"))
 	mustApply(t, f, cmdCreateSnapshot("snap-x", "vol-1", "s-x"))
 }
+
+// TestRefsOverTheNameCap: a volume or snapshot reference longer than any
+// name or id can be is ErrInvalidArgument with a short error, not a
+// NotFound that repeats the whole reference (a 100 KiB id came back in
+// the error).
+func TestRefsOverTheNameCap(t *testing.T) {
+	f := openTestFSM(t, "")
+	long := strings.Repeat("x", 100<<10)
+	if err := f.View(func(r *Reader) error {
+		for _, err := range []error{
+			func() error { _, err := r.VolumeByRef(&storpb.VolumeRef{Id: long}); return err }(),
+			func() error { _, err := r.VolumeByRef(&storpb.VolumeRef{Name: long}); return err }(),
+			func() error { _, err := r.SnapshotByRef(&storpb.SnapshotRef{Id: long}); return err }(),
+			func() error { _, err := r.SnapshotByRef(&storpb.SnapshotRef{Name: long}); return err }(),
+		} {
+			if !errors.Is(err, ErrInvalidArgument) || len(err.Error()) > 400 {
+				t.Errorf("a 100 KiB reference: %.200v (%d bytes), want a short ErrInvalidArgument", err, len(fmt.Sprint(err)))
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -102,6 +102,8 @@ func (r *Reader) VolumeByRef(ref *storpb.VolumeRef) (*storpb.Volume, error) {
 	switch {
 	case ref == nil || (ref.Id == "") == (ref.Name == ""):
 		return nil, fmt.Errorf("%w: name a volume by exactly one of id or name", ErrInvalidArgument)
+	case len(ref.Id) > maxNameLen || len(ref.Name) > maxNameLen:
+		return nil, fmt.Errorf("%w: volume %s: longer than %d bytes", ErrInvalidArgument, QuoteID(ref.Id+ref.Name), maxNameLen)
 	case ref.Id != "":
 		return r.Volume(ref.Id)
 	default:
@@ -162,6 +164,8 @@ func (r *Reader) SnapshotByRef(ref *storpb.SnapshotRef) (*storpb.Snapshot, error
 	switch {
 	case ref == nil || (ref.Id == "") == (ref.Name == ""):
 		return nil, fmt.Errorf("%w: name a snapshot by exactly one of id or name", ErrInvalidArgument)
+	case len(ref.Id) > maxNameLen || len(ref.Name) > maxNameLen:
+		return nil, fmt.Errorf("%w: snapshot %s: longer than %d bytes", ErrInvalidArgument, QuoteID(ref.Id+ref.Name), maxNameLen)
 	case ref.Id != "":
 		return r.Snapshot(ref.Id)
 	}
