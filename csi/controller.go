@@ -357,6 +357,27 @@ func (c *controllerServer) allVolumes(ctx context.Context) ([]*storpb.Volume, er
 	return out, nil
 }
 
+// allNodes lists every registered node, following the cluster's pages.
+func (c *controllerServer) allNodes(ctx context.Context) ([]*storpb.Node, error) {
+	var out []*storpb.Node
+	token := ""
+	for {
+		resp, err := c.d.cfg.Cluster.Cluster.ListNodes(ctx, &storpb.ListNodesRequest{PageSize: 500, PageToken: token})
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, resp.GetNodes()...)
+		next := resp.GetNextPageToken()
+		if next == "" {
+			return out, nil
+		}
+		if next == token {
+			return nil, fmt.Errorf("listing nodes: the cluster returned page token %q twice", next)
+		}
+		token = next
+	}
+}
+
 // page cuts entries [start, start+max) with the token of the next page.
 // The token is the decimal offset of the next entry; a token that is not
 // one is ABORTED, as the spec asks.
@@ -483,7 +504,8 @@ func (c *controllerServer) GetCapacity(ctx context.Context, req *csipb.GetCapaci
 	defer cancel()
 	var nodes []*storpb.Node
 	if hasZone {
-		resp, err := c.d.cfg.Cluster.Cluster.ListNodes(cctx, &storpb.ListNodesRequest{})
+		var err error
+		nodes, err = c.allNodes(cctx)
 		switch {
 		case clusterCode(err) == codes.Unimplemented:
 			// A cluster older than the node registry: the zones the
@@ -493,7 +515,6 @@ func (c *controllerServer) GetCapacity(ctx context.Context, req *csipb.GetCapaci
 		case err != nil:
 			return nil, err
 		}
-		nodes = resp.GetNodes()
 	}
 	zones, all := capacityZones(zone, hasZone, nodes)
 	resp, err := c.d.cfg.Cluster.Cluster.ListServers(cctx, &storpb.ListServersRequest{})

@@ -322,7 +322,13 @@ type driverUnderTest struct {
 
 func newDriverUnderTest(t *testing.T) *driverUnderTest {
 	t.Helper()
-	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	return newDriverUnderTestOn(t, servertest.Options{Servers: 3})
+}
+
+// newDriverUnderTestOn is newDriverUnderTest on a cluster started with opts.
+func newDriverUnderTestOn(t *testing.T, opts servertest.Options) *driverUnderTest {
+	t.Helper()
+	c := servertest.NewCluster(t, opts)
 	u := &driverUnderTest{c: c, att: newFakeAttacher(clusterClient(t, c).Volumes), dir: t.TempDir()}
 	var host *Host
 	host, u.mounter, u.resized = fakeHost(u.att)

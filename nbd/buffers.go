@@ -39,6 +39,15 @@ func getBuf(n int) *[]byte {
 	return &b
 }
 
+// bufSize is the capacity of the buffer getBuf(n) returns.
+func bufSize(n int) int {
+	c := bufClass(n)
+	if c > maxBufClass {
+		return n
+	}
+	return 1 << c
+}
+
 func putBuf(b *[]byte) {
 	if b == nil {
 		return
@@ -75,6 +84,13 @@ func (b *budget) acquire(n int64) {
 	}
 	b.avail -= n
 	b.mu.Unlock()
+}
+
+// held reports how much of the budget is taken.
+func (b *budget) held() int64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.max - b.avail
 }
 
 func (b *budget) release(n int64) {

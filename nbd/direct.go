@@ -67,7 +67,7 @@ func (s *Server) ServeTransmission(ctx context.Context, nc net.Conn, export stri
 		nc.Close()
 		return fmt.Errorf("%w: %q", ErrUnknownExport, export)
 	}
-	c, ok := s.track(nc)
+	c, ok := s.track(nc, false)
 	if !ok {
 		nc.Close()
 		return ErrServerClosed

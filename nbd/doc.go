@@ -52,6 +52,20 @@
 // bounded by MaxInFlightBytes plus fixed buffers, whatever the client
 // declares.
 //
+// Bounds across connections: every READ and WRITE buffer is charged to
+// Config.MaxMemory, shared by all connections (a connection that needs
+// more waits for others to release theirs). A WRITE of more than 256 KiB
+// is received in 256 KiB chunks and its whole buffer taken only once half
+// of it has arrived, so a client that announces a large write and stalls
+// holds what it sent, not what it announced. Connections from Serve
+// (network and unix listeners) are counted against Config.MaxConns (one
+// beyond it is closed on accept), must send each request whole within
+// Config.FrameTimeout of its first byte (a wait for memory has a
+// FrameTimeout of its own, after which the connection is dropped with
+// ErrServerBusy), and, if Config.IdleTimeout is set, are closed when idle
+// that long. Socket pairs (ServeConn, ServeTransmission) are the kernel's:
+// not counted, never timed out.
+//
 // Commands: READ, WRITE (NBD_CMD_FLAG_FUA makes it durable before the
 // reply), FLUSH, TRIM (with FUA: trim, then flush), WRITE_ZEROES (holes
 // unless NBD_CMD_FLAG_NO_HOLE, which writes real zeroes; FUA honoured),

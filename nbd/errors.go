@@ -17,6 +17,10 @@ var (
 	// stream unusable (bad magic, unknown client flags, an option it may
 	// not send); the connection is dropped.
 	ErrProtocol = errors.New("nbd: protocol violation")
+	// ErrServerBusy: the server's payload memory (Config.MaxMemory)
+	// stayed spent for a whole FrameTimeout while a WRITE was being
+	// received from a connection of Serve; the connection is closed.
+	ErrServerBusy = errors.New("nbd: server busy: payload memory exhausted")
 )
 
 // Errno is an NBD error value, as carried in a reply. A Device may return

@@ -22,6 +22,7 @@ type conn struct {
 	bw *bufio.Writer
 
 	noZeroes bool // the client sent NBD_FLAG_C_NO_ZEROES
+	accepted bool // from Serve: counted in MaxConns, frame and idle timeouts apply
 
 	// mu orders drain against the deadline changes of the handshake, so a
 	// drain is never undone by clearing the handshake deadline.
@@ -40,6 +41,16 @@ func (c *conn) drain() {
 	defer c.mu.Unlock()
 	c.draining = true
 	c.nc.SetReadDeadline(time.Now())
+}
+
+// setReadDeadline sets the read deadline unless the connection is
+// draining (whose deadline in the past must stay).
+func (c *conn) setReadDeadline(t time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.draining {
+		c.nc.SetReadDeadline(t)
+	}
 }
 
 func (c *conn) isDraining() bool {

@@ -9,6 +9,8 @@ import (
 	"sort"
 	"sync"
 	"time"
+
+	"golang.org/x/sync/semaphore"
 )
 
 // Device is the block device behind an export. *engine.Engine implements
@@ -73,6 +75,28 @@ type Config struct {
 	// HandshakeTimeout bounds the whole handshake (option haggling) of a
 	// connection. Default 30s.
 	HandshakeTimeout time.Duration
+	// MaxMemory bounds the READ and WRITE payload buffers all connections
+	// together hold; a connection that needs more waits for others to
+	// release theirs. At least twice the buffer MaxPayload takes (64 MiB
+	// at the default MaxPayload). Default 256 MiB, or that minimum if
+	// larger.
+	MaxMemory int64
+	// MaxConns bounds the connections Serve serves at once (network and
+	// unix listeners); one accepted beyond it is closed at once.
+	// ServeConn's connections (socket pairs the caller made) are not
+	// counted. Default 64.
+	MaxConns int
+	// FrameTimeout drops a connection from Serve that starts a request
+	// and does not finish sending it within this long. Socket pairs
+	// (ServeConn) have no frame timeout: their peer is the kernel.
+	// Default 30s.
+	FrameTimeout time.Duration
+	// IdleTimeout drops a connection from Serve that has no request in
+	// flight and sends nothing for this long. Zero (the default) keeps
+	// idle connections: NBD has no keepalive, and a client with a device
+	// attached but unused is idle for as long as it likes. Connections
+	// from ServeConn never idle out.
+	IdleTimeout time.Duration
 	// Logger; default slog.Default().
 	Logger *slog.Logger
 }
@@ -83,7 +107,16 @@ const (
 	DefaultMaxInFlight      = 128
 	DefaultHandshakeTimeout = 30 * time.Second
 	DefaultMinBlockSize     = 512
+	DefaultMaxMemory        = 256 << 20
+	DefaultMaxConns         = 64
+	DefaultFrameTimeout     = 30 * time.Second
 )
+
+// minMaxMemory is the smallest MaxMemory for a MaxPayload: room for the
+// largest payload buffer and the chunks that fill it.
+func minMaxMemory(maxPayload uint32) int64 {
+	return 2 * int64(bufSize(int(maxPayload)))
+}
 
 // DefaultConfig returns a Config with every default filled in and no
 // exports.
@@ -93,6 +126,9 @@ func DefaultConfig() Config {
 		MaxInFlight:      DefaultMaxInFlight,
 		MaxInFlightBytes: 2 * DefaultMaxPayload,
 		HandshakeTimeout: DefaultHandshakeTimeout,
+		MaxMemory:        DefaultMaxMemory,
+		MaxConns:         DefaultMaxConns,
+		FrameTimeout:     DefaultFrameTimeout,
 	}
 }
 
@@ -118,6 +154,15 @@ func (c Config) withDefaults() Config {
 	}
 	if c.HandshakeTimeout == 0 {
 		c.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if c.MaxMemory == 0 {
+		c.MaxMemory = max(DefaultMaxMemory, minMaxMemory(c.MaxPayload))
+	}
+	if c.MaxConns == 0 {
+		c.MaxConns = DefaultMaxConns
+	}
+	if c.FrameTimeout == 0 {
+		c.FrameTimeout = DefaultFrameTimeout
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -168,6 +213,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("nbd: config: MaxInFlightBytes %d is less than MaxPayload %d", c.MaxInFlightBytes, c.MaxPayload)
 	case c.HandshakeTimeout < 0:
 		return errors.New("nbd: config: HandshakeTimeout must not be negative")
+	case c.MaxMemory < minMaxMemory(c.MaxPayload):
+		return fmt.Errorf("nbd: config: MaxMemory %d is less than %d (twice MaxPayload's buffer)", c.MaxMemory, minMaxMemory(c.MaxPayload))
+	case c.MaxConns < 0:
+		return errors.New("nbd: config: MaxConns must not be negative")
+	case c.FrameTimeout < 0 || c.IdleTimeout < 0:
+		return errors.New("nbd: config: FrameTimeout and IdleTimeout must not be negative")
 	}
 	return nil
 }
@@ -188,12 +239,15 @@ type Server struct {
 
 	errlog errorLog
 
+	mem *semaphore.Weighted // MaxMemory: payload buffer bytes held
+
 	// mu guards the fields below. wg counts connection goroutines; it is
 	// only added to under mu while closed is false.
 	mu        sync.Mutex
 	closed    bool
 	listeners map[net.Listener]struct{}
 	conns     map[*conn]struct{}
+	accepted  int // conns from Serve, bounded by MaxConns
 	wg        sync.WaitGroup
 }
 
@@ -217,6 +271,7 @@ func NewServer(cfg Config) (*Server, error) {
 		s.names = append(s.names, e.Name)
 	}
 	sort.Strings(s.names)
+	s.mem = semaphore.NewWeighted(cfg.MaxMemory)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	return s, nil
 }
@@ -270,10 +325,14 @@ func (s *Server) Serve(ln net.Listener) error {
 			continue
 		}
 		backoff = 5 * time.Millisecond
-		c, ok := s.track(nc)
+		c, ok := s.track(nc, true)
 		if !ok {
 			nc.Close()
-			return ErrServerClosed
+			if s.isClosed() {
+				return ErrServerClosed
+			}
+			s.logger.Warn("nbd: connection limit reached; refusing a connection", "remote", remote(nc), "limit", s.cfg.MaxConns)
+			continue
 		}
 		go func() {
 			defer s.untrack(c)
@@ -291,7 +350,7 @@ func (s *Server) Serve(ln net.Listener) error {
 // as by Shutdown: no new requests are read, requests in flight are
 // answered, and the connection is closed. ServeConn closes nc.
 func (s *Server) ServeConn(ctx context.Context, nc net.Conn) error {
-	c, ok := s.track(nc)
+	c, ok := s.track(nc, false)
 	if !ok {
 		nc.Close()
 		return ErrServerClosed
@@ -302,13 +361,19 @@ func (s *Server) ServeConn(ctx context.Context, nc net.Conn) error {
 	return c.serve()
 }
 
-func (s *Server) track(nc net.Conn) (*conn, bool) {
+// track registers a connection; one from a listener (accepted) counts
+// against MaxConns. It fails when the server is closed or full.
+func (s *Server) track(nc net.Conn, accepted bool) (*conn, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed {
+	if s.closed || (accepted && s.accepted >= s.cfg.MaxConns) {
 		return nil, false
 	}
 	c := newConn(s, nc)
+	c.accepted = accepted
+	if accepted {
+		s.accepted++
+	}
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	return c, true
@@ -317,6 +382,9 @@ func (s *Server) track(nc net.Conn) (*conn, bool) {
 func (s *Server) untrack(c *conn) {
 	s.mu.Lock()
 	delete(s.conns, c)
+	if c.accepted {
+		s.accepted--
+	}
 	s.mu.Unlock()
 	s.wg.Done()
 }

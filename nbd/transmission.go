@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"time"
 )
 
 // request is one parsed transmission request.
@@ -81,7 +83,7 @@ func (t *transmission) readRequests() error {
 	var hdr [requestHeaderLen]byte
 	maxPayload := t.c.s.cfg.MaxPayload
 	for {
-		if _, err := io.ReadFull(t.c.br, hdr[:]); err != nil {
+		if err := t.awaitRequest(); err != nil {
 			switch {
 			case t.c.isDraining() && errors.Is(err, os.ErrDeadlineExceeded):
 				return nil
@@ -89,6 +91,15 @@ func (t *transmission) readRequests() error {
 				return nil // closed between requests (a hard disconnect, but a clean one)
 			}
 			return err
+		}
+		if _, err := io.ReadFull(t.c.br, hdr[:]); err != nil {
+			switch {
+			case t.c.isDraining() && errors.Is(err, os.ErrDeadlineExceeded):
+				return nil
+			case errors.Is(err, io.EOF):
+				return nil // closed between requests (a hard disconnect, but a clean one)
+			}
+			return t.frameErr(err)
 		}
 		if m := binary.BigEndian.Uint32(hdr[0:]); m != magicRequest {
 			return fmt.Errorf("%w: bad request magic %#x", ErrProtocol, m)
@@ -110,7 +121,7 @@ func (t *transmission) readRequests() error {
 			// The payload follows whatever we answer: skip it (without
 			// holding it) to keep the stream in step, then refuse.
 			if _, err := io.CopyN(io.Discard, t.c.br, int64(r.length)); err != nil {
-				return err
+				return t.frameErr(err)
 			}
 			t.slots.acquire(1)
 			t.replies <- reply{handle: r.handle, errno: EINVAL}
@@ -120,12 +131,11 @@ func (t *transmission) readRequests() error {
 			t.slots.acquire(1)
 			t.bytes.acquire(cost)
 			if r.length > 0 {
-				buf = getBuf(int(r.length))
-				if _, err := io.ReadFull(t.c.br, *buf); err != nil {
-					putBuf(buf)
+				var err error
+				if buf, err = t.readPayload(int(r.length)); err != nil {
 					t.bytes.release(cost)
 					t.slots.release(1)
-					return err
+					return t.frameErr(err)
 				}
 			}
 		case r.typ == cmdRead && r.length <= maxPayload:
@@ -147,6 +157,154 @@ func (t *transmission) readRequests() error {
 			t.replies <- t.do(r, buf, cost)
 		}()
 	}
+}
+
+// awaitRequest waits for the first byte of the next request. On a
+// connection from Serve it waits at most IdleTimeout (if set) while
+// nothing is in flight, and then gives the whole request FrameTimeout to
+// arrive.
+func (t *transmission) awaitRequest() error {
+	cfg := &t.c.s.cfg
+	if !t.c.accepted {
+		return nil
+	}
+	for t.c.br.Buffered() == 0 {
+		idle := cfg.IdleTimeout > 0 && t.slots.held() == 0
+		var deadline time.Time
+		if idle {
+			deadline = time.Now().Add(cfg.IdleTimeout)
+		}
+		t.c.setReadDeadline(deadline)
+		_, err := t.c.br.Peek(1)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) || t.c.isDraining() {
+			return err
+		}
+		if t.slots.held() == 0 {
+			t.log.Info("nbd: idle connection; closing it", "idle", cfg.IdleTimeout)
+			return fmt.Errorf("nbd: idle for %v: %w", cfg.IdleTimeout, ErrProtocol)
+		}
+	}
+	if cfg.FrameTimeout > 0 {
+		t.c.setReadDeadline(time.Now().Add(cfg.FrameTimeout))
+	}
+	return nil
+}
+
+// frameErr describes a failure to read the rest of a request.
+func (t *transmission) frameErr(err error) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) && !t.c.isDraining() {
+		return fmt.Errorf("nbd: request not received within %v: %w", t.c.s.cfg.FrameTimeout, err)
+	}
+	return err
+}
+
+// fillChunk is the step by which a large WRITE payload is received: its
+// whole buffer is taken only once half of it has arrived, so a client
+// that announces a large write and stalls holds (and costs the server's
+// MaxMemory) about what it really sent.
+const fillChunk = 256 << 10
+
+// readPayload reads a WRITE's n payload bytes into a buffer of length n
+// from the pool, charging MaxMemory for every buffer it holds. Time spent
+// waiting for memory does not count against the client's FrameTimeout;
+// each wait is bounded by a FrameTimeout of its own (getFrameBuf).
+func (t *transmission) readPayload(n int) (*[]byte, error) {
+	refresh := func() {
+		if t.c.accepted && t.c.s.cfg.FrameTimeout > 0 {
+			t.c.setReadDeadline(time.Now().Add(t.c.s.cfg.FrameTimeout))
+		}
+	}
+	if n <= fillChunk {
+		buf, err := t.getFrameBuf(n)
+		if err != nil {
+			return nil, err
+		}
+		refresh()
+		if _, err := io.ReadFull(t.c.br, *buf); err != nil {
+			t.putBuf(buf)
+			return nil, err
+		}
+		return buf, nil
+	}
+	var chunks []*[]byte
+	defer func() {
+		for _, ch := range chunks {
+			t.putBuf(ch)
+		}
+	}()
+	have := 0
+	for have < n/2 {
+		ch, err := t.getFrameBuf(fillChunk)
+		if err != nil {
+			return nil, err
+		}
+		chunks = append(chunks, ch)
+		refresh()
+		k := min(fillChunk, n-have)
+		if _, err := io.ReadFull(t.c.br, (*ch)[:k]); err != nil {
+			return nil, err
+		}
+		have += k
+	}
+	buf, err := t.getFrameBuf(n)
+	if err != nil {
+		return nil, err
+	}
+	refresh()
+	at := 0
+	for _, ch := range chunks {
+		at += copy((*buf)[at:have], *ch)
+	}
+	if _, err := io.ReadFull(t.c.br, (*buf)[have:]); err != nil {
+		t.putBuf(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
+// getBuf takes a pooled buffer of length n, waiting for its size in the
+// server's MaxMemory; it fails only when the server closes.
+func (t *transmission) getBuf(n int) (*[]byte, error) {
+	if err := t.c.s.mem.Acquire(t.c.s.ctx, int64(bufSize(n))); err != nil {
+		return nil, ErrServerClosed
+	}
+	return getBuf(n), nil
+}
+
+// getFrameBuf is getBuf for the reader, which may already hold part of a
+// WRITE: on a connection from Serve it waits at most FrameTimeout, so that
+// readers holding chunks and waiting for each other's memory cannot wait
+// forever (the one that gives up is dropped and frees what it held).
+// Socket pairs wait as long as it takes: their peer, the kernel, sends
+// whole requests, so every holder makes progress.
+func (t *transmission) getFrameBuf(n int) (*[]byte, error) {
+	ctx := t.c.s.ctx
+	if t.c.accepted && t.c.s.cfg.FrameTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, t.c.s.cfg.FrameTimeout)
+		defer cancel()
+	}
+	if err := t.c.s.mem.Acquire(ctx, int64(bufSize(n))); err != nil {
+		if t.c.s.ctx.Err() != nil {
+			return nil, ErrServerClosed
+		}
+		t.log.Warn("nbd: no payload memory within the frame timeout; closing connection", "timeout", t.c.s.cfg.FrameTimeout, "max_memory", t.c.s.cfg.MaxMemory)
+		return nil, fmt.Errorf("%w: no payload memory (MaxMemory %d bytes) within %v", ErrServerBusy, t.c.s.cfg.MaxMemory, t.c.s.cfg.FrameTimeout)
+	}
+	return getBuf(n), nil
+}
+
+// putBuf gives back a buffer from t.getBuf and its share of MaxMemory.
+func (t *transmission) putBuf(b *[]byte) {
+	if b == nil {
+		return
+	}
+	n := cap(*b)
+	putBuf(b)
+	t.c.s.mem.Release(int64(n))
 }
 
 // check validates a request against the export before any device call.
@@ -202,9 +360,10 @@ func (t *transmission) do(r request, buf *[]byte, cost int64) reply {
 	switch r.typ {
 	case cmdRead:
 		if n > 0 {
-			rep.buf = getBuf(int(n))
-			if err = dev.ReadAt(ctx, *rep.buf, off); err == nil {
-				rep.data = *rep.buf
+			if rep.buf, err = t.getBuf(int(n)); err == nil {
+				if err = dev.ReadAt(ctx, *rep.buf, off); err == nil {
+					rep.data = *rep.buf
+				}
 			}
 		}
 	case cmdWrite:
@@ -271,7 +430,7 @@ func (t *transmission) writeReplies() error {
 				t.c.nc.Close()
 			}
 		}
-		putBuf(rep.buf)
+		t.putBuf(rep.buf)
 		t.bytes.release(rep.cost)
 		t.slots.release(1)
 	}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"unicode"
 	"unicode/utf8"
 
@@ -23,7 +24,50 @@ const (
 	// maxNameLen bounds volume and snapshot names (a Kubernetes PV name is
 	// at most 253 bytes).
 	maxNameLen = 253
+	// MaxLabels bounds the entries of a volume's parameters and of a
+	// server's or node's labels.
+	MaxLabels = 64
+	// MaxLabelKeyLen bounds a parameter or label key (a Kubernetes
+	// qualified name is at most a 253-byte prefix, '/', and 63 bytes).
+	MaxLabelKeyLen = 317
+	// MaxLabelValueLen bounds a parameter or label value.
+	MaxLabelValueLen = 4096
+	// MaxLabelBytes bounds the keys and values of one map together.
+	MaxLabelBytes = 16 << 10
+	// MaxSnapshotsPerVolume bounds a volume's snapshots (each is a layer
+	// on every replica, which reads may have to walk); one more is
+	// ErrResourceExhausted.
+	MaxSnapshotsPerVolume = 256
 )
+
+// CheckLabels checks a volume's parameters or a server's or node's labels
+// (what names the map in the error): at most MaxLabels entries, keys of
+// 1..MaxLabelKeyLen bytes with no whitespace or control characters, values
+// of at most MaxLabelValueLen bytes, MaxLabelBytes in all; else
+// ErrInvalidArgument. Keys are checked in sorted order, so the error is
+// deterministic.
+func CheckLabels(what string, m map[string]string) error {
+	if len(m) > MaxLabels {
+		return fmt.Errorf("%w: %s: %d entries, the limit is %d", ErrInvalidArgument, what, len(m), MaxLabels)
+	}
+	total := 0
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		v := m[k]
+		switch {
+		case k == "" || len(k) > MaxLabelKeyLen:
+			return fmt.Errorf("%w: %s: key %s is %d bytes, want 1..%d", ErrInvalidArgument, what, QuoteID(k), len(k), MaxLabelKeyLen)
+		case strings.IndexFunc(k, func(r rune) bool { return unicode.IsControl(r) || unicode.IsSpace(r) }) >= 0:
+			return fmt.Errorf("%w: %s: key %s contains whitespace or a control character", ErrInvalidArgument, what, QuoteID(k))
+		case len(v) > MaxLabelValueLen:
+			return fmt.Errorf("%w: %s: the value of %s is %d bytes, the limit is %d", ErrInvalidArgument, what, QuoteID(k), len(v), MaxLabelValueLen)
+		}
+		total += len(k) + len(v)
+	}
+	if total > MaxLabelBytes {
+		return fmt.Errorf("%w: %s: %d bytes of keys and values, the limit is %d", ErrInvalidArgument, what, total, MaxLabelBytes)
+	}
+	return nil
+}
 
 // RoundSize rounds a size up to a multiple of BlockSize. Sizes above
 // MaxVolumeSize are returned unchanged (callers refuse them).
@@ -114,6 +158,12 @@ func ValidateName(kind, name string) error {
 func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, error) {
 	if in.Id == "" || in.Address == "" || in.RaftAddress == "" {
 		return nil, fmt.Errorf("%w: a server needs an id, a control address and a raft address", ErrInvalidArgument)
+	}
+	if err := checkServerIDs(in); err != nil {
+		return nil, err
+	}
+	if err := CheckLabels(fmt.Sprintf("server %s: labels", in.Id), in.Labels); err != nil {
+		return nil, err
 	}
 	s, err := w.Server(in.Id)
 	switch {
@@ -218,6 +268,9 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 	if err := checkSize(req.Name, req.SizeBytes); err != nil {
 		return nil, err
 	}
+	if err := CheckLabels(fmt.Sprintf("volume %q: parameters", req.Name), req.Parameters); err != nil {
+		return nil, err
+	}
 	size := RoundSize(req.SizeBytes)
 	switch {
 	case req.ReplicaCount < 1 || req.ReplicaCount > MaxReplicas:
@@ -302,8 +355,8 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 	if err != nil {
 		return nil, err
 	}
-	if req.NodeId == "" {
-		return nil, fmt.Errorf("%w: attach volume %q: node id is empty", ErrInvalidArgument, v.Name)
+	if err := CheckNodeID(fmt.Sprintf("attach volume %q: node id", v.Name), req.NodeId); err != nil {
+		return nil, err
 	}
 	if err := checkVolume(v, actAttach); err != nil {
 		return nil, err
@@ -338,6 +391,11 @@ func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, e
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
 		return nil, err
+	}
+	if req.NodeId != "" {
+		if err := CheckNodeID(fmt.Sprintf("detach volume %q: node id", v.Name), req.NodeId); err != nil {
+			return nil, err
+		}
 	}
 	switch {
 	case req.FenceDetached && v.Attachment != nil:
@@ -425,6 +483,11 @@ func healthyCount(v *storpb.Volume) int {
 // unhealthy too long), a replica whose server is up and that holds the
 // last copy of a ready snapshot is not removed (refuseLastCopies).
 func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceReplicaRequest, repair bool) (proto.Message, error) {
+	if req.ServerId != "" {
+		if err := CheckServerID("replace replica: server id", req.ServerId); err != nil {
+			return nil, err
+		}
+	}
 	v, err := w.VolumeByRef(req.Volume)
 	if err != nil {
 		return nil, err

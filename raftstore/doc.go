@@ -44,6 +44,20 @@
 // index. A bbolt commit failure panics: a state machine that cannot persist
 // must not go on answering.
 //
+// # Caps
+//
+// What one request can make the metadata hold is bounded, in the FSM's
+// validation: names 1..253 bytes with no whitespace or control characters
+// (ValidateName); node ids 1..253 and server ids 1..63 bytes of
+// [A-Za-z0-9._-] (CheckNodeID, CheckServerID, on every path that takes
+// one); a volume's parameters and a server's or node's labels at most
+// MaxLabels entries, keys of MaxLabelKeyLen bytes with no control
+// characters, values of MaxLabelValueLen, MaxLabelBytes in all
+// (CheckLabels, ErrInvalidArgument); at most MaxSnapshotsPerVolume
+// snapshots of one volume, a clone's implicit one included
+// (ErrResourceExhausted). Listings page (Page: a count and a byte bound).
+// Error messages quote ids with QuoteID: escaped and cut short.
+//
 // # Reads
 //
 // Reads that must be linearizable (ConsistentRead) are served by the leader

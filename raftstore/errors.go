@@ -23,6 +23,9 @@ var (
 	ErrInsufficientServers = errors.New("raftstore: not enough servers to place replicas")
 	// ErrInsufficientCapacity: enough servers, but too few with free capacity.
 	ErrInsufficientCapacity = errors.New("raftstore: not enough free capacity to place replicas")
+	// ErrResourceExhausted: the request is valid but would take an object
+	// past a cap the cluster keeps (snapshots per volume).
+	ErrResourceExhausted = errors.New("raftstore: resource exhausted")
 	// ErrStaleEpoch: the caller's epoch is lower than the volume's: a newer
 	// attach has fenced it.
 	ErrStaleEpoch = errors.New("raftstore: stale epoch")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"strconv"
 
 	"google.golang.org/protobuf/proto"
 
@@ -30,6 +31,53 @@ var nodeIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$`)
 // ValidNodeID reports whether id is a valid node id.
 func ValidNodeID(id string) bool { return nodeIDPattern.MatchString(id) }
 
+// CheckNodeID is the one check of a node id, on every path that takes one
+// (RegisterNode, GetNode, AttachVolume, DetachVolume, a server's
+// Kubernetes node): ErrInvalidArgument unless ValidNodeID. what names the
+// field in the error.
+func CheckNodeID(what, id string) error {
+	if !ValidNodeID(id) {
+		return fmt.Errorf("%w: %s %s: use 1-253 letters, digits, '.', '_' or '-', starting with a letter or digit (a Kubernetes node name)",
+			ErrInvalidArgument, what, QuoteID(id))
+	}
+	return nil
+}
+
+// CheckServerID is CheckNodeID for server ids (Join, Heartbeat, Leave,
+// ReplaceReplica's target): ErrInvalidArgument unless ValidID.
+func CheckServerID(what, id string) error {
+	if !ValidID(id) {
+		return fmt.Errorf("%w: %s %s: use 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit",
+			ErrInvalidArgument, what, QuoteID(id))
+	}
+	return nil
+}
+
+// checkServerIDs checks a server record's id and Kubernetes node (which
+// may be empty: not in Kubernetes).
+func checkServerIDs(srv *storpb.Server) error {
+	if err := CheckServerID("server id", srv.GetId()); err != nil {
+		return err
+	}
+	if k := srv.GetKubernetesNode(); k != "" {
+		return CheckNodeID(fmt.Sprintf("server %s: Kubernetes node", srv.Id), k)
+	}
+	return nil
+}
+
+// maxQuotedID is how much of a rejected id an error message repeats.
+const maxQuotedID = 64
+
+// QuoteID quotes an id for an error message: Go-quoted (control
+// characters escaped) and cut to its first 64 bytes, so a hostile id
+// neither reaches a terminal raw nor inflates the error.
+func QuoteID(id string) string {
+	if len(id) > maxQuotedID {
+		return strconv.Quote(id[:maxQuotedID]) + fmt.Sprintf("... (%d bytes)", len(id))
+	}
+	return strconv.Quote(id)
+}
+
 // Node returns the node with the given id, or ErrNotFound.
 func (r *Reader) Node(id string) (*storpb.Node, error) {
 	n := &storpb.Node{}
@@ -41,24 +89,33 @@ func (r *Reader) Node(id string) (*storpb.Node, error) {
 
 // Nodes returns every registered node, ordered by id.
 func (r *Reader) Nodes() ([]*storpb.Node, error) {
+	out, _, err := r.ListNodes(Page{})
+	return out, err
+}
+
+// ListNodes pages through the registered nodes in id order, as
+// ListVolumes does.
+func (r *Reader) ListNodes(p Page) ([]*storpb.Node, string, error) {
 	var out []*storpb.Node
-	err := r.tx.Bucket(bucketNodes).ForEach(func(k, v []byte) error {
+	next, err := r.page(bucketNodes, p, func(v []byte) (func(), error) {
 		n := &storpb.Node{}
 		if err := proto.Unmarshal(v, n); err != nil {
-			return fmt.Errorf("%w: node %q: %v", ErrCorrupt, k, err)
+			return nil, fmt.Errorf("%w: node: %v", ErrCorrupt, err)
 		}
-		out = append(out, n)
-		return nil
+		return func() { out = append(out, n) }, nil
 	})
-	return out, err
+	return out, next, err
 }
 
 // registerNode records a node: an upsert by id that replaces zone, labels
 // and max volumes, keeps the first registration time and stamps the
 // latest.
 func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) {
-	if !ValidNodeID(in.Id) {
-		return nil, fmt.Errorf("%w: node id %q: use 1-253 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.Id)
+	if err := CheckNodeID("node id", in.Id); err != nil {
+		return nil, err
+	}
+	if err := CheckLabels(fmt.Sprintf("node %s: labels", in.Id), in.Labels); err != nil {
+		return nil, err
 	}
 	n, err := w.Node(in.Id)
 	if err != nil {
@@ -72,8 +129,8 @@ func (w *writer) registerNode(at int64, in *storpb.Node) (proto.Message, error) 
 // RegisterNode records a node (idempotent by id; see registerNode). A
 // malformed id is ErrInvalidArgument.
 func (s *Store) RegisterNode(ctx context.Context, in *storpb.Node) (*storpb.Node, error) {
-	if in == nil || !ValidNodeID(in.Id) {
-		return nil, fmt.Errorf("%w: node id %q: use 1-253 letters, digits, '.', '_' or '-'", ErrInvalidArgument, in.GetId())
+	if err := CheckNodeID("node id", in.GetId()); err != nil {
+		return nil, err
 	}
 	if in.MaxVolumes < 0 {
 		return nil, fmt.Errorf("%w: node %q: max volumes %d is negative", ErrInvalidArgument, in.Id, in.MaxVolumes)

@@ -157,12 +157,28 @@ func (w *writer) createSnapshot(at int64, id string, req *storpb.CreateSnapshotR
 	if err != nil {
 		return nil, err
 	}
+	if err := w.checkSnapshotRoom(v); err != nil {
+		return nil, fmt.Errorf("snapshot %q: %w", req.Name, err)
+	}
 	s, err := newSnapshot(at, id, req.Name, v)
 	if err != nil {
 		return nil, err
 	}
 	w.addSnapshot(s, v)
 	return s, nil
+}
+
+// checkSnapshotRoom refuses one more snapshot of v when it has
+// MaxSnapshotsPerVolume.
+func (w *writer) checkSnapshotRoom(v *storpb.Volume) error {
+	n, err := w.snapshotCount(v.Id)
+	if err != nil {
+		return err
+	}
+	if n >= MaxSnapshotsPerVolume {
+		return fmt.Errorf("%w: volume %q has %d snapshots, the limit is %d; delete one first", ErrResourceExhausted, v.Name, n, MaxSnapshotsPerVolume)
+	}
+	return nil
 }
 
 // addSnapshot stores a new snapshot record and names it pending on v.
@@ -401,6 +417,9 @@ func (w *writer) prepareClone(at int64, cloneID string, src *storpb.ContentSourc
 		}
 		if size < vol.SizeBytes {
 			return nil, fmt.Errorf("%w: size %d is smaller than its content source (%d)", ErrInvalidArgument, size, vol.SizeBytes)
+		}
+		if err := w.checkSnapshotRoom(vol); err != nil {
+			return nil, fmt.Errorf("content source: %w", err)
 		}
 		id := ImplicitSnapshotID(cloneID)
 		snap, err := newSnapshot(at, id, "clone-source-"+cloneID, vol)

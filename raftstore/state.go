@@ -102,6 +102,8 @@ func (r *Reader) VolumeByRef(ref *storpb.VolumeRef) (*storpb.Volume, error) {
 	switch {
 	case ref == nil || (ref.Id == "") == (ref.Name == ""):
 		return nil, fmt.Errorf("%w: name a volume by exactly one of id or name", ErrInvalidArgument)
+	case len(ref.Id) > maxNameLen || len(ref.Name) > maxNameLen:
+		return nil, fmt.Errorf("%w: volume %s: longer than %d bytes", ErrInvalidArgument, QuoteID(ref.Id+ref.Name), maxNameLen)
 	case ref.Id != "":
 		return r.Volume(ref.Id)
 	default:
@@ -115,23 +117,35 @@ func (r *Reader) VolumeByRef(ref *storpb.VolumeRef) (*storpb.Volume, error) {
 // It includes the deleted volumes kept for their snapshots (state DELETED),
 // which the servers keep and repair like any other.
 func (r *Reader) Volumes(token string, limit int) ([]*storpb.Volume, string, error) {
-	return r.ListVolumes(token, limit, true)
+	return r.ListVolumes(Page{Token: token, Limit: limit}, true)
+}
+
+// Page bounds one page of a listing.
+type Page struct {
+	// Token is the position to continue after: "" for the first page,
+	// else the token the previous page returned.
+	Token string
+	// Limit is the most entries the page holds; 0: no limit.
+	Limit int
+	// MaxBytes stops the page before an entry that would take its entries'
+	// encoded size past it (a page holds at least one entry, whatever its
+	// size); 0: no limit.
+	MaxBytes int
 }
 
 // ListVolumes is Volumes as users list them: the deleted volumes kept for
 // their snapshots only if includeDeleted.
-func (r *Reader) ListVolumes(token string, limit int, includeDeleted bool) ([]*storpb.Volume, string, error) {
+func (r *Reader) ListVolumes(p Page, includeDeleted bool) ([]*storpb.Volume, string, error) {
 	var out []*storpb.Volume
-	next, err := r.page(bucketVolumes, token, limit, func(v []byte) (bool, error) {
+	next, err := r.page(bucketVolumes, p, func(v []byte) (func(), error) {
 		vol := &storpb.Volume{}
 		if err := proto.Unmarshal(v, vol); err != nil {
-			return false, fmt.Errorf("%w: volume: %v", ErrCorrupt, err)
+			return nil, fmt.Errorf("%w: volume: %v", ErrCorrupt, err)
 		}
 		if IsDeleted(vol) && !includeDeleted {
-			return false, nil
+			return nil, nil
 		}
-		out = append(out, vol)
-		return true, nil
+		return func() { out = append(out, vol) }, nil
 	})
 	return out, next, err
 }
@@ -150,6 +164,8 @@ func (r *Reader) SnapshotByRef(ref *storpb.SnapshotRef) (*storpb.Snapshot, error
 	switch {
 	case ref == nil || (ref.Id == "") == (ref.Name == ""):
 		return nil, fmt.Errorf("%w: name a snapshot by exactly one of id or name", ErrInvalidArgument)
+	case len(ref.Id) > maxNameLen || len(ref.Name) > maxNameLen:
+		return nil, fmt.Errorf("%w: snapshot %s: longer than %d bytes", ErrInvalidArgument, QuoteID(ref.Id+ref.Name), maxNameLen)
 	case ref.Id != "":
 		return r.Snapshot(ref.Id)
 	}
@@ -163,17 +179,21 @@ func (r *Reader) SnapshotByRef(ref *storpb.SnapshotRef) (*storpb.Snapshot, error
 // Snapshots pages through snapshots in id order like Volumes; volumeID, if
 // set, keeps only that volume's snapshots.
 func (r *Reader) Snapshots(volumeID, token string, limit int) ([]*storpb.Snapshot, string, error) {
+	return r.ListSnapshots(volumeID, Page{Token: token, Limit: limit})
+}
+
+// ListSnapshots is Snapshots bounded by a Page.
+func (r *Reader) ListSnapshots(volumeID string, p Page) ([]*storpb.Snapshot, string, error) {
 	var out []*storpb.Snapshot
-	next, err := r.page(bucketSnapshots, token, limit, func(v []byte) (bool, error) {
+	next, err := r.page(bucketSnapshots, p, func(v []byte) (func(), error) {
 		s := &storpb.Snapshot{}
 		if err := proto.Unmarshal(v, s); err != nil {
-			return false, fmt.Errorf("%w: snapshot: %v", ErrCorrupt, err)
+			return nil, fmt.Errorf("%w: snapshot: %v", ErrCorrupt, err)
 		}
 		if volumeID != "" && s.VolumeId != volumeID {
-			return false, nil
+			return nil, nil
 		}
-		out = append(out, s)
-		return true, nil
+		return func() { out = append(out, s) }, nil
 	})
 	return out, next, err
 }
@@ -198,13 +218,14 @@ func decodePageToken(token string) ([]byte, error) {
 	return b[len(pageTokenPrefix):], nil
 }
 
-// page walks bucket in key order after the token's key; keep reports
-// whether an entry counts toward limit.
-func (r *Reader) page(bucket []byte, token string, limit int, keep func(v []byte) (bool, error)) (string, error) {
+// page walks bucket in key order after p.Token's key. match decides an
+// entry: nil to skip it, else the function that takes it into the page
+// (called only if it fits p's bounds).
+func (r *Reader) page(bucket []byte, p Page, match func(v []byte) (func(), error)) (string, error) {
 	c := r.tx.Bucket(bucket).Cursor()
 	k, v := c.First()
-	if token != "" {
-		after, err := decodePageToken(token)
+	if p.Token != "" {
+		after, err := decodePageToken(p.Token)
 		if err != nil {
 			return "", err
 		}
@@ -213,18 +234,23 @@ func (r *Reader) page(bucket []byte, token string, limit int, keep func(v []byte
 			k, v = c.Next()
 		}
 	}
-	n := 0
-	var last []byte // the last key examined
+	n, size := 0, 0
+	var last []byte // the last key taken or skipped
 	for ; k != nil; k, v = c.Next() {
-		if limit > 0 && n == limit {
+		if p.Limit > 0 && n == p.Limit {
 			return encodePageToken(last), nil
 		}
-		kept, err := keep(v)
+		take, err := match(v)
 		if err != nil {
 			return "", err
 		}
-		if kept {
+		if take != nil {
+			if n > 0 && p.MaxBytes > 0 && size+len(v) > p.MaxBytes {
+				return encodePageToken(last), nil
+			}
+			take()
 			n++
+			size += len(v)
 		}
 		last = append(last[:0], k...)
 	}

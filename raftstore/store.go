@@ -417,6 +417,9 @@ func (s *Store) ExpandVolume(ctx context.Context, req *storpb.ExpandVolumeReques
 
 // AttachVolume attaches a volume to a node at a new epoch.
 func (s *Store) AttachVolume(ctx context.Context, req *storpb.AttachVolumeRequest) (*storpb.Volume, error) {
+	if err := CheckNodeID("attach volume: node id", req.GetNodeId()); err != nil {
+		return nil, err // before it costs a log entry; apply checks again
+	}
 	return asVolume(s.propose(ctx, command{Op: opAttachVolume, Body: req}))
 }
 
@@ -481,6 +484,9 @@ func (s *Store) Join(ctx context.Context, srv *storpb.Server) (clusterID string,
 	if srv == nil || srv.Id == "" || srv.Address == "" || srv.RaftAddress == "" {
 		return "", false, fmt.Errorf("%w: join needs the server's id, address and raft address", ErrInvalidArgument)
 	}
+	if err := checkServerIDs(srv); err != nil {
+		return "", false, err
+	}
 	if err := s.ConsistentRead(ctx); err != nil {
 		return "", false, err
 	}
@@ -538,8 +544,8 @@ func (s *Store) configuration() (raft.Configuration, error) {
 // Leave removes a server from the cluster (leader only): from the FSM (its
 // replicas become faulty) and from the Raft configuration.
 func (s *Store) Leave(ctx context.Context, id string) error {
-	if id == "" {
-		return fmt.Errorf("%w: leave needs a server id", ErrInvalidArgument)
+	if err := CheckServerID("leave: server id", id); err != nil {
+		return err
 	}
 	conf, err := s.configuration()
 	if err != nil {
@@ -567,6 +573,9 @@ func (s *Store) Leave(ctx context.Context, id string) error {
 func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 	if in == nil || in.Id == "" {
 		return fmt.Errorf("%w: heartbeat needs a server id", ErrInvalidArgument)
+	}
+	if err := checkServerIDs(in); err != nil {
+		return err
 	}
 	if !s.IsLeader() {
 		return ErrNotLeader

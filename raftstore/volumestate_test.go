@@ -34,7 +34,7 @@ func listedIDs(t *testing.T, f *FSM, includeDeleted bool) []string {
 	t.Helper()
 	var ids []string
 	if err := f.View(func(r *Reader) error {
-		vols, _, err := r.ListVolumes("", 0, includeDeleted)
+		vols, _, err := r.ListVolumes(Page{}, includeDeleted)
 		for _, v := range vols {
 			ids = append(ids, v.Id)
 		}

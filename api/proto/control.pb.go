@@ -2127,8 +2127,16 @@ func (x *GetNodeResponse) GetNode() *Node {
 	return nil
 }
 
+// Listings page: page_size 0 takes the server's default (100), a larger
+// one than the server's maximum (1000) is cut to it, and a page also stops
+// before it would exceed the server's byte bound (1 MiB), so a page may
+// hold fewer entries than asked. Follow next_page_token until it is empty.
 type ListNodesRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	PageSize uint32                 `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// From a previous response's next_page_token; INVALID_ARGUMENT if it is
+	// not one.
+	PageToken     string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2163,10 +2171,26 @@ func (*ListNodesRequest) Descriptor() ([]byte, []int) {
 	return file_control_proto_rawDescGZIP(), []int{25}
 }
 
+func (x *ListNodesRequest) GetPageSize() uint32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListNodesRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
 type ListNodesResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Ordered by id.
-	Nodes         []*Node `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	Nodes []*Node `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
+	// Empty on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2206,6 +2230,13 @@ func (x *ListNodesResponse) GetNodes() []*Node {
 		return x.Nodes
 	}
 	return nil
+}
+
+func (x *ListNodesResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
 }
 
 type CreateVolumeRequest struct {
@@ -2483,7 +2514,7 @@ func (x *GetVolumeResponse) GetVolume() *Volume {
 
 type ListVolumesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// 0 means no limit.
+	// Paged as ListNodesRequest says: 0 takes the server's default.
 	PageSize uint32 `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	// From a previous response's next_page_token; INVALID_ARGUMENT if it is
 	// not one.
@@ -3766,7 +3797,8 @@ func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
 type ListSnapshotsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Only snapshots of this volume, if set.
-	VolumeId      string `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	VolumeId string `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	// Paged as ListNodesRequest says: 0 takes the server's default.
 	PageSize      uint32 `protobuf:"varint,2,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	PageToken     string `protobuf:"bytes,3,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -4243,10 +4275,14 @@ const file_control_proto_rawDesc = "" +
 	"\x0eGetNodeRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"4\n" +
 	"\x0fGetNodeResponse\x12!\n" +
-	"\x04node\x18\x01 \x01(\v2\r.stor.v1.NodeR\x04node\"\x12\n" +
-	"\x10ListNodesRequest\"8\n" +
+	"\x04node\x18\x01 \x01(\v2\r.stor.v1.NodeR\x04node\"N\n" +
+	"\x10ListNodesRequest\x12\x1b\n" +
+	"\tpage_size\x18\x01 \x01(\rR\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x02 \x01(\tR\tpageToken\"`\n" +
 	"\x11ListNodesResponse\x12#\n" +
-	"\x05nodes\x18\x01 \x03(\v2\r.stor.v1.NodeR\x05nodes\"\xfd\x02\n" +
+	"\x05nodes\x18\x01 \x03(\v2\r.stor.v1.NodeR\x05nodes\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xfd\x02\n" +
 	"\x13CreateVolumeRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +

@@ -50,6 +50,9 @@ func run(args []string) error {
 	capacity := fs.String("capacity", "", "bytes replicas may use here, e.g. 500GiB (default: the data dir's filesystem size)")
 	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")
 	downAfter := fs.Duration("server-down-timeout", cfg.Raft.ServerDownTimeout, "the leader marks a server down after this long without a heartbeat")
+	fs.IntVar(&cfg.API.MaxConns, "api-max-conns", cfg.API.MaxConns, "control API connections served at once (more wait to be accepted)")
+	fs.IntVar(&cfg.Data.MaxConns, "data-max-conns", cfg.Data.MaxConns, "replica data connections served at once (more are refused)")
+	fs.Int64Var(&cfg.Data.MaxMemory, "data-max-memory", cfg.Data.MaxMemory, "bytes of payload buffers all replica data connections together may hold")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
 	if err := fs.Parse(args); err != nil {

@@ -121,9 +121,22 @@ ControllerPublish accepts these ids and the stor-server ids.`,
 		Args: exactArgs(),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
-				resp, err := c.Cluster.ListNodes(ctx, &storpb.ListNodesRequest{})
-				if err != nil {
-					return err
+				resp := &storpb.ListNodesResponse{}
+				token := ""
+				for {
+					page, err := c.Cluster.ListNodes(ctx, &storpb.ListNodesRequest{PageSize: listPageSize, PageToken: token})
+					if err != nil {
+						return err
+					}
+					resp.Nodes = append(resp.Nodes, page.GetNodes()...)
+					next := page.GetNextPageToken()
+					if next == "" {
+						break
+					}
+					if next == token {
+						return fmt.Errorf("listing nodes: the server returned page token %q twice", next)
+					}
+					token = next
 				}
 				if a.jsonOutput() {
 					return a.printJSON(resp)

@@ -872,3 +872,68 @@ func TestSnapshotShowsWhyNotReady(t *testing.T) {
 		t.Fatalf("snapshot get does not say why it is not ready:\n%s", out)
 	}
 }
+
+// TestClusterTextIsEscaped: names, labels, parameters, status messages and
+// error texts that come from the cluster reach the terminal with their
+// control characters escaped, in tables, detail views and errors (a
+// volume named with an OSC title sequence and a screen clear used to be
+// printed raw).
+func TestClusterTextIsEscaped(t *testing.T) {
+	const evil = "evil\x1b]0;pwned\x07\x1b[2J\r\nfake-line\u202e\u009b31m"
+	f := newFake(t)
+	f.volumes.volumes = append(f.volumes.volumes, &storpb.Volume{
+		Id: "vol-evil", Name: evil, SizeBytes: 1 << 30, ReplicaCount: 1, State: storpb.VolumeState_VOLUME_STATE_AVAILABLE,
+		Parameters: map[string]string{"k\x1b[1m": "v\nnext"},
+		Attachment: &storpb.Attachment{NodeId: evil},
+	})
+	f.cluster.nodes = append(f.cluster.nodes, &storpb.Node{Id: evil, Labels: map[string]string{"x": evil}})
+	f.volumes.errFor = map[string]error{"boom": status.Error(codes.FailedPrecondition, "volume is attached to "+evil)}
+
+	for _, args := range [][]string{
+		{"volume", "list"},
+		{"volume", "get", "--id", "vol-evil"},
+		{"node", "list"},
+		{"volume", "get", "boom"},
+		{"-o", "json", "volume", "get", "--id", "vol-evil"},
+	} {
+		r := run(t, append([]string{"--server", f.addr}, args...)...)
+		out := r.stdout + r.stderr
+		if !strings.Contains(out, `\x1b`) && !strings.Contains(out, `\u001b`) {
+			t.Errorf("stor-ctl %v: the escape sequence is not shown escaped:\n%s", args, out)
+		}
+		for _, c := range out {
+			if c != '\n' && c != '\t' && (c < 0x20 || c == 0x7f || (c >= 0x80 && c < 0xa0) || c == '\u202e') {
+				t.Errorf("stor-ctl %v printed control character %U raw:\n%q", args, c, out)
+				break
+			}
+		}
+		if strings.Contains(out, "\nfake-line") {
+			t.Errorf("stor-ctl %v: a name started a line of its own:\n%s", args, out)
+		}
+	}
+}
+
+func TestEscape(t *testing.T) {
+	for in, want := range map[string]string{
+		"plain-name_1.2":  "plain-name_1.2",
+		"ümlaut ok":       "ümlaut ok",
+		"a\x1b[31mb":      `a\x1b[31mb`,
+		"two\nlines\ttab": `two\nlines\ttab`,
+		"bidi\u202eevil":  `bidi\u202eevil`,
+		"c1\u009bcsi":     `c1\u009bcsi`,
+		"del\x7f":         `del\x7f`,
+		"bad\xffutf8":     `bad\xffutf8`,
+	} {
+		if got := escape(in); got != want {
+			t.Errorf("escape(%q) = %q, want %q", in, got, want)
+		}
+	}
+	var b strings.Builder
+	escapingWriter{&b}.Write([]byte("ok\n\x1b[2J\r\tend\x7f"))
+	if got, want := b.String(), "ok\n\\x1b[2J\\x0d\tend\\x7f"; got != want {
+		t.Errorf("escapingWriter wrote %q, want %q", got, want)
+	}
+	if got, want := string(escapeJSON([]byte("{\"a\": \"x\u202ey\u009b\"}\n"))), `{"a": "x\u202ey\u009b"}`+"\n"; got != want {
+		t.Errorf("escapeJSON = %q, want %q", got, want)
+	}
+}

@@ -127,6 +127,8 @@ needs --allow-remote.
 	f.StringVar(&cfg.NodeID, "node", "", "node name to attach as (default: this host's name)")
 	f.BoolVar(&cfg.AllowRemote, "allow-remote", false, "allow a --listen address other hosts can reach (NBD has no authentication)")
 	f.BoolVar(&cfg.ReadOnly, "read-only", false, "attach read-only: clients can read but every write fails")
+	f.IntVar(&cfg.MaxConns, "max-conns", nbd.DefaultMaxConns, "NBD connections served at once (more are closed)")
+	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", 0, "close an NBD connection that sends nothing for this long (0: never; NBD has no keepalive)")
 	addIDFlag(cmd, &cfg.VolumeIsID, "VOLUME")
 	return cmd
 }
@@ -141,6 +143,9 @@ type nbdServeConfig struct {
 	// Listen is a TCP "host:port" or "unix:/path" (see nbd.Listen).
 	Listen      string
 	AllowRemote bool
+	// MaxConns and IdleTimeout bound the NBD connections (nbd.Config's).
+	MaxConns    int
+	IdleTimeout time.Duration
 
 	Control engine.ControlPlane
 	Connect engine.Connector
@@ -199,7 +204,9 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 			Device:      eng,
 			ReadOnly:    cfg.ReadOnly,
 		}},
-		Logger: cfg.Logger,
+		MaxConns:    cfg.MaxConns,
+		IdleTimeout: cfg.IdleTimeout,
+		Logger:      cfg.Logger,
 	})
 	if err != nil {
 		closeEngine(cfg, eng)

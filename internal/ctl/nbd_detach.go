@@ -211,7 +211,7 @@ func runNBDDetach(ctx context.Context, cfg nbdDetachConfig) error {
 		err := cfg.detachVolume(dctx, rec.VolumeID, rec.Node)
 		cancel()
 		if err != nil {
-			fmt.Fprintf(cfg.Stderr, "stor-ctl: warning: %s is disconnected, but detaching volume %q in the cluster failed: %v (the next attach from another node needs --takeover)\n", dev, rec.Volume, err)
+			fmt.Fprintf(cfg.Stderr, "stor-ctl: warning: %s is disconnected, but detaching volume %q in the cluster failed: %s (the next attach from another node needs --takeover)\n", dev, rec.Volume, escape(err.Error()))
 		}
 	}
 	fmt.Fprintf(cfg.Stdout, "detached %s (volume %q; its server had died: writes it had not flushed may be lost)\n", dev, rec.Volume)

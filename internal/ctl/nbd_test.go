@@ -10,10 +10,13 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -501,5 +504,57 @@ func TestNBDServeRefusesRemoteListen(t *testing.T) {
 	}
 	if !strings.Contains(r.stderr, "stor-ctl: no answer from the cluster") && !strings.Contains(r.stderr, "stor-ctl: cluster unavailable") {
 		t.Errorf("--allow-remote with no cluster: stderr %q; want the cluster's unavailability", r.stderr)
+	}
+}
+
+// nbd serve --max-conns and --idle-timeout reach the NBD server: a second
+// connection is closed before its greeting, and a client that enters
+// transmission and then says nothing is dropped.
+func TestNBDServeConnectionLimits(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a 3-server cluster; skipped with -short")
+	}
+	c := servertest.NewCluster(t, servertest.Options{})
+	createVolume(t, c, "nbd-lim", 16*mib)
+	sock := filepath.Join(t.TempDir(), "lim.sock")
+	startNBDServe(t, c, "nbd-lim", "--listen", "unix:"+sock, "--node", "test-node", "--max-conns", "1", "--idle-timeout", "300ms")
+
+	dial := func() net.Conn {
+		nc, err := net.Dial("unix", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { nc.Close() })
+		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		return nc
+	}
+	first := dial()
+	greeting := make([]byte, 18)
+	if _, err := io.ReadFull(first, greeting); err != nil {
+		t.Fatalf("first connection: no greeting: %v", err)
+	}
+	second := dial()
+	if n, err := second.Read(make([]byte, 18)); err != io.EOF {
+		t.Fatalf("second connection with --max-conns 1: read %d bytes, err %v; want it closed", n, err)
+	}
+
+	// Enter transmission the old way (NBD_OPT_EXPORT_NAME), then idle.
+	hello := binary.BigEndian.AppendUint32(nil, 3) // FIXED_NEWSTYLE | NO_ZEROES
+	hello = binary.BigEndian.AppendUint64(hello, 0x49484156454F5054)
+	hello = binary.BigEndian.AppendUint32(hello, 1) // NBD_OPT_EXPORT_NAME
+	hello = binary.BigEndian.AppendUint32(hello, uint32(len("nbd-lim")))
+	hello = append(hello, "nbd-lim"...)
+	if _, err := first.Write(hello); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(first, make([]byte, 10)); err != nil { // size and flags
+		t.Fatalf("NBD_OPT_EXPORT_NAME: %v", err)
+	}
+	start := time.Now()
+	if n, err := first.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("an idle client: read %d bytes, err %v; want it closed after --idle-timeout", n, err)
+	}
+	if d := time.Since(start); d < 200*time.Millisecond || d > 5*time.Second {
+		t.Errorf("an idle client was closed after %v, want about 300ms", d)
 	}
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -26,8 +28,27 @@ func (a *app) printJSON(m proto.Message) error {
 	if err != nil {
 		return fmt.Errorf("encode %s: %w", m.ProtoReflect().Descriptor().FullName(), err)
 	}
-	_, err = fmt.Fprintf(a.stdout, "%s\n", b)
+	_, err = fmt.Fprintf(a.stdout, "%s\n", escapeJSON(b))
 	return err
+}
+
+// escapeJSON writes the non-printable runes protojson leaves raw (DEL, C1
+// controls, format characters such as U+202E) as \u escapes. They can
+// only stand inside JSON strings, where the escape means the same rune.
+func escapeJSON(b []byte) []byte {
+	out := make([]byte, 0, len(b))
+	for i := 0; i < len(b); {
+		r, n := utf8.DecodeRune(b[i:])
+		if r == utf8.RuneError || r == '\n' || r == ' ' || strconv.IsPrint(r) {
+			out = append(out, b[i:i+n]...)
+		} else if r1, r2 := utf16.EncodeRune(r); r1 != utf8.RuneError {
+			out = fmt.Appendf(out, `\u%04x\u%04x`, r1, r2)
+		} else {
+			out = fmt.Appendf(out, `\u%04x`, r)
+		}
+		i += n
+	}
+	return out
 }
 
 // table collects tab-separated rows and aligns them on flush.
@@ -42,10 +63,75 @@ func newTable(w io.Writer, header ...string) *table {
 }
 
 func (t *table) row(cells ...string) {
-	fmt.Fprintln(t.tw, strings.Join(cells, "\t"))
+	clean := make([]string, len(cells))
+	for i, c := range cells {
+		clean[i] = escape(c)
+	}
+	fmt.Fprintln(t.tw, strings.Join(clean, "\t"))
 }
 
 func (t *table) flush() error { return t.tw.Flush() }
+
+// escape is the one helper that makes text from the cluster (names,
+// labels, error messages, events) safe to print: every rune that is not
+// printable (C0 and C1 control characters, DEL, newlines and tabs, Unicode
+// format characters such as bidirectional overrides) and every invalid
+// UTF-8 byte is written as a Go escape (\x1b, \n, \u202e). Tables and
+// fields escape every cell; errors are escaped before they are printed;
+// and the writers stor-ctl prints through escape what slips past (see
+// escapingWriter).
+func escape(s string) string {
+	clean := true
+	for _, r := range s {
+		if r == utf8.RuneError || !strconv.IsPrint(r) {
+			clean = false
+			break
+		}
+	}
+	if clean {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); {
+		r, n := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == utf8.RuneError && n <= 1:
+			fmt.Fprintf(&b, `\x%02x`, s[i])
+		case !strconv.IsPrint(r):
+			q := strconv.QuoteRune(r)
+			b.WriteString(q[1 : len(q)-1])
+		default:
+			b.WriteString(s[i : i+n])
+		}
+		i += n
+	}
+	return b.String()
+}
+
+// escapingWriter is the net under every printer: it writes through the
+// bytes a terminal would act on (C0 controls other than newline and tab,
+// and DEL) as Go escapes. Multi-byte controls (C1, format characters) are
+// escape's job, which sees whole strings.
+type escapingWriter struct{ w io.Writer }
+
+func (e escapingWriter) Write(p []byte) (int, error) {
+	start := 0
+	for i, c := range p {
+		if (c < 0x20 && c != '\n' && c != '\t') || c == 0x7f {
+			if _, err := e.w.Write(p[start:i]); err != nil {
+				return start, err
+			}
+			if _, err := fmt.Fprintf(e.w, `\x%02x`, c); err != nil {
+				return i, err
+			}
+			start = i + 1
+		}
+	}
+	if _, err := e.w.Write(p[start:]); err != nil {
+		return start, err
+	}
+	return len(p), nil
+}
 
 // field is one "KEY: value" line of a details view.
 type field struct{ key, value string }

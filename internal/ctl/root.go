@@ -71,7 +71,7 @@ func usageErrorf(format string, args ...any) error {
 // NewRootCommand returns the stor-ctl command tree writing to stdout and
 // stderr. The caller sets its arguments and executes it; Execute does both.
 func NewRootCommand(stdout, stderr io.Writer) *cobra.Command {
-	return newRootCommand(&app{stdout: stdout, stderr: stderr, now: time.Now})
+	return newRootCommand(&app{stdout: escapingWriter{stdout}, stderr: escapingWriter{stderr}, now: time.Now})
 }
 
 // Execute runs stor-ctl with args (without the program name) and returns the
@@ -87,13 +87,14 @@ func execute(a *app, args []string) int {
 // executeContext is execute with a context for the commands (nbd serve
 // stops when it ends, as on SIGINT).
 func executeContext(ctx context.Context, a *app, args []string) int {
+	a.stdout, a.stderr = escapingWriter{a.stdout}, escapingWriter{a.stderr}
 	root := newRootCommand(a)
 	root.SetArgs(args)
 	err := root.ExecuteContext(ctx)
 	if err == nil {
 		return 0
 	}
-	fmt.Fprintf(a.stderr, "stor-ctl: %s\n", oneLine(err.Error()))
+	fmt.Fprintf(a.stderr, "stor-ctl: %s\n", escape(oneLine(err.Error())))
 	var ue usageError
 	if errors.As(err, &ue) {
 		return 2

@@ -23,6 +23,7 @@ var codeTable = []struct {
 	{raftstore.ErrFailedPrecondition, codes.FailedPrecondition},
 	{raftstore.ErrInsufficientServers, codes.ResourceExhausted},
 	{raftstore.ErrInsufficientCapacity, codes.ResourceExhausted},
+	{raftstore.ErrResourceExhausted, codes.ResourceExhausted},
 	{raftstore.ErrStaleEpoch, codes.Aborted},
 	{raftstore.ErrNotLeader, codes.Unavailable},
 	{raftstore.ErrNoLeader, codes.Unavailable},

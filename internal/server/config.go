@@ -66,6 +66,14 @@ type Config struct {
 	// ShutdownTimeout bounds a graceful shutdown (leadership transfer and
 	// draining RPCs). Default 10s.
 	ShutdownTimeout time.Duration
+	// API bounds the control API's connections, calls and messages. Zero
+	// fields take DefaultAPILimits()'s values.
+	API APILimits
+	// Data tunes the replica data service: its connection cap, payload
+	// memory budget and timeouts. Logger is filled in; zero fields take
+	// wire.DefaultServerConfig()'s values (4096 connections, 512 MiB of
+	// payload memory: deploy/ gives stor-server 2 GiB).
+	Data wire.ServerConfig
 	// Raft tunes the metadata store; ID, Dir, addresses, Dial and Logger
 	// are filled in from the fields above, and zero fields take
 	// raftstore.DefaultConfig()'s values.
@@ -94,6 +102,86 @@ type Config struct {
 	Logger *slog.Logger
 }
 
+// APILimits bounds what clients of the control API can make a server
+// hold. Every field's zero value takes DefaultAPILimits()'s.
+type APILimits struct {
+	// MaxConns bounds the connections served at once; further ones wait
+	// in the listen backlog until one closes. Default 1024.
+	MaxConns int
+	// MaxConcurrentStreams bounds the calls one connection has in flight
+	// (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). Default 128.
+	MaxConcurrentStreams uint32
+	// MaxRecvMsgSize bounds one request message; a larger one fails with
+	// ResourceExhausted. Default 4 MiB.
+	MaxRecvMsgSize int
+	// KeepaliveMinTime is the shortest interval between a client's pings
+	// the server tolerates (pings with no call in flight included); a
+	// client that pings more often is disconnected. Default 10s (grpc-go
+	// clients never ping more often).
+	KeepaliveMinTime time.Duration
+	// MaxConnectionIdle closes a connection with no call in flight for
+	// this long (gRPC clients reconnect by themselves). Default 15m.
+	MaxConnectionIdle time.Duration
+	// ConnectionTimeout bounds a new connection's handshake. Default 10s.
+	ConnectionTimeout time.Duration
+	// DefaultPageSize is the page of ListVolumes, ListSnapshots and
+	// ListNodes when the request asks for 0. Default 100.
+	DefaultPageSize int
+	// MaxPageSize cuts a larger page size asked for. Default 1000.
+	MaxPageSize int
+	// MaxPageBytes ends a page before the entry that would take its
+	// encoded entries past it (a page holds at least one entry), so a
+	// listing never nears a client's message size limit (gRPC's default:
+	// 4 MiB). Default 1 MiB.
+	MaxPageBytes int
+}
+
+// DefaultAPILimits returns the defaults documented on APILimits.
+func DefaultAPILimits() APILimits {
+	return APILimits{
+		MaxConns:             1024,
+		MaxConcurrentStreams: 128,
+		MaxRecvMsgSize:       4 << 20,
+		KeepaliveMinTime:     10 * time.Second,
+		MaxConnectionIdle:    15 * time.Minute,
+		ConnectionTimeout:    10 * time.Second,
+		DefaultPageSize:      100,
+		MaxPageSize:          1000,
+		MaxPageBytes:         1 << 20,
+	}
+}
+
+func (l *APILimits) withDefaults() {
+	d := DefaultAPILimits()
+	if l.MaxConns == 0 {
+		l.MaxConns = d.MaxConns
+	}
+	if l.MaxConcurrentStreams == 0 {
+		l.MaxConcurrentStreams = d.MaxConcurrentStreams
+	}
+	if l.MaxRecvMsgSize == 0 {
+		l.MaxRecvMsgSize = d.MaxRecvMsgSize
+	}
+	if l.KeepaliveMinTime == 0 {
+		l.KeepaliveMinTime = d.KeepaliveMinTime
+	}
+	if l.MaxConnectionIdle == 0 {
+		l.MaxConnectionIdle = d.MaxConnectionIdle
+	}
+	if l.ConnectionTimeout == 0 {
+		l.ConnectionTimeout = d.ConnectionTimeout
+	}
+	if l.DefaultPageSize == 0 {
+		l.DefaultPageSize = d.DefaultPageSize
+	}
+	if l.MaxPageSize == 0 {
+		l.MaxPageSize = d.MaxPageSize
+	}
+	if l.MaxPageBytes == 0 {
+		l.MaxPageBytes = d.MaxPageBytes
+	}
+}
+
 // DefaultConfig returns the defaults documented on Config.
 func DefaultConfig() Config {
 	host, _ := os.Hostname()
@@ -106,6 +194,8 @@ func DefaultConfig() Config {
 		DefaultReplicas:   3,
 		HeartbeatInterval: time.Second,
 		ShutdownTimeout:   10 * time.Second,
+		API:               DefaultAPILimits(),
+		Data:              wire.DefaultServerConfig(),
 		Raft:              raftstore.DefaultConfig(),
 	}
 }
@@ -126,6 +216,7 @@ func (c *Config) withDefaults() {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	c.API.withDefaults()
 	if c.ReplicaFS == nil && jepsenReplicaFS != nil {
 		c.ReplicaFS = jepsenReplicaFS(c.Logger)
 	}
@@ -152,6 +243,13 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("server: default replicas %d is outside 1..%d", c.DefaultReplicas, raftstore.MaxReplicas)
 	case c.HeartbeatInterval <= 0:
 		return fmt.Errorf("server: heartbeat interval must be positive")
+	case c.API.MaxConns < 0 || c.API.MaxRecvMsgSize < 0 || c.API.KeepaliveMinTime < 0 ||
+		c.API.MaxConnectionIdle < 0 || c.API.ConnectionTimeout < 0 ||
+		c.API.DefaultPageSize < 0 || c.API.MaxPageSize < 0 || c.API.MaxPageBytes < 0:
+		return fmt.Errorf("server: control API limits must not be negative")
+	}
+	if err := c.Data.Validate(); err != nil {
+		return fmt.Errorf("server: data service: %w", err)
 	}
 	for _, addr := range append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise}, c.Join...) {
 		if addr == "" {

@@ -74,7 +74,7 @@ func (s *Server) startDataPlane() error {
 			return nil, err
 		}
 		return r, nil
-	}), wire.ServerConfig{Logger: s.logger, Authorizer: newDataAccess(s), Identify: cfg.DataIdentify})
+	}), dataConfig(cfg.Data, s.logger, newDataAccess(s), cfg.DataIdentify))
 	if err != nil {
 		d.lis.Close()
 		store.Close()

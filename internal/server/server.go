@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -115,7 +116,7 @@ func (s *Server) start() error {
 		return err
 	}
 
-	s.grpc = grpc.NewServer(grpc.ChainUnaryInterceptor(s.logCalls, s.fwd.intercept))
+	s.grpc = grpc.NewServer(append(apiLimits(cfg.API), grpc.ChainUnaryInterceptor(s.logCalls, s.fwd.intercept))...)
 	storpb.RegisterClusterServiceServer(s.grpc, &clusterService{s: s})
 	storpb.RegisterVolumeServiceServer(s.grpc, &volumeService{s: s})
 	storpb.RegisterSnapshotServiceServer(s.grpc, &snapshotService{s: s})
@@ -123,7 +124,7 @@ func (s *Server) start() error {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		if err := s.grpc.Serve(s.lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		if err := s.grpc.Serve(netutil.LimitListener(s.lis, cfg.API.MaxConns)); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			s.logger.Error("control API stopped", "err", err)
 		}
 	}()

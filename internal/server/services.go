@@ -93,6 +93,9 @@ func (c *clusterService) RegisterNode(ctx context.Context, req *storpb.RegisterN
 }
 
 func (c *clusterService) GetNode(ctx context.Context, req *storpb.GetNodeRequest) (*storpb.GetNodeResponse, error) {
+	if err := raftstore.CheckNodeID("node id", req.Id); err != nil {
+		return nil, err
+	}
 	if err := c.s.store.ConsistentRead(ctx); err != nil {
 		return nil, err
 	}
@@ -108,14 +111,14 @@ func (c *clusterService) GetNode(ctx context.Context, req *storpb.GetNodeRequest
 	return resp, nil
 }
 
-func (c *clusterService) ListNodes(ctx context.Context, _ *storpb.ListNodesRequest) (*storpb.ListNodesResponse, error) {
+func (c *clusterService) ListNodes(ctx context.Context, req *storpb.ListNodesRequest) (*storpb.ListNodesResponse, error) {
 	if err := c.s.store.ConsistentRead(ctx); err != nil {
 		return nil, err
 	}
 	resp := &storpb.ListNodesResponse{}
 	err := c.s.store.View(func(r *raftstore.Reader) error {
 		var err error
-		resp.Nodes, err = r.Nodes()
+		resp.Nodes, resp.NextPageToken, err = r.ListNodes(c.s.cfg.API.page(req.PageSize, req.PageToken))
 		return err
 	})
 	if err != nil {
@@ -166,7 +169,7 @@ func (v *volumeService) ListVolumes(ctx context.Context, req *storpb.ListVolumes
 	resp := &storpb.ListVolumesResponse{}
 	err := v.s.store.View(func(r *raftstore.Reader) error {
 		var err error
-		resp.Volumes, resp.NextPageToken, err = r.ListVolumes(req.PageToken, int(req.PageSize), req.IncludeDeleted)
+		resp.Volumes, resp.NextPageToken, err = r.ListVolumes(v.s.cfg.API.page(req.PageSize, req.PageToken), req.IncludeDeleted)
 		return err
 	})
 	return resp, err
@@ -317,7 +320,7 @@ func (n *snapshotService) ListSnapshots(ctx context.Context, req *storpb.ListSna
 	resp := &storpb.ListSnapshotsResponse{}
 	err := n.s.store.View(func(r *raftstore.Reader) error {
 		var err error
-		resp.Snapshots, resp.NextPageToken, err = r.Snapshots(req.VolumeId, req.PageToken, int(req.PageSize))
+		resp.Snapshots, resp.NextPageToken, err = r.ListSnapshots(req.VolumeId, n.s.cfg.API.page(req.PageSize, req.PageToken))
 		return err
 	})
 	return resp, err

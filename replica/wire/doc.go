@@ -139,9 +139,18 @@
 // # Malformed input
 //
 // The server never panics on input and never allocates from a length
-// field beyond MaxPayload (the largest I/O plus MaxControl); per
-// connection it holds at most ServerConfig.MaxInFlightBytes of payload
-// (or one request, if that alone is larger).
+// field: a payload of more than 256 KiB is received in 256 KiB chunks, and
+// its whole buffer is taken only once half of it has arrived, so a peer
+// that announces an 8 MiB frame and stalls holds what it sent, not what
+// it announced. Per connection it holds at most
+// ServerConfig.MaxInFlightBytes of payload (or one request, if that alone
+// is larger); all connections together hold at most
+// ServerConfig.MaxMemory of payload buffers, request data and reply data
+// alike (a connection that needs more waits for others to release
+// theirs). A frame must arrive whole within FrameTimeout of its first
+// byte; a connection with no replica open and no request in flight that
+// sends nothing for IdleTimeout is closed; connections beyond MaxConns
+// are closed on accept.
 //
 //   - Bad magic or header checksum: the stream cannot be trusted; the
 //     connection is closed without a reply.

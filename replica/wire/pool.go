@@ -36,6 +36,15 @@ func getBuf(n int) *[]byte {
 	return &b
 }
 
+// bufSize is the capacity of the buffer getBuf(n) returns.
+func bufSize(n int) int {
+	c := bufClass(n)
+	if c >= len(bufPools) {
+		return n
+	}
+	return 1 << (c + minBufShift)
+}
+
 // putBuf returns a buffer from getBuf to its pool. nil is ignored.
 func putBuf(b *[]byte) {
 	if b == nil {

@@ -8,8 +8,11 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"sync"
 	"time"
+
+	"golang.org/x/sync/semaphore"
 
 	"github.com/stor-io/stor/replica"
 )
@@ -42,6 +45,26 @@ type ServerConfig struct {
 	// Authorizer. Default nil: every peer is unverified (the zero
 	// Identity); the TLS layer sets it from the peer certificate.
 	Identify func(net.Conn) Identity
+	// MaxConns bounds the connections the server serves at once; one
+	// accepted beyond it is closed at once. Every replica an engine or a
+	// rebuild has open here is one connection, so this is also how many
+	// replicas can be in use on this server at once. Default 4096 (each
+	// costs a 64 KiB read buffer: 256 MiB at the cap, beside MaxMemory).
+	MaxConns int
+	// MaxMemory bounds the payload buffers (request data read in, reply
+	// data read out of the store) all connections together hold. A
+	// connection that needs more waits until others release theirs. At
+	// least 2*MaxPayload. Default 512 MiB (deploy/ gives stor-server 2 GiB).
+	MaxMemory int64
+	// FrameTimeout drops a connection that starts a request frame and
+	// does not finish sending it within this long (a stalled peer must not
+	// hold its partial frame forever). Default 30s.
+	FrameTimeout time.Duration
+	// IdleTimeout drops a connection that has no replica open and sends
+	// nothing for this long. A connection with a replica open is a
+	// volume engine's, idle as long as its volume is, and is never dropped
+	// for idleness. Default 5m.
+	IdleTimeout time.Duration
 }
 
 // DefaultServerConfig returns the defaults documented on ServerConfig.
@@ -52,6 +75,10 @@ func DefaultServerConfig() ServerConfig {
 		MaxInFlightBytes: 64 << 20,
 		MaxHandles:       1024,
 		WriteTimeout:     30 * time.Second,
+		MaxConns:         4096,
+		MaxMemory:        512 << 20,
+		FrameTimeout:     30 * time.Second,
+		IdleTimeout:      5 * time.Minute,
 	}
 }
 
@@ -72,6 +99,18 @@ func (c *ServerConfig) withDefaults() {
 	if c.WriteTimeout == 0 {
 		c.WriteTimeout = d.WriteTimeout
 	}
+	if c.MaxConns == 0 {
+		c.MaxConns = d.MaxConns
+	}
+	if c.MaxMemory == 0 {
+		c.MaxMemory = d.MaxMemory
+	}
+	if c.FrameTimeout == 0 {
+		c.FrameTimeout = d.FrameTimeout
+	}
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = d.IdleTimeout
+	}
 }
 
 // Validate reports the first problem with the configuration.
@@ -85,6 +124,14 @@ func (c *ServerConfig) Validate() error {
 		return fmt.Errorf("wire: MaxHandles %d is negative", c.MaxHandles)
 	case c.WriteTimeout < 0:
 		return fmt.Errorf("wire: WriteTimeout %v is negative", c.WriteTimeout)
+	case c.MaxConns < 0:
+		return fmt.Errorf("wire: MaxConns %d is negative", c.MaxConns)
+	case c.MaxMemory != 0 && c.MaxMemory < minMaxMemory:
+		return fmt.Errorf("wire: MaxMemory %d is below %d (two of the largest payload buffers)", c.MaxMemory, minMaxMemory)
+	case c.FrameTimeout < 0:
+		return fmt.Errorf("wire: FrameTimeout %v is negative", c.FrameTimeout)
+	case c.IdleTimeout < 0:
+		return fmt.Errorf("wire: IdleTimeout %v is negative", c.IdleTimeout)
 	}
 	return nil
 }
@@ -97,7 +144,8 @@ type Server struct {
 	log     *slog.Logger
 	done    chan struct{} // closed by Close
 	ctx     context.Context
-	cancel  context.CancelFunc // by Close: ends Authorizer waits
+	cancel  context.CancelFunc  // by Close: ends Authorizer waits
+	mem     *semaphore.Weighted // MaxMemory: payload buffer bytes held
 
 	mu        sync.Mutex
 	closed    bool
@@ -123,6 +171,7 @@ func NewServer(b Backend, cfg ServerConfig) (*Server, error) {
 		cfg:       cfg,
 		log:       cfg.Logger,
 		done:      make(chan struct{}),
+		mem:       semaphore.NewWeighted(cfg.MaxMemory),
 		listeners: make(map[net.Listener]struct{}),
 		conns:     make(map[*serverConn]struct{}),
 	}, nil
@@ -188,6 +237,12 @@ func (s *Server) startConn(nc net.Conn) {
 		nc.Close()
 		return
 	}
+	if len(s.conns) >= s.cfg.MaxConns {
+		s.mu.Unlock()
+		s.log.Warn("wire: connection limit reached; refusing a connection", "remote", nc.RemoteAddr().String(), "limit", s.cfg.MaxConns)
+		nc.Close()
+		return
+	}
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	s.mu.Unlock()
@@ -233,7 +288,9 @@ type serverConn struct {
 	budget budget
 
 	closeOnce sync.Once
-	closing   chan struct{} // closed by shutdown
+	closing   chan struct{}   // closed by shutdown
+	ctx       context.Context // done once closing is closed; for waits on s.mem
+	cancel    context.CancelFunc
 
 	workers sync.WaitGroup // Add only in run
 
@@ -267,6 +324,7 @@ func newServerConn(s *Server, nc net.Conn) *serverConn {
 	if s.cfg.Identify != nil {
 		c.peer.Identity = s.cfg.Identify(nc)
 	}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.w = newFrameWriter(nc, s.cfg.WriteTimeout, c.shutdown)
 	return c
 }
@@ -276,6 +334,7 @@ func (c *serverConn) shutdown(cause error) {
 	c.closeOnce.Do(func() {
 		c.log.Debug("wire: closing connection", "cause", cause)
 		close(c.closing)
+		c.cancel()
 		c.nc.Close()
 	})
 }
@@ -303,8 +362,11 @@ func (c *serverConn) run() {
 func (c *serverConn) readLoop() (bool, error) {
 	var hb [RequestHeaderSize]byte
 	for {
-		if _, err := io.ReadFull(c.br, hb[:]); err != nil {
+		if err := c.awaitFrame(); err != nil {
 			return err == io.EOF, err
+		}
+		if _, err := io.ReadFull(c.br, hb[:]); err != nil {
+			return false, c.frameErr(err)
 		}
 		h, err := DecodeRequestHeader(hb[:])
 		if err != nil {
@@ -332,13 +394,12 @@ func (c *serverConn) readLoop() (bool, error) {
 		var buf *[]byte
 		var payload []byte
 		if h.PayloadLen > 0 {
-			buf = getBuf(int(h.PayloadLen))
-			payload = (*buf)[:h.PayloadLen]
-			if _, err := io.ReadFull(c.br, payload); err != nil {
-				putBuf(buf)
+			buf, err = c.readPayload(int(h.PayloadLen))
+			if err != nil {
 				c.budget.release(weight)
-				return false, err
+				return false, c.frameErr(err)
 			}
+			payload = (*buf)[:h.PayloadLen]
 		}
 		if Checksum(payload) != h.PayloadCRC {
 			err = fmt.Errorf("wire: %v request payload: %w", h.Op, ErrChecksum)
@@ -347,7 +408,7 @@ func (c *serverConn) readLoop() (bool, error) {
 		}
 		if err != nil {
 			c.log.Debug("wire: refusing request", "op", h.Op, "id", h.ID, "err", err)
-			putBuf(buf)
+			c.putBuf(buf)
 			c.writeReply(h.ID, h.Op, err, nil)
 			c.budget.release(weight)
 			continue
@@ -357,13 +418,161 @@ func (c *serverConn) readLoop() (bool, error) {
 	}
 }
 
+// awaitFrame waits for the first byte of the next request, for at most
+// IdleTimeout while the connection is idle (no replica open, no request
+// in flight), then gives the whole frame FrameTimeout to arrive.
+func (c *serverConn) awaitFrame() error {
+	for c.br.Buffered() == 0 {
+		var deadline time.Time
+		if c.idle() {
+			deadline = time.Now().Add(c.s.cfg.IdleTimeout)
+		}
+		c.nc.SetReadDeadline(deadline)
+		_, err := c.br.Peek(1)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			return err
+		}
+		if c.idle() {
+			c.log.Info("wire: idle connection with no replica open; closing it", "idle", c.s.cfg.IdleTimeout)
+			return fmt.Errorf("wire: idle for %v: %w", c.s.cfg.IdleTimeout, err)
+		}
+		// A replica was opened or a request is still being served: not idle.
+	}
+	c.nc.SetReadDeadline(time.Now().Add(c.s.cfg.FrameTimeout))
+	return nil
+}
+
+// idle reports whether the connection has no replica open and no request
+// in flight.
+func (c *serverConn) idle() bool {
+	c.hmu.Lock()
+	handles := len(c.handles)
+	c.hmu.Unlock()
+	c.budget.mu.Lock()
+	n := c.budget.n
+	c.budget.mu.Unlock()
+	return handles == 0 && n == 0
+}
+
+// frameErr describes a failure to read the rest of a frame.
+func (c *serverConn) frameErr(err error) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		c.log.Warn("wire: request frame not received in time; closing connection", "timeout", c.s.cfg.FrameTimeout)
+		return fmt.Errorf("wire: request frame not received within %v: %w", c.s.cfg.FrameTimeout, err)
+	}
+	return err
+}
+
+// fillChunk is the step by which a large request payload is received: the
+// buffer for all of it is taken only once half of it has arrived, so a
+// peer that announces a large frame and stalls holds (and costs the
+// server's MaxMemory) about what it really sent.
+const fillChunk = 256 << 10
+
+// minMaxMemory is the smallest MaxMemory: room for the largest payload
+// buffer and the chunks that fill it.
+const minMaxMemory = 2 * (16 << 20)
+
+// readPayload reads n payload bytes into a buffer from the pool, charging
+// s.mem for every buffer it holds; give the buffer back with c.putBuf.
+// The time spent waiting for memory does not count against the peer's
+// FrameTimeout; each wait is bounded by FrameTimeout of its own.
+func (c *serverConn) readPayload(n int) (*[]byte, error) {
+	if n <= fillChunk {
+		buf, err := c.getFrameBuf(n)
+		if err != nil {
+			return nil, err
+		}
+		c.nc.SetReadDeadline(time.Now().Add(c.s.cfg.FrameTimeout))
+		if _, err := io.ReadFull(c.br, (*buf)[:n]); err != nil {
+			c.putBuf(buf)
+			return nil, err
+		}
+		return buf, nil
+	}
+	var chunks []*[]byte
+	defer func() {
+		for _, ch := range chunks {
+			c.putBuf(ch)
+		}
+	}()
+	have := 0
+	for have < n/2 {
+		ch, err := c.getFrameBuf(fillChunk)
+		if err != nil {
+			return nil, err
+		}
+		chunks = append(chunks, ch)
+		c.nc.SetReadDeadline(time.Now().Add(c.s.cfg.FrameTimeout))
+		k := min(fillChunk, n-have)
+		if _, err := io.ReadFull(c.br, (*ch)[:k]); err != nil {
+			return nil, err
+		}
+		have += k
+	}
+	buf, err := c.getFrameBuf(n)
+	if err != nil {
+		return nil, err
+	}
+	c.nc.SetReadDeadline(time.Now().Add(c.s.cfg.FrameTimeout))
+	p := (*buf)[:n]
+	at := 0
+	for _, ch := range chunks {
+		at += copy(p[at:have], *ch)
+	}
+	if _, err := io.ReadFull(c.br, p[have:]); err != nil {
+		c.putBuf(buf)
+		return nil, err
+	}
+	return buf, nil
+}
+
+// getBuf takes a pooled buffer of at least n bytes, waiting for its size
+// in the server's MaxMemory; it fails only when the connection closes.
+func (c *serverConn) getBuf(n int) (*[]byte, error) {
+	if err := c.s.mem.Acquire(c.ctx, int64(bufSize(n))); err != nil {
+		return nil, fmt.Errorf("wire: waiting for payload memory: %w", net.ErrClosed)
+	}
+	return getBuf(n), nil
+}
+
+// getFrameBuf is getBuf for the reader, which may already hold part of a
+// frame: it waits at most FrameTimeout, so that readers holding chunks and
+// waiting for each other's memory cannot wait forever (the one that gives
+// up is dropped and frees what it held).
+func (c *serverConn) getFrameBuf(n int) (*[]byte, error) {
+	ctx, cancel := context.WithTimeout(c.ctx, c.s.cfg.FrameTimeout)
+	defer cancel()
+	if err := c.s.mem.Acquire(ctx, int64(bufSize(n))); err != nil {
+		if c.ctx.Err() != nil {
+			return nil, fmt.Errorf("wire: waiting for payload memory: %w", net.ErrClosed)
+		}
+		c.log.Warn("wire: no payload memory within the frame timeout; closing connection", "timeout", c.s.cfg.FrameTimeout, "max_memory", c.s.cfg.MaxMemory)
+		return nil, fmt.Errorf("wire: no payload memory (MaxMemory %d bytes) within %v: %w", c.s.cfg.MaxMemory, c.s.cfg.FrameTimeout, ErrServerBusy)
+	}
+	return getBuf(n), nil
+}
+
+// putBuf gives back a buffer from c.getBuf and its share of MaxMemory.
+func (c *serverConn) putBuf(b *[]byte) {
+	if b == nil {
+		return
+	}
+	n := cap(*b)
+	putBuf(b)
+	c.s.mem.Release(int64(n))
+}
+
 // serve runs one request and writes its reply.
 func (c *serverConn) serve(h RequestHeader, payload []byte, buf *[]byte, weight int64) {
 	defer c.workers.Done()
 	reply, rbuf, err := c.exec(&h, payload)
-	putBuf(buf)
+	c.putBuf(buf)
 	c.writeReply(h.ID, h.Op, err, reply)
-	putBuf(rbuf)
+	c.putBuf(rbuf)
 	c.budget.release(weight)
 }
 
@@ -413,7 +622,10 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 	off, n := int64(h.Off), int64(h.Len) // in range: Validate
 	switch h.Op {
 	case OpRead, OpSnapshotRead:
-		rbuf = getBuf(int(n))
+		rbuf, err = c.getBuf(int(n))
+		if err != nil {
+			return nil, nil, err
+		}
 		p := (*rbuf)[:n]
 		if h.Op == OpRead {
 			err = r.ReadAt(o, p, off)
@@ -421,7 +633,7 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 			err = r.ReadSnapshotAt(o, string(payload), p, off)
 		}
 		if err != nil {
-			putBuf(rbuf)
+			c.putBuf(rbuf)
 			return nil, nil, err
 		}
 		return p, rbuf, nil
@@ -450,11 +662,11 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 		if len(es) > int(n) {
 			es = es[:n] // the store promised at most limit
 		}
-		return extentsReply(es, err)
+		return c.extentsReply(es, err)
 	case OpDirtyRegions:
-		return extentsReply(r.DirtyRegions(o))
+		return c.extentsReply(r.DirtyRegions(o))
 	case OpWrittenSince:
-		return extentsReply(r.WrittenSince(o, h.Off))
+		return c.extentsReply(r.WrittenSince(o, h.Off))
 	}
 	return nil, nil, fmt.Errorf("wire: %v: %w", h.Op, ErrUnknownOp) // unreachable: Validate
 }
@@ -518,7 +730,7 @@ func (c *serverConn) checkHandlesLocked(id string) error {
 	return nil
 }
 
-func extentsReply(es []replica.Extent, err error) ([]byte, *[]byte, error) {
+func (c *serverConn) extentsReply(es []replica.Extent, err error) ([]byte, *[]byte, error) {
 	if err != nil {
 		return nil, nil, err
 	}
@@ -528,7 +740,10 @@ func extentsReply(es []replica.Extent, err error) ([]byte, *[]byte, error) {
 	if len(es) == 0 {
 		return nil, nil, nil
 	}
-	buf := getBuf(len(es) * ExtentSize)
+	buf, err := c.getBuf(len(es) * ExtentSize)
+	if err != nil {
+		return nil, nil, err
+	}
 	return AppendExtents((*buf)[:0], es), buf, nil
 }
 

@@ -34,6 +34,10 @@ var (
 	// ErrServerClosed: Serve was called on, or returned from, a closed
 	// Server.
 	ErrServerClosed = errors.New("wire: server closed")
+	// ErrServerBusy: the server's payload memory (ServerConfig.MaxMemory)
+	// stayed spent for a whole FrameTimeout while a request was being
+	// received; the connection is closed (its stream is mid-frame).
+	ErrServerBusy = errors.New("wire: server busy: payload memory exhausted")
 )
 
 // Status is the result code of a reply.
