@@ -22,6 +22,7 @@ import (
 	"syscall"
 
 	"github.com/stor-io/stor/internal/bytesize"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 )
 
@@ -50,6 +51,11 @@ func run(args []string) error {
 	capacity := fs.String("capacity", "", "bytes replicas may use here, e.g. 500GiB (default: the data dir's filesystem size)")
 	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")
 	downAfter := fs.Duration("server-down-timeout", cfg.Raft.ServerDownTimeout, "the leader marks a server down after this long without a heartbeat")
+	var files pki.Files
+	fs.StringVar(&files.Cert, "tls-cert", "", "PEM certificate of this server (URI SAN stor://server/<id>); re-read when it changes")
+	fs.StringVar(&files.Key, "tls-key", "", "PEM key of --tls-cert")
+	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle every peer's certificate must chain to")
+	fs.BoolVar(&cfg.Insecure, "insecure", false, "run without TLS; every address must then be on loopback")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -76,6 +82,11 @@ func run(args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+	if files.Set() {
+		if cfg.TLS, err = pki.Load(files, cfg.Logger); err != nil {
+			return err
+		}
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

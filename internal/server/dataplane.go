@@ -10,6 +10,7 @@ import (
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
@@ -44,6 +45,11 @@ type dataPlane struct {
 	wg sync.WaitGroup
 }
 
+// dataRoles are the identities the data port admits under TLS: servers
+// (rebuilds, clones, detached snapshots), CSI nodes and operators (the
+// engines of attached volumes).
+var dataRoles = []pki.Role{pki.RoleServer, pki.RoleCSINode, pki.RoleOperator}
+
 func (s *Server) startDataPlane() error {
 	cfg := &s.cfg
 	store, err := replica.OpenStore(replica.Config{Dir: filepath.Join(cfg.DataDir, "replicas"), FS: cfg.ReplicaFS, Logger: s.logger})
@@ -63,6 +69,9 @@ func (s *Server) startDataPlane() error {
 	}
 	if cfg.DataAdvertise == "" {
 		cfg.DataAdvertise = d.lis.Addr().String()
+	}
+	if cfg.TLS != nil {
+		d.lis = cfg.TLS.Listener(d.lis, dataRoles...)
 	}
 	d.wire, err = wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
 		r, err := store.Get(id)
@@ -209,7 +218,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		}
 		return err
 	})
-	connect := engine.WireConnector(wire.ClientConfig{Dial: d.s.cfg.Dial})
+	connect := engine.WireConnector(wire.ClientConfig{Dial: d.s.dialData})
 	open := func(rep *storpb.Replica) (engine.ReplicaConn, error) {
 		srv := servers[rep.ServerId]
 		if srv == nil {

@@ -123,8 +123,11 @@ func (f *forwarder) close() {
 
 // dialPeer opens a client connection to another server through the Dial seam.
 func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {
-	return grpc.NewClient("passthrough:///"+addr,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
+	creds := grpc.WithTransportCredentials(insecure.NewCredentials())
+	if s.cfg.TLS != nil {
+		creds = s.cfg.TLS.GRPCDialCredentials()
+	}
+	return grpc.NewClient("passthrough:///"+addr, creds,
 		grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
 			return s.cfg.Dial(ctx, "tcp", a)
 		}),
