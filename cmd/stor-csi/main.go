@@ -118,15 +118,16 @@ func run(args []string) error {
 
 // checkRole refuses a certificate that is not the mode's: a controller is
 // stor://csi-controller/<any>, a node stor://csi-node/<--node-id> (the
-// cluster lets a node's certificate act only for the node it names).
+// cluster lets a node's certificate act only for the node it names); mode
+// all would need both.
 func checkRole(id pki.Identity, mode csi.Mode, nodeID string) error {
 	switch {
 	case mode == csi.ModeController && id.Role != pki.RoleCSIController:
 		return fmt.Errorf("--tls-cert is %s; the controller needs a %s certificate", id, pki.RoleCSIController)
 	case mode == csi.ModeNode && id != (pki.Identity{Role: pki.RoleCSINode, Name: nodeID}):
 		return fmt.Errorf("--tls-cert is %s; node %q needs stor://%s/%s", id, nodeID, pki.RoleCSINode, nodeID)
-	case mode != csi.ModeController && mode != csi.ModeNode && id.Role != pki.RoleCSIController && id.Role != pki.RoleCSINode:
-		return fmt.Errorf("--tls-cert is %s; stor-csi needs a %s or %s certificate", id, pki.RoleCSIController, pki.RoleCSINode)
+	case mode != csi.ModeController && mode != csi.ModeNode:
+		return fmt.Errorf("--mode=%s cannot run with TLS: the controller and the node plugin need different certificates (%s and %s); run them as two processes", mode, pki.RoleCSIController, pki.RoleCSINode)
 	}
 	return nil
 }

@@ -85,8 +85,8 @@ type Config struct {
 	Logger *slog.Logger
 
 	// TLS, if set, secures every port with mutual TLS (package pki): the
-	// control API admits every role (what each may call is checked per
-	// method), the Raft port only servers, the data port servers, CSI
+	// control API admits every role (what each may call: authz.go's
+	// accessTable), the Raft port only servers, the data port servers, CSI
 	// nodes and operators; and every connection this server makes presents
 	// its certificate and wants a server's. Its identity must be
 	// stor://server/<ID>. Default nil: plaintext — see Insecure.

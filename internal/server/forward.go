@@ -60,6 +60,9 @@ func (f *forwarder) intercept(ctx context.Context, req any, info *grpc.UnaryServ
 		return nil, status.Errorf(codes.Unavailable, "leader %s at %s: %v", leaderID, addr, err)
 	}
 	ctx = metadata.AppendToOutgoingContext(ctx, forwardedKey, f.s.cfg.ID)
+	if id, ok := callerOf(ctx); ok {
+		ctx = metadata.AppendToOutgoingContext(ctx, callerKey, id.String())
+	}
 	if err := conn.Invoke(ctx, info.FullMethod, req, reply); err != nil {
 		return nil, err
 	}

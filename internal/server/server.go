@@ -138,7 +138,10 @@ func (s *Server) start() error {
 		return err
 	}
 
-	opts := []grpc.ServerOption{grpc.ChainUnaryInterceptor(s.logCalls, s.fwd.intercept)}
+	opts := []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(s.logCalls, s.authorize, s.fwd.intercept),
+		grpc.ChainStreamInterceptor(s.authorizeStream),
+	}
 	if cfg.TLS != nil {
 		opts = append(opts, cfg.TLS.GRPCServerCredentials())
 	}
