@@ -30,6 +30,13 @@
 // An expired certificate, a certificate of another CA, or none at all fail
 // the handshake.
 //
+// # Who is calling
+//
+// PeerOf gives a gRPC method the identity of its caller; on a Listener's
+// connections (each a *tls.Conn, its handshake done on the first read)
+// ConnIdentity completes the handshake and gives the peer's. Both return
+// ErrNoPeer on a plaintext connection.
+//
 // # Rotation
 //
 // A Source re-reads its three files (certificate, key, CA bundle) when

@@ -76,7 +76,7 @@ func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
 	c.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	out, err := checksums(ctx, c.Dial(), volumeID, c.dataDial())
+	out, err := ChecksumsWith(ctx, c.Dial(), volumeID, c.dataDial())
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -86,11 +86,12 @@ func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
 // Checksums is Cluster.Checksums for any cluster a client reaches (the
 // multi-process tests use it).
 func Checksums(ctx context.Context, cl *client.Client, volumeID string) ([]ReplicaDigest, error) {
-	return checksums(ctx, cl, volumeID, nil)
+	return ChecksumsWith(ctx, cl, volumeID, nil)
 }
 
-// checksums is Checksums dialing the data ports with dial (nil: plaintext).
-func checksums(ctx context.Context, cl *client.Client, volumeID string, dial func(ctx context.Context, network, addr string) (net.Conn, error)) ([]ReplicaDigest, error) {
+// ChecksumsWith is Checksums dialing the data ports with dial (nil:
+// plaintext; a pki Dialer for a TLS cluster).
+func ChecksumsWith(ctx context.Context, cl *client.Client, volumeID string, dial func(ctx context.Context, network, addr string) (net.Conn, error)) ([]ReplicaDigest, error) {
 	v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
 	if err != nil {
 		return nil, err
