@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
@@ -162,4 +163,16 @@ func TestAuthorisationByIdentity(t *testing.T) {
 	if creates != 2 || deletes != 2 {
 		t.Fatalf("audit log: %d creates by the controller and %d deletes by the operator, want 2 and 2:\n%s", creates, deletes, strings.Join(audit, "\n"))
 	}
+}
+
+// TestCallerMetadataBelievedOnlyFromServers: a client that names another
+// caller in the forwarding metadata is still itself.
+func TestCallerMetadataBelievedOnlyFromServers(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 1, TLS: true})
+	v := createVolume(t, c.Client(0), "kept", 1<<20, 1)
+	n1 := as(t, c, 0, pki.Identity{Role: pki.RoleCSINode, Name: "n1"})
+	ctx := metadata.AppendToOutgoingContext(ctxT(t, 10*time.Second), "stor-caller", "stor://operator/admin")
+	_, err := n1.Volumes.DeleteVolume(ctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+	wantCode(t, "a node claiming to forward for an operator deletes a volume", err, codes.PermissionDenied)
+	getVolume(t, c, 0, v.Id)
 }
