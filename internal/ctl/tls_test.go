@@ -96,3 +96,21 @@ func TestCertsLocal(t *testing.T) {
 		t.Fatalf("a bad id: exit %d, %s", r.code, r.stderr)
 	}
 }
+
+// nbd serve with the operator's certificate opens the volume through the
+// control API and the servers' data ports, both under TLS.
+func TestNBDServeOverTLS(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a 3-server cluster; skipped with -short")
+	}
+	clearTLSEnv(t)
+	c := servertest.NewCluster(t, servertest.Options{TLS: true})
+	createVolume(t, c, "nbd-tls", 16*mib)
+	f := c.TLSFiles(LocalOperator)
+	sock := filepath.Join(t.TempDir(), "tls.sock")
+	s := startNBDServe(t, c, "nbd-tls", "--listen", "unix:"+sock, "--node", "test-node",
+		"--tls-cert", f.Cert, "--tls-key", f.Key, "--tls-ca", f.CA)
+	if code := s.stop(); code != 0 {
+		t.Fatalf("nbd serve exited %d\nstderr:\n%s", code, s.stderr)
+	}
+}
