@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"sync"
 
 	"github.com/stor-io/stor/internal/attach"
@@ -44,7 +45,10 @@ type KernelAttacherConfig struct {
 	Cluster Cluster
 	// Kernel is the kernel's side; nil: the real one.
 	Kernel *attach.Kernel
-	Logger *slog.Logger
+	// DataDial opens connections to the servers' data ports. Default
+	// net.Dialer; under TLS a pki Dialer.
+	DataDial func(ctx context.Context, network, addr string) (net.Conn, error)
+	Logger   *slog.Logger
 }
 
 // NewKernelAttacher serves volumes with package internal/attach.
@@ -85,7 +89,7 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true, RequireAttached: true,
 		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger,
 		Control: engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
-		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Connect: engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
 	})
 	if err != nil {
 		return "", err

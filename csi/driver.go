@@ -101,6 +101,9 @@ type Config struct {
 	StateDir string
 	// Cluster reaches the stor cluster; required.
 	Cluster Cluster
+	// DataDial opens the default Attacher's connections to the servers'
+	// data ports (node mode). Default net.Dialer; under TLS a pki Dialer.
+	DataDial func(ctx context.Context, network, addr string) (net.Conn, error)
 	// CallTimeout bounds one cluster call. Default DefaultCallTimeout.
 	CallTimeout time.Duration
 	// Attacher serves volumes to kernel block devices (node mode).

@@ -9,6 +9,10 @@
 # Data and logs go to ./stor-data/s1 ... (or $STOR_DATA/s1 ...). Run it again
 # and the servers resume with their state; remove the directory to start
 # afresh. The binaries are built into ./bin first (make build).
+#
+# Every port uses mutual TLS: on first start a local CA and certificates for
+# s1..s3 and for stor-ctl are made in $data/tls (stor-ctl certs local), and
+# stor-ctl finds its own there (./stor-data/tls, or $STOR_DATA/tls).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -17,6 +21,9 @@ servers=127.0.0.1:7400,127.0.0.1:7410,127.0.0.1:7420
 ready_timeout=30 # seconds
 
 make build
+mkdir -p "$data"
+bin/stor-ctl certs local --dir "$data/tls" --server s1 --server s2 --server s3 >/dev/null
+export STOR_DATA=$data # stor-ctl's certificate: $STOR_DATA/tls
 
 ids=()
 pids=()
@@ -40,7 +47,8 @@ start() {
 	local id=$1 port=$2 join=${3:-}
 	mkdir -p "$data"
 	local args=(--id "$id" --data-dir "$data/$id"
-		--listen "127.0.0.1:$port" --raft-listen "127.0.0.1:$((port + 1))" --data-listen "127.0.0.1:$((port + 2))")
+		--listen "127.0.0.1:$port" --raft-listen "127.0.0.1:$((port + 1))" --data-listen "127.0.0.1:$((port + 2))"
+		--tls-cert "$data/tls/server-$id.crt" --tls-key "$data/tls/server-$id.key" --tls-ca "$data/tls/ca.crt")
 	if [[ -n $join ]]; then
 		args+=(--join "$join")
 	fi
@@ -85,6 +93,7 @@ cat <<EOF
 
 stor is running: s1 127.0.0.1:7400, s2 127.0.0.1:7410, s3 127.0.0.1:7420.
 Data and logs: $data/{s1,s2,s3} and $data/{s1,s2,s3}.log
+Mutual TLS on every port; the CA and certificates are in $data/tls.
 
 In another shell:
   bin/stor-ctl --server $servers cluster status
@@ -94,6 +103,8 @@ In another shell:
   bin/stor-ctl volume list
 
 Without --server or \$STOR_SERVER, stor-ctl asks 127.0.0.1:7400 (s1) only.
+stor-ctl presents $data/tls/operator-stor-ctl.crt (run it from this directory,
+or export STOR_DATA=$data).
 Ctrl-C stops all three servers.
 EOF
 

@@ -24,8 +24,11 @@ import (
 	"strings"
 	"syscall"
 
+	"google.golang.org/grpc"
+
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/pki"
 )
 
 func main() {
@@ -48,6 +51,11 @@ func run(args []string) error {
 	fs.StringVar(&cfg.Zone, "zone", "", "node: this node's zone (topology segment topology.<driver-name>/zone)")
 	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", 0, fmt.Sprintf("node: volumes this node may stage (the nbd module's device count); registered with the cluster, where the controller enforces it (default %d)", csi.DefaultMaxVolumesPerNode))
 	fs.StringVar(&cfg.Version, "version", cfg.Version, "vendor version reported by GetPluginInfo")
+	var files pki.Files
+	fs.StringVar(&files.Cert, "tls-cert", "", "PEM certificate: stor://csi-controller/<name> (controller) or stor://csi-node/<node-id> (node); re-read when it changes")
+	fs.StringVar(&files.Key, "tls-key", "", "PEM key of --tls-cert")
+	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle the servers' certificates must chain to")
+	insecure := fs.Bool("insecure", false, "connect without TLS; every --servers address must then be on loopback")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -71,7 +79,29 @@ func run(args []string) error {
 		}
 		cfg.NodeID = host
 	}
-	c, err := client.Dial(strings.Split(*servers, ","))
+	addrs := strings.Split(*servers, ",")
+	var opts []grpc.DialOption
+	switch {
+	case files.Set() && *insecure:
+		return fmt.Errorf("--insecure with --tls-cert")
+	case files.Set():
+		src, err := pki.Load(files, cfg.Logger)
+		if err != nil {
+			return err
+		}
+		if err := checkRole(src.Identity(), cfg.Mode, cfg.NodeID); err != nil {
+			return err
+		}
+		opts = append(opts, src.GRPCDialCredentials())
+		cfg.DataDial = src.Dialer(nil, pki.RoleServer)
+	case *insecure:
+		if err := pki.CheckLoopback(addrs...); err != nil {
+			return err
+		}
+	default:
+		cfg.Logger.Warn("no TLS: the connections to the cluster are unauthenticated and unencrypted")
+	}
+	c, err := client.Dial(addrs, opts...)
 	if err != nil {
 		return err
 	}
@@ -84,4 +114,20 @@ func run(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	return d.Run(ctx)
+}
+
+// checkRole refuses a certificate that is not the mode's: a controller is
+// stor://csi-controller/<any>, a node stor://csi-node/<--node-id> (the
+// cluster lets a node's certificate act only for the node it names); mode
+// all would need both.
+func checkRole(id pki.Identity, mode csi.Mode, nodeID string) error {
+	switch {
+	case mode == csi.ModeController && id.Role != pki.RoleCSIController:
+		return fmt.Errorf("--tls-cert is %s; the controller needs a %s certificate", id, pki.RoleCSIController)
+	case mode == csi.ModeNode && id != (pki.Identity{Role: pki.RoleCSINode, Name: nodeID}):
+		return fmt.Errorf("--tls-cert is %s; node %q needs stor://%s/%s", id, nodeID, pki.RoleCSINode, nodeID)
+	case mode != csi.ModeController && mode != csi.ModeNode:
+		return fmt.Errorf("--mode=%s cannot run with TLS: the controller and the node plugin need different certificates (%s and %s); run them as two processes", mode, pki.RoleCSIController, pki.RoleCSINode)
+	}
+	return nil
 }

@@ -22,6 +22,7 @@ import (
 	"syscall"
 
 	"github.com/stor-io/stor/internal/bytesize"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 )
 
@@ -53,6 +54,11 @@ func run(args []string) error {
 	fs.IntVar(&cfg.API.MaxConns, "api-max-conns", cfg.API.MaxConns, "control API connections served at once (more wait to be accepted)")
 	fs.IntVar(&cfg.Data.MaxConns, "data-max-conns", cfg.Data.MaxConns, "replica data connections served at once (more are refused)")
 	fs.Int64Var(&cfg.Data.MaxMemory, "data-max-memory", cfg.Data.MaxMemory, "bytes of payload buffers all replica data connections together may hold")
+	var files pki.Files
+	fs.StringVar(&files.Cert, "tls-cert", "", "PEM certificate of this server (URI SAN stor://server/<id>); re-read when it changes")
+	fs.StringVar(&files.Key, "tls-key", "", "PEM key of --tls-cert")
+	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle every peer's certificate must chain to")
+	fs.BoolVar(&cfg.Insecure, "insecure", false, "run without TLS; every address must then be on loopback")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
 	if err := fs.Parse(args); err != nil {
@@ -80,6 +86,11 @@ func run(args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+	if files.Set() {
+		if cfg.TLS, err = pki.Load(files, cfg.Logger); err != nil {
+			return err
+		}
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

@@ -79,7 +79,8 @@ type Client struct {
 // returns the last Unavailable error, which says why the cluster could not
 // answer. The stream call (WatchVolume) is not retried.
 //
-// Dial uses insecure transport credentials: the cluster API has no TLS yet.
+// Dial uses insecure transport credentials unless opts carry others
+// (pki.Source.GRPCDialCredentials: mutual TLS).
 // opts are applied after Dial's own options and may override them.
 //
 // Dial does not wait for a connection; the first call makes it.

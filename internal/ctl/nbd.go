@@ -56,7 +56,7 @@ func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, 
 	defer c.Close()
 	env := volumeEnv{
 		Control: engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots},
-		Connect: engine.WireConnector(wire.ClientConfig{}),
+		Connect: engine.WireConnector(wire.ClientConfig{Dial: a.dataDial}),
 		Timeout: a.timeout,
 		Stdout:  a.stdout,
 		Logger:  slog.New(slog.NewTextHandler(a.stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),

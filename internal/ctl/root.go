@@ -22,6 +22,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -32,6 +33,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/pki"
 )
 
 // Defaults of the global flags.
@@ -56,6 +58,12 @@ type app struct {
 	server  string
 	timeout time.Duration
 	output  string
+
+	tls      pki.Files // --tls-cert, --tls-key, --tls-ca; see tlsFiles
+	insecure bool
+	// dataDial opens connections to the servers' data ports (nbd serve):
+	// set by dial, under TLS when the control connection is.
+	dataDial func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
 // usageError marks an error in the command line itself (exit code 2).
@@ -117,7 +125,9 @@ servers, volumes and snapshots; "nbd serve" serves a volume over NBD.
 Any server of the cluster answers any command. Give several with
 --server a:7400,b:7400 (or $` + serverEnv + `) and stor-ctl uses the first that
 answers; while the cluster has no leader it retries until --timeout.
-The control API has no TLS yet: connections are not encrypted.
+Connections use mutual TLS with the certificate of --tls-cert (or
+$STOR_CERT, or make cluster's in $STOR_DATA/tls); without one they are
+plaintext, and --insecure allows only loopback servers.
 
 Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		SilenceErrors: true,
@@ -143,6 +153,10 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		"control address(es) of the cluster, comma-separated; $"+serverEnv+" when the flag is not given")
 	pf.DurationVar(&a.timeout, "timeout", defaultTimeout, "time limit for the whole command, retries included")
 	pf.StringVarP(&a.output, "output", "o", outputTable, "output format: table or json")
+	pf.StringVar(&a.tls.Cert, "tls-cert", "", "PEM operator certificate (stor://operator/<name>); $"+certEnv+" when not given, else make cluster's in $"+dataEnv+"/tls")
+	pf.StringVar(&a.tls.Key, "tls-key", "", "PEM key of --tls-cert; $"+keyEnv+" when not given")
+	pf.StringVar(&a.tls.CA, "tls-ca", "", "PEM CA bundle the servers' certificates must chain to; $"+caEnv+" when not given")
+	pf.BoolVar(&a.insecure, "insecure", false, "connect without TLS; every --server address must then be on loopback")
 
 	root.AddCommand(
 		newClusterCommand(a),
@@ -152,6 +166,7 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		newReplicaCommand(a),
 		newSnapshotCommand(a),
 		newNBDCommand(a),
+		newCertsCommand(a),
 	)
 	return root
 }
@@ -288,6 +303,11 @@ func (a *app) dial(cmd *cobra.Command) (*client.Client, []string, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	c, err := client.Dial(addrs)
+	opts, dataDial, err := a.transport(cmd, addrs)
+	if err != nil {
+		return nil, nil, err
+	}
+	a.dataDial = dataDial
+	c, err := client.Dial(addrs, opts...)
 	return c, addrs, err
 }

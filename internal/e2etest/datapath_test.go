@@ -14,6 +14,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/servertest"
 	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
@@ -30,7 +31,9 @@ func TestReplicaServerSIGKILLDuringVerifiedWrites(t *testing.T) {
 	var vol storpb.Volume
 	mustCtlJSON(t, &vol, "--server", all, "volume", "create", "data", "--size", "64MiB", "--replicas", "3", "-o", "json")
 
-	cl, err := client.Dial(strings.Split(all, ","))
+	tlsSrc := operatorSource(t)
+	dataDial := tlsSrc.Dialer(nil, pki.RoleServer)
+	cl, err := client.Dial(strings.Split(all, ","), tlsSrc.GRPCDialCredentials())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -40,7 +43,7 @@ func TestReplicaServerSIGKILLDuringVerifiedWrites(t *testing.T) {
 	e, err := engine.Open(ctx, engine.Config{
 		Volume: "data", NodeID: "e2e-client",
 		Control:   engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster},
-		Connect:   engine.WireConnector(wire.ClientConfig{}),
+		Connect:   engine.WireConnector(wire.ClientConfig{Dial: dataDial}),
 		IOTimeout: 3 * time.Second,
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
@@ -130,7 +133,7 @@ func TestReplicaServerSIGKILLDuringVerifiedWrites(t *testing.T) {
 				return fmt.Errorf("replica %s on %s is %v", r.Id, r.ServerId, r.State)
 			}
 		}
-		sums, err := servertest.Checksums(ctx, cl, vol.Id)
+		sums, err := servertest.ChecksumsWith(ctx, cl, vol.Id, dataDial)
 		if err != nil {
 			return err
 		}

@@ -19,6 +19,8 @@ import (
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/stor-io/stor/internal/pki"
 )
 
 // Bounds on the harness's own waits.
@@ -43,13 +45,25 @@ var (
 	skipReason string
 	// buildErr, when set, fails every test: the binaries did not build.
 	buildErr error
+	// tlsDir holds the CA and the certificates of every server and of
+	// stor-ctl (operator): the processes run with mutual TLS, as make
+	// cluster does.
+	tlsDir string
 )
+
+// operator is the identity stor-ctl and the tests' own clients present.
+var operator = pki.Identity{Role: pki.RoleOperator, Name: "e2etest"}
 
 func TestMain(m *testing.M) {
 	flag.Parse()
 	dir, err := os.MkdirTemp("", "stor-e2e-bin-")
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "e2etest: %v\n", err)
+		os.Exit(1)
+	}
+	tlsDir = filepath.Join(dir, "tls")
+	if err := pki.EnsureLocal(tlsDir, operator); err != nil {
+		fmt.Fprintf(os.Stderr, "e2etest: certificates: %v\n", err)
 		os.Exit(1)
 	}
 	switch {
@@ -122,18 +136,35 @@ func raceEnabled() bool {
 }
 
 // processEnv is the environment of the processes the tests start: this
-// one's, with stor-ctl's $STOR_SERVER removed (every call names its servers)
-// and, for binaries built with -race, no pause at exit (the race runtime
-// sleeps 1s by default before a process exits, which every stor-ctl call
-// would pay).
+// one's, with stor-ctl's $STOR_SERVER removed (every call names its
+// servers), stor-ctl's certificate ($STOR_CERT, $STOR_KEY, $STOR_CA: the
+// operator's in tlsDir, whatever the caller's environment says) and, for
+// binaries built with -race, no pause at exit (the race runtime sleeps 1s
+// by default before a process exits, which every stor-ctl call would pay).
 func processEnv() []string {
 	var env []string
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "STOR_SERVER=") && !strings.HasPrefix(kv, "GORACE=") {
-			env = append(env, kv)
+		name, _, _ := strings.Cut(kv, "=")
+		switch name {
+		case "STOR_SERVER", "GORACE", "STOR_CERT", "STOR_KEY", "STOR_CA", "STOR_DATA":
+			continue
 		}
+		env = append(env, kv)
 	}
-	return append(env, "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+	f := pki.LocalFiles(tlsDir, operator)
+	return append(env, "GORACE="+strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"),
+		"STOR_CERT="+f.Cert, "STOR_KEY="+f.Key, "STOR_CA="+f.CA)
+}
+
+// operatorSource is the operator's certificate, for the tests' in-process
+// clients.
+func operatorSource(t *testing.T) *pki.Source {
+	t.Helper()
+	src, err := pki.Load(pki.LocalFiles(tlsDir, operator), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src
 }
 
 // requireBinaries skips or fails t when TestMain could not build the
@@ -208,6 +239,12 @@ func newServer(t *testing.T, id, dataDir, join string) *server {
 	if join != "" {
 		s.args = append(s.args, "--join", join)
 	}
+	self := pki.Identity{Role: pki.RoleServer, Name: id}
+	if err := pki.EnsureLocal(tlsDir, self); err != nil {
+		t.Fatal(err)
+	}
+	f := pki.LocalFiles(tlsDir, self)
+	s.args = append(s.args, "--tls-cert", f.Cert, "--tls-key", f.Key, "--tls-ca", f.CA)
 	t.Cleanup(func() { s.kill(t) })
 	return s
 }

@@ -17,6 +17,8 @@ var codeTable = []struct {
 	err  error
 	code codes.Code
 }{
+	{ErrUnauthenticated, codes.Unauthenticated},
+	{ErrPermissionDenied, codes.PermissionDenied},
 	{raftstore.ErrNotFound, codes.NotFound},
 	{raftstore.ErrAlreadyExists, codes.AlreadyExists},
 	{raftstore.ErrInvalidArgument, codes.InvalidArgument},

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/wire"
@@ -100,6 +101,20 @@ type Config struct {
 	InsecureDataInspect bool
 	// Logger receives structured logs. Default slog.Default().
 	Logger *slog.Logger
+
+	// TLS, if set, secures every port with mutual TLS (package pki): the
+	// control API admits every role (what each may call: authz.go's
+	// accessTable), the Raft port only servers, the data port servers, CSI
+	// nodes and operators; and every connection this server makes presents
+	// its certificate and wants a server's. Its identity must be
+	// stor://server/<ID>. Default nil: plaintext — see Insecure.
+	TLS *pki.Source
+	// Insecure states that the server runs without TLS on purpose; then
+	// every address (listen, advertise, join) must be on loopback. With
+	// neither TLS nor Insecure the server runs plaintext as before TLS
+	// existed, and says so in its log: the transition while harnesses
+	// gain certificates.
+	Insecure bool
 }
 
 // APILimits bounds what clients of the control API can make a server
@@ -257,6 +272,16 @@ func (c *Config) Validate() error {
 		}
 		if _, _, err := net.SplitHostPort(addr); err != nil {
 			return fmt.Errorf("server: address %q: %v", addr, err)
+		}
+	}
+	switch {
+	case c.TLS != nil && c.Insecure:
+		return fmt.Errorf("server: --insecure with TLS certificates")
+	case c.TLS != nil && c.TLS.Identity() != (pki.Identity{Role: pki.RoleServer, Name: c.ID}):
+		return fmt.Errorf("server: the TLS certificate is %s, not stor://server/%s", c.TLS.Identity(), c.ID)
+	case c.Insecure:
+		if err := pki.CheckLoopback(append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise}, c.Join...)...); err != nil {
+			return fmt.Errorf("server: %w", err)
 		}
 	}
 	if c.Raft.ServerDownTimeout > 0 && c.Raft.ServerDownTimeout <= c.HeartbeatInterval {

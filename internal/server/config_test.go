@@ -3,8 +3,25 @@ package server_test
 import (
 	"testing"
 
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 )
+
+// source loads a server certificate for id from a CA made in a temporary
+// directory.
+func source(t *testing.T, id string) *pki.Source {
+	t.Helper()
+	dir := t.TempDir()
+	self := pki.Identity{Role: pki.RoleServer, Name: id}
+	if err := pki.EnsureLocal(dir, self); err != nil {
+		t.Fatal(err)
+	}
+	src, err := pki.Load(pki.LocalFiles(dir, self), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src
+}
 
 func TestShouldBootstrap(t *testing.T) {
 	seeds := []string{"stor-0.stor:7400", "stor-1.stor:7400", "stor-2.stor:7400"}
@@ -43,6 +60,13 @@ func TestConfigValidate(t *testing.T) {
 		{"bad join address", func(c *server.Config) { c.ID = "s1"; c.Join = []string{"nohost"} }, false},
 		{"down timeout below heartbeat", func(c *server.Config) { c.ID = "s1"; c.Raft.ServerDownTimeout = c.HeartbeatInterval }, false},
 		{"replicas over the limit", func(c *server.Config) { c.ID = "s1"; c.DefaultReplicas = 99 }, false},
+		{"insecure on loopback", func(c *server.Config) { c.ID = "s1"; c.Insecure = true; c.Join = []string{"127.0.0.1:7410"} }, true},
+		{"insecure listening everywhere", func(c *server.Config) { c.ID = "s1"; c.Insecure = true; c.DataListen = ":7402" }, false},
+		{"insecure advertising a LAN address", func(c *server.Config) { c.ID = "s1"; c.Insecure = true; c.Advertise = "10.0.0.1:7400" }, false},
+		{"insecure joining a DNS name", func(c *server.Config) { c.ID = "s1"; c.Insecure = true; c.Join = []string{"stor-0.stor:7400"} }, false},
+		{"TLS and insecure", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s1"); c.Insecure = true }, false},
+		{"TLS certificate of this id", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s1") }, true},
+		{"TLS certificate of another id", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s2") }, false},
 	}
 	for _, tc := range cases {
 		cfg := server.DefaultConfig()

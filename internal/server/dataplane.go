@@ -10,6 +10,7 @@ import (
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
@@ -48,6 +49,11 @@ type dataPlane struct {
 	wg sync.WaitGroup
 }
 
+// dataRoles are the identities the data port admits under TLS: servers
+// (rebuilds, clones, detached snapshots), CSI nodes and operators (the
+// engines of attached volumes).
+var dataRoles = []pki.Role{pki.RoleServer, pki.RoleCSINode, pki.RoleOperator}
+
 func (s *Server) startDataPlane() error {
 	cfg := &s.cfg
 	store, err := replica.OpenStore(replica.Config{Dir: filepath.Join(cfg.DataDir, "replicas"), FS: cfg.ReplicaFS, Logger: s.logger})
@@ -67,6 +73,12 @@ func (s *Server) startDataPlane() error {
 	}
 	if cfg.DataAdvertise == "" {
 		cfg.DataAdvertise = d.lis.Addr().String()
+	}
+	if cfg.TLS != nil {
+		d.lis = cfg.TLS.Listener(d.lis, dataRoles...)
+		if cfg.DataIdentify == nil {
+			cfg.DataIdentify = tlsDataIdentity
+		}
 	}
 	d.wire, err = wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
 		r, err := store.Get(id)
@@ -213,7 +225,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		}
 		return err
 	})
-	connect := engine.WireConnector(wire.ClientConfig{Dial: d.s.cfg.Dial})
+	connect := engine.WireConnector(wire.ClientConfig{Dial: d.s.dialData})
 	// Every open states the rebuild of r on this server (dataauth.go).
 	open := func(rep *storpb.Replica) (engine.ReplicaConn, error) {
 		srv := servers[rep.ServerId]
@@ -272,4 +284,22 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	d.s.logger.Info("rebuild complete", "volume", v.Name, "replica", r.Id, "delta", stats.Delta,
 		"bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
 	return nil
+}
+
+// handshakeTimeout bounds the TLS handshake tlsDataIdentity completes.
+const handshakeTimeout = 10 * time.Second
+
+// tlsDataIdentity is the identity of a data connection's peer from its
+// certificate (the TLS listener already refused every peer without one
+// of dataRoles): what dataauth.go's speaksFor checks an OPEN against. A
+// handshake that fails leaves the peer unverified, and the connection
+// fails at its first read anyway.
+func tlsDataIdentity(conn net.Conn) wire.Identity {
+	ctx, cancel := context.WithTimeout(context.Background(), handshakeTimeout)
+	defer cancel()
+	id, err := pki.ConnIdentity(ctx, conn)
+	if err != nil {
+		return wire.Identity{}
+	}
+	return wire.Identity{Verified: true, Role: string(id.Role), Name: id.Name}
 }

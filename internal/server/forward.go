@@ -60,6 +60,9 @@ func (f *forwarder) intercept(ctx context.Context, req any, info *grpc.UnaryServ
 		return nil, status.Errorf(codes.Unavailable, "leader %s at %s: %v", leaderID, addr, err)
 	}
 	ctx = metadata.AppendToOutgoingContext(ctx, forwardedKey, f.s.cfg.ID)
+	if id, ok := callerOf(ctx); ok {
+		ctx = metadata.AppendToOutgoingContext(ctx, callerKey, id.String())
+	}
 	if err := conn.Invoke(ctx, info.FullMethod, req, reply); err != nil {
 		return nil, err
 	}
@@ -123,8 +126,11 @@ func (f *forwarder) close() {
 
 // dialPeer opens a client connection to another server through the Dial seam.
 func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {
-	return grpc.NewClient("passthrough:///"+addr,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
+	creds := grpc.WithTransportCredentials(insecure.NewCredentials())
+	if s.cfg.TLS != nil {
+		creds = s.cfg.TLS.GRPCDialCredentials()
+	}
+	return grpc.NewClient("passthrough:///"+addr, creds,
 		grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
 			return s.cfg.Dial(ctx, "tcp", a)
 		}),

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/raftstore"
 )
 
@@ -34,6 +35,9 @@ type Server struct {
 	lis    net.Listener
 	fwd    *forwarder
 	data   *dataPlane
+	// dialData opens connections to other servers' Raft and data ports: cfg.Dial,
+	// under TLS when cfg.TLS is set.
+	dialData func(ctx context.Context, network, addr string) (net.Conn, error)
 
 	ctx    context.Context // cancelled by Close and Kill
 	cancel context.CancelFunc
@@ -76,6 +80,12 @@ func Start(cfg Config) (*Server, error) {
 func (s *Server) start() error {
 	cfg := &s.cfg
 	var err error
+	s.dialData = cfg.Dial
+	if cfg.TLS != nil {
+		s.dialData = cfg.TLS.Dialer(cfg.Dial, pki.RoleServer)
+	} else {
+		s.logger.Warn("no TLS: every port of this server is unauthenticated and unencrypted", "insecure", cfg.Insecure)
+	}
 	s.lis = cfg.Listener
 	if s.lis == nil {
 		if s.lis, err = net.Listen("tcp", cfg.Listen); err != nil {
@@ -109,14 +119,34 @@ func (s *Server) start() error {
 	rc.ID, rc.Dir = cfg.ID, cfg.DataDir
 	rc.RaftBind, rc.RaftListener, rc.RaftAdvertise = cfg.RaftListen, cfg.RaftListener, cfg.RaftAdvertise
 	rc.Dial, rc.Logger = cfg.Dial, cfg.Logger
+	if cfg.TLS != nil {
+		// The Raft port admits servers only, and dials them under TLS.
+		if rc.RaftListener == nil {
+			if rc.RaftListener, err = net.Listen("tcp", cfg.RaftListen); err != nil {
+				return fmt.Errorf("server: raft listen: %w", err)
+			}
+		}
+		rc.RaftListener = cfg.TLS.Listener(rc.RaftListener, pki.RoleServer)
+		rc.Dial = s.dialData
+	}
 	if s.store, err = raftstore.Open(rc); err != nil {
+		if cfg.TLS != nil && cfg.RaftListener == nil {
+			rc.RaftListener.Close() // bound above
+		}
 		return err
 	}
 	if err := s.startDataPlane(); err != nil {
 		return err
 	}
 
-	s.grpc = grpc.NewServer(append(apiLimits(cfg.API), grpc.ChainUnaryInterceptor(s.logCalls, s.fwd.intercept))...)
+	opts := append(apiLimits(cfg.API),
+		grpc.ChainUnaryInterceptor(s.logCalls, s.authorize, s.fwd.intercept),
+		grpc.ChainStreamInterceptor(s.authorizeStream),
+	)
+	if cfg.TLS != nil {
+		opts = append(opts, cfg.TLS.GRPCServerCredentials())
+	}
+	s.grpc = grpc.NewServer(opts...)
 	storpb.RegisterClusterServiceServer(s.grpc, &clusterService{s: s})
 	storpb.RegisterVolumeServiceServer(s.grpc, &volumeService{s: s})
 	storpb.RegisterSnapshotServiceServer(s.grpc, &snapshotService{s: s})

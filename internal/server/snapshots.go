@@ -219,7 +219,7 @@ func (d *dataPlane) cutDetached(v *storpb.Volume) error {
 			Cluster:   storpb.NewClusterServiceClient(conn),
 			Snapshots: storpb.NewSnapshotServiceClient(conn),
 		},
-		Connect: engine.WireConnector(wire.ClientConfig{Dial: d.s.cfg.Dial}),
+		Connect: engine.WireConnector(wire.ClientConfig{Dial: d.s.dialData}),
 		Logger:  d.s.logger,
 	})
 }
@@ -298,7 +298,7 @@ func boolInt(b bool) int {
 func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storpb.Volume, s *storpb.Snapshot, dst *replica.Replica, o replica.Op) (int64, error) {
 	epoch := src.Epoch
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	conn, err := wire.Dial(dctx, "tcp", addr, wire.ClientConfig{Dial: d.s.cfg.Dial})
+	conn, err := wire.Dial(dctx, "tcp", addr, wire.ClientConfig{Dial: d.s.dialData})
 	if err != nil {
 		cancel()
 		return 0, err

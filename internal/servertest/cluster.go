@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 	"github.com/stor-io/stor/raftstore"
 )
@@ -31,6 +32,10 @@ type Options struct {
 	// Configure, if set, edits each server's config before it starts
 	// (index i). Zones, labels, capacity, raft tuning go here.
 	Configure func(i int, cfg *server.Config)
+	// TLS runs every server with mutual TLS: a CA and certificates made in
+	// the cluster's directory (TLSFiles), and the clients of Node.Client,
+	// Dial and EngineConfig present an operator certificate. Default off.
+	TLS bool
 }
 
 // Node is one server of a Cluster. Its addresses and data dir survive
@@ -128,6 +133,9 @@ func (c *Cluster) AddNode() *Node {
 	}
 	cfg.Dial = c.Net.Dialer(i)
 	cfg.Logger = c.log.logger.With("node", n.ID)
+	if c.opts.TLS {
+		cfg.TLS = c.TLSSource(pki.Identity{Role: pki.RoleServer, Name: n.ID})
+	}
 	if c.opts.Configure != nil {
 		c.opts.Configure(i, &cfg)
 	}
@@ -183,7 +191,7 @@ func (c *Cluster) TryStart(i int) error {
 	}
 	n.srv = srv
 	if n.conn == nil {
-		conn, err := grpc.NewClient("passthrough:///"+n.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		conn, err := grpc.NewClient("passthrough:///"+n.Addr, c.dialCredentials())
 		if err != nil {
 			return err
 		}
@@ -357,3 +365,46 @@ func (l *testLog) stop() {
 }
 
 var _ io.Writer = (*testLog)(nil)
+
+// Operator is the identity of the clients of a TLS cluster.
+var Operator = pki.Identity{Role: pki.RoleOperator, Name: "servertest"}
+
+// TLSDir holds the CA (ca.crt, ca.key) and the certificates of a TLS
+// cluster.
+func (c *Cluster) TLSDir() string { return filepath.Join(c.base, "tls") }
+
+// TLSFiles returns the certificate files of id, issued by the cluster's CA
+// if they do not exist yet.
+func (c *Cluster) TLSFiles(id pki.Identity) pki.Files {
+	c.t.Helper()
+	if err := pki.EnsureLocal(c.TLSDir(), id); err != nil {
+		c.t.Fatalf("servertest: certificates: %v", err)
+	}
+	return pki.LocalFiles(c.TLSDir(), id)
+}
+
+// TLSSource loads TLSFiles(id).
+func (c *Cluster) TLSSource(id pki.Identity) *pki.Source {
+	c.t.Helper()
+	src, err := pki.Load(c.TLSFiles(id), c.log.logger.With("tls", id.String()))
+	if err != nil {
+		c.t.Fatalf("servertest: %v", err)
+	}
+	return src
+}
+
+// dialCredentials are the transport credentials of the cluster's clients.
+func (c *Cluster) dialCredentials() grpc.DialOption {
+	if !c.opts.TLS {
+		return grpc.WithTransportCredentials(insecure.NewCredentials())
+	}
+	return c.TLSSource(Operator).GRPCDialCredentials()
+}
+
+// dataDial is the dialer of the cluster's engines (nil: plaintext).
+func (c *Cluster) dataDial() func(ctx context.Context, network, addr string) (net.Conn, error) {
+	if !c.opts.TLS {
+		return nil
+	}
+	return c.TLSSource(Operator).Dialer(nil, pki.RoleServer)
+}

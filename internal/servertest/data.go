@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"net"
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
@@ -22,7 +23,7 @@ func (c *Cluster) Dial() *client.Client {
 	for _, n := range c.Nodes {
 		addrs = append(addrs, n.Addr)
 	}
-	cl, err := client.Dial(addrs)
+	cl, err := client.Dial(addrs, c.dialCredentials())
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -37,7 +38,7 @@ func (c *Cluster) EngineConfig(volume, node string) engine.Config {
 	return engine.Config{
 		Volume: volume, NodeID: node,
 		Control:   engine.ControlPlane{Volumes: cl.Volumes, Cluster: cl.Cluster, Snapshots: cl.Snapshots},
-		Connect:   engine.WireConnector(wire.ClientConfig{}),
+		Connect:   engine.WireConnector(wire.ClientConfig{Dial: c.dataDial()}),
 		IOTimeout: 3 * time.Second,
 		Logger:    c.log.logger.With("engine", node),
 	}
@@ -75,7 +76,7 @@ func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
 	c.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	out, err := Checksums(ctx, c.Dial(), volumeID)
+	out, err := ChecksumsWith(ctx, c.Dial(), volumeID, c.dataDial())
 	if err != nil {
 		c.t.Fatal(err)
 	}
@@ -85,6 +86,12 @@ func (c *Cluster) Checksums(volumeID string) []ReplicaDigest {
 // Checksums is Cluster.Checksums for any cluster a client reaches (the
 // multi-process tests use it).
 func Checksums(ctx context.Context, cl *client.Client, volumeID string) ([]ReplicaDigest, error) {
+	return ChecksumsWith(ctx, cl, volumeID, nil)
+}
+
+// ChecksumsWith is Checksums dialing the data ports with dial (nil:
+// plaintext; a pki Dialer for a TLS cluster).
+func ChecksumsWith(ctx context.Context, cl *client.Client, volumeID string, dial func(ctx context.Context, network, addr string) (net.Conn, error)) ([]ReplicaDigest, error) {
 	v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
 	if err != nil {
 		return nil, err
@@ -100,16 +107,17 @@ func Checksums(ctx context.Context, cl *client.Client, volumeID string) ([]Repli
 	var out []ReplicaDigest
 	for _, r := range v.Volume.Replicas {
 		d := ReplicaDigest{Replica: r}
-		d.SHA256, d.Err = checksum(ctx, addr[r.ServerId], v.Volume.Id, r.Id, v.Volume.Epoch, v.Volume.SizeBytes)
+		d.SHA256, d.Err = checksum(ctx, dial, addr[r.ServerId], v.Volume.Id, r.Id, v.Volume.Epoch, v.Volume.SizeBytes)
 		out = append(out, d)
 	}
 	return out, nil
 }
 
 // checksum reads a replica over the data protocol for inspection (the
-// cluster's servers run with InsecureDataInspect).
-func checksum(ctx context.Context, addr, volumeID, replicaID string, epoch, size uint64) (string, error) {
-	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
+// cluster's servers run with InsecureDataInspect; a TLS cluster's dial
+// presents an operator certificate).
+func checksum(ctx context.Context, dial func(ctx context.Context, network, addr string) (net.Conn, error), addr, volumeID, replicaID string, epoch, size uint64) (string, error) {
+	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{Dial: dial})
 	if err != nil {
 		return "", err
 	}
@@ -161,7 +169,7 @@ func (c *Cluster) ReadSnapshot(volumeID, layer, replicaID string, size uint64) (
 	if addr == "" {
 		return nil, fmt.Errorf("servertest: volume %s has no replica %s", volumeID, replicaID)
 	}
-	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
+	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{Dial: c.dataDial()})
 	if err != nil {
 		return nil, err
 	}

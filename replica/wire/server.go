@@ -321,9 +321,6 @@ func newServerConn(s *Server, nc net.Conn) *serverConn {
 		handles: make(map[uint32]handle),
 		peer:    Peer{Addr: nc.RemoteAddr()},
 	}
-	if s.cfg.Identify != nil {
-		c.peer.Identity = s.cfg.Identify(nc)
-	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.w = newFrameWriter(nc, s.cfg.WriteTimeout, c.shutdown)
 	return c
@@ -342,6 +339,11 @@ func (c *serverConn) shutdown(cause error) {
 // run serves the connection until it breaks, then waits for its workers.
 func (c *serverConn) run() {
 	c.log.Debug("wire: connection opened")
+	// Identify may complete a TLS handshake: here, in the connection's own
+	// goroutine, not in the accept loop a slow peer would stall.
+	if c.s.cfg.Identify != nil {
+		c.peer.Identity = c.s.cfg.Identify(c.nc)
+	}
 	graceful, err := c.readLoop()
 	if graceful {
 		// The client closed its side between frames, or was told why it is
