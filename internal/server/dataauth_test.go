@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"testing"
 	"time"
 
@@ -22,6 +23,9 @@ type dataAttacker struct {
 	t    *testing.T
 	c    *servertest.Cluster
 	addr map[string]string // replica id -> data address
+	// dial, if set, is the attacker's dialer (a TLS cluster: with some
+	// certificate); nil dials plaintext.
+	dial func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
 func newDataAttacker(t *testing.T, c *servertest.Cluster, leader int, v *storpb.Volume) *dataAttacker {
@@ -42,9 +46,9 @@ func newDataAttacker(t *testing.T, c *servertest.Cluster, leader int, v *storpb.
 // open tries an OPEN; the connection is closed at the end of the test.
 func (a *dataAttacker) open(ctx context.Context, r wire.OpenRequest) (*wire.Handle, error) {
 	a.t.Helper()
-	conn, err := wire.Dial(ctx, "tcp", a.addr[r.Replica], wire.ClientConfig{})
+	conn, err := wire.Dial(ctx, "tcp", a.addr[r.Replica], wire.ClientConfig{Dial: a.dial})
 	if err != nil {
-		a.t.Fatal(err)
+		return nil, err
 	}
 	a.t.Cleanup(func() { conn.Close() })
 	return conn.OpenFor(ctx, r)

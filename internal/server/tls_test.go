@@ -17,6 +17,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // TestTLSClusterServesData: three servers join, elect, heartbeat and
@@ -234,5 +235,41 @@ func TestTLSRotatedServerCertificatePickedUp(t *testing.T) {
 	}
 	if err := w.status(t, w.operator); err != nil {
 		t.Fatalf("Status after the rotation: %v", err)
+	}
+}
+
+// TestDataPortOpenNeedsTheNodesCertificate: under TLS the data port knows
+// who opens (the peer certificate), so naming the node a volume is
+// attached to is not enough: a csi-node certificate of another node is
+// refused even at the committed epoch, and the attached node's own
+// certificate is granted.
+func TestDataPortOpenNeedsTheNodesCertificate(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{TLS: true})
+	leader := c.Leader(10 * time.Second)
+	v := createVolume(t, c.Client(leader), "mine", 1<<20, 3)
+	ctx := ctxT(t, time.Minute)
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, bytes.Repeat([]byte("node-1's"), 512), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	v = getVolume(t, c, leader, v.Id)
+	as := func(node string) *dataAttacker {
+		a := newDataAttacker(t, c, leader, v)
+		a.dial = c.TLSSource(pki.Identity{Role: pki.RoleCSINode, Name: node}).Dialer(nil, pki.RoleServer)
+		return a
+	}
+	r := v.Replicas[0]
+	open := func(a *dataAttacker, node string) error {
+		_, err := a.open(ctx, wire.OpenRequest{Replica: r.Id, Volume: v.Id, Node: node, Epoch: v.Epoch, Purpose: wire.PurposeAttach})
+		return err
+	}
+	if err := open(as("node-2"), "node-1"); !errors.Is(err, wire.ErrDenied) {
+		t.Errorf("node-2's certificate opening node-1's volume as node-1: %v, want ErrDenied", err)
+	}
+	if err := open(as("node-2"), "node-2"); !errors.Is(err, wire.ErrDenied) {
+		t.Errorf("node-2's certificate opening as itself a volume attached to node-1: %v, want ErrDenied", err)
+	}
+	if err := open(as("node-1"), "node-1"); err != nil {
+		t.Errorf("node-1's own certificate opening its volume: %v, want granted", err)
 	}
 }
