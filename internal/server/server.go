@@ -95,6 +95,9 @@ func (s *Server) start() error {
 	if cfg.Advertise == "" {
 		cfg.Advertise = s.lis.Addr().String()
 	}
+	if err := privateDir(cfg.DataDir); err != nil {
+		return err
+	}
 	if cfg.Capacity == 0 {
 		if cfg.Capacity, err = filesystemSize(cfg.DataDir); err != nil {
 			return err
@@ -191,10 +194,21 @@ func (s *Server) start() error {
 	return nil
 }
 
-func filesystemSize(dir string) (uint64, error) {
+// privateDir makes the data dir, or makes an existing one (a
+// PersistentVolume's root, a hostPath), readable by its owner only: it
+// holds every replica's data, the Raft log and, under make cluster, the
+// TLS keys.
+func privateDir(dir string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return 0, fmt.Errorf("server: data dir: %w", err)
+		return fmt.Errorf("server: data dir: %w", err)
 	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("server: data dir: %w", err)
+	}
+	return nil
+}
+
+func filesystemSize(dir string) (uint64, error) {
 	var st syscall.Statfs_t
 	if err := syscall.Statfs(dir, &st); err != nil {
 		return 0, fmt.Errorf("server: measure capacity of %s: %w (set --capacity)", dir, err)
