@@ -9,7 +9,7 @@ PROTOC_GEN_GO_GRPC_VERSION ?= v1.6.0
 .PHONY: image-binaries images test-deploy
 .PHONY: test-csi vm-csi bench-csi
 .PHONY: jepsen jepsen-soak
-.PHONY: k8s k8s-tools
+.PHONY: k8s k8s-tools docs
 
 build:
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/ ./cmd/...
@@ -154,6 +154,11 @@ JEPSEN_SEED ?= 0
 JEPSEN_NEMESES ?= all
 JEPSEN_EXTRA ?=
 JEPSEN_FLAGS = -jepsen.seed=$(JEPSEN_SEED) -jepsen.nemeses=$(JEPSEN_NEMESES) $(JEPSEN_EXTRA)
+# docs/stor-ctl: the stor-ctl reference, generated from the command tree by
+# cobra's doc generator (make test fails when it is stale).
+docs:
+	$(GO) test -count=1 -run '^TestReferenceIsGenerated$$' ./internal/ctl/ -update-reference
+
 # The real control-plane tier: deploy/'s base on kube-apiserver,
 # kube-controller-manager, kube-scheduler and etcd (v1.37.2) with the CSI
 # sidecars at deploy/'s tags, all built from the tools modules under
