@@ -252,7 +252,7 @@ func capacityZones(zone string, hasZone bool, nodes []*storpb.Node) (zones map[s
 }
 
 // capacity computes GetCapacity's answer over the free bytes of the
-// servers placement may use (see placeFree in raftstore: an unreported
+// servers placement may use (see serverFree: an unreported
 // capacity is unlimited, math.MaxUint64) for volumes of the given replica
 // count, on distinct servers:
 //
@@ -295,19 +295,30 @@ func satAdd(a, b uint64) uint64 {
 	return s
 }
 
-// serverFree is a server's free bytes as placement counts them:
-// unlimited (math.MaxUint64) when it has not reported a capacity, 0 when
-// it is over-allocated.
-func serverFree(s *storpb.Server) uint64 {
-	total, allocated := s.GetCapacityBytes(), s.GetAllocatedBytes()
-	switch {
-	case total == 0:
-		return math.MaxUint64
-	case allocated >= total:
-		return 0
-	default:
-		return total - allocated
+// serverFree is a server's free bytes as placement counts them
+// (raftstore.ProvisionableBytes, repeated here so that the CSI driver does
+// not link the Raft store): its capacity times the cluster's
+// over-provisioning percent (ListServersResponse; 0 from a cluster older
+// than the setting means 100) / 100, less what is promised to its
+// replicas; unlimited (math.MaxUint64) when it has not reported a
+// capacity, 0 when it is over-allocated.
+func serverFree(s *storpb.Server, percent uint32) uint64 {
+	if percent == 0 {
+		percent = 100
 	}
+	total, allocated := s.GetCapacityBytes(), s.GetAllocatedBytes()
+	if total == 0 {
+		return math.MaxUint64
+	}
+	hi, lo := bits.Mul64(total, uint64(percent))
+	if hi >= 100 {
+		return math.MaxUint64
+	}
+	limit, _ := bits.Div64(hi, lo, 100)
+	if allocated >= limit {
+		return 0
+	}
+	return limit - allocated
 }
 
 // health is a volume's health as the cluster records it: DEGRADED when

@@ -267,3 +267,56 @@ func TestCreateVolumePrefersKubernetesNode(t *testing.T) {
 		t.Errorf("replicas %v, want one on %s (Kubernetes node k8s-zone-c)", r, c.Nodes[2].ID)
 	}
 }
+
+// GetCapacity counts free space with the cluster's over-provisioning
+// ratio, as placement does: the maximum it answers is what CreateVolume
+// places, at 300% and again after the ratio is lowered.
+func TestGetCapacityFollowsOverProvisioning(t *testing.T) {
+	const g = 1 << 30
+	c, _, ctrl := zonedCluster(t, [3]uint64{g, g, g})
+	cl := clusterClient(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	params := map[string]string{ParamReplicas: "3"}
+	setRatio := func(percent uint32) {
+		t.Helper()
+		if _, err := cl.Cluster.SetClusterConfig(ctx, &storpb.SetClusterConfigRequest{Config: &storpb.ClusterConfig{OverProvisioningPercent: percent}}); err != nil {
+			t.Fatalf("SetClusterConfig %d%%: %v", percent, err)
+		}
+	}
+	capacity := func() (available, maximum int64) {
+		t.Helper()
+		got, err := ctrl.GetCapacity(ctx, &csipb.GetCapacityRequest{VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, Parameters: params})
+		if err != nil {
+			t.Fatalf("GetCapacity: %v", err)
+		}
+		return got.GetAvailableCapacity(), got.GetMaximumVolumeSize().GetValue()
+	}
+	create := func(name string, size int64) error {
+		_, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
+			Name: name, CapacityRange: &csipb.CapacityRange{RequiredBytes: size},
+			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, Parameters: params,
+		})
+		return err
+	}
+	setRatio(300)
+	if avail, maxSize := capacity(); avail != 3*g || maxSize != 3*g {
+		t.Fatalf("GetCapacity at 300%%: available %d, maximum %d; want %d", avail, maxSize, 3*g)
+	}
+	if err := create("too-big", 3*g+BlockSize); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("CreateVolume one block above the maximum: %v, want ResourceExhausted", err)
+	}
+	if err := create("fits", 2*g); err != nil {
+		t.Fatalf("CreateVolume of 2 GiB at 300%%: %v", err)
+	}
+	if avail, maxSize := capacity(); avail != g || maxSize != g {
+		t.Fatalf("GetCapacity at 300%% with 2 GiB provisioned: available %d, maximum %d; want %d", avail, maxSize, g)
+	}
+	setRatio(100)
+	if avail, maxSize := capacity(); avail != 0 || maxSize != 0 {
+		t.Fatalf("GetCapacity back at 100%% with 2 GiB provisioned: available %d, maximum %d; want 0", avail, maxSize)
+	}
+	if err := create("refused", BlockSize); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("CreateVolume back at 100%%: %v, want ResourceExhausted", err)
+	}
+}

@@ -131,6 +131,8 @@ func (w *writer) apply(c command) (proto.Message, error) {
 		return w.recordCloneCopied(c.Body.(*storpb.RecordCloneCopiedRequest))
 	case opRegisterNode:
 		return w.registerNode(c.At, c.Body.(*storpb.Node))
+	case opSetClusterConfig:
+		return w.setClusterConfig(c.Body.(*storpb.ClusterConfig))
 	}
 	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
 }
@@ -293,8 +295,13 @@ func (w *writer) createVolume(at int64, id string, req *storpb.CreateVolumeReque
 	if err != nil {
 		return nil, err
 	}
+	percent, err := w.overProvisioningPercent()
+	if err != nil {
+		return nil, err
+	}
 	chosen, err := Place(servers, PlaceRequest{
 		Replicas: int(req.ReplicaCount), SizeBytes: size, Accessibility: req.Accessibility,
+		OverProvisioningPercent: percent,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("volume %q: %w", req.Name, err)
@@ -334,14 +341,18 @@ func (w *writer) expandVolume(req *storpb.ExpandVolumeRequest) (proto.Message, e
 		return v, nil
 	}
 	delta := size - v.SizeBytes
+	percent, err := w.overProvisioningPercent()
+	if err != nil {
+		return nil, err
+	}
 	for _, sid := range replicaServers(v) {
 		s, err := w.Server(sid)
 		if err != nil {
 			continue // a removed server's replica is faulty and grows nothing
 		}
-		if s.CapacityBytes != 0 && s.CapacityBytes-min(s.CapacityBytes, s.AllocatedBytes) < delta {
-			return nil, fmt.Errorf("%w: volume %q: server %q has %d bytes free, growing needs %d",
-				ErrInsufficientCapacity, v.Name, sid, s.CapacityBytes-min(s.CapacityBytes, s.AllocatedBytes), delta)
+		if free := ProvisionableBytes(s, percent); free < delta {
+			return nil, fmt.Errorf("%w: volume %q: server %q has %d bytes free (over-provisioning %d%%), growing needs %d",
+				ErrInsufficientCapacity, v.Name, sid, free, percent, delta)
 		}
 	}
 	w.addAllocated(replicaServers(v), int64(delta))
@@ -534,9 +545,14 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 				return nil, fmt.Errorf("%w: server %q", ErrNotFound, req.ServerId)
 			}
 		}
+		percent, err := w.overProvisioningPercent()
+		if err != nil {
+			return nil, err
+		}
 		chosen, err := Place(servers, PlaceRequest{
 			Replicas: 1, SizeBytes: v.SizeBytes, Existing: existing,
-			Accessibility: &storpb.TopologyRequirement{Requisite: v.Accessibility.GetRequisite()},
+			Accessibility:           &storpb.TopologyRequirement{Requisite: v.Accessibility.GetRequisite()},
+			OverProvisioningPercent: percent,
 		})
 		if err != nil {
 			return nil, fmt.Errorf("volume %q: new replica: %w", v.Name, err)

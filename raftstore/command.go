@@ -34,6 +34,9 @@ const (
 	// of a replica unhealthy too long: it is not refused for holding the
 	// last copy of a snapshot (the loss is recorded instead).
 	opRepairReplica op = 17 // ID = new replica id, Body = storpb.ReplaceReplicaRequest
+	// opSetClusterConfig merges the body's non-zero fields into the
+	// cluster-wide policy (clusterconfig.go).
+	opSetClusterConfig op = 18 // Body = storpb.ClusterConfig
 )
 
 var opNames = map[op]string{
@@ -45,7 +48,7 @@ var opNames = map[op]string{
 	opDeleteSnapshot: "delete-snapshot", opSetReplicaState: "set-replica-state",
 	opReplaceReplica: "replace-replica", opRecordCut: "record-snapshot-cut",
 	opRecordCloneCopy: "record-clone-copied", opRegisterNode: "register-node",
-	opRepairReplica: "repair-replica",
+	opRepairReplica: "repair-replica", opSetClusterConfig: "set-cluster-config",
 }
 
 func (o op) String() string {
@@ -131,6 +134,8 @@ func decodeCommand(b []byte) (command, error) {
 		m = &storpb.RecordCloneCopiedRequest{}
 	case opRegisterNode:
 		m = &storpb.Node{}
+	case opSetClusterConfig:
+		m = &storpb.ClusterConfig{}
 	default:
 		return c, fmt.Errorf("%w: unknown command %v", ErrCorrupt, c.Op)
 	}

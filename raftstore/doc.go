@@ -15,7 +15,8 @@
 //
 // meta.db buckets, all values protobuf-encoded storpb messages:
 //
-//	meta            "applied_index" (8 bytes, big endian), "cluster_id"
+//	meta            "applied_index" (8 bytes, big endian), "cluster_id",
+//	                "cluster_config" (storpb.ClusterConfig; absent until first set)
 //	servers         server id   -> storpb.Server
 //	volumes         volume id   -> storpb.Volume (with its replica set, epoch, attachment;
 //	                also the deleted volumes kept for their snapshots, state DELETED)
@@ -132,8 +133,9 @@
 //     if its data matters. While the server is down the removal goes on
 //     and the loss is recorded: the copy cannot be read anyway, and the
 //     operator asked for the head to be repaired.
-//   - The leader's repair of a replica unhealthy longer than ReplaceAfter
-//     (its own command, opRepairReplica) is never refused for that: a
+//   - The leader's repair of a replica unhealthy longer than the
+//     replacement wait (see "Cluster-wide policy"; its own command,
+//     opRepairReplica) is never refused for that: a
 //     volume held short of a replica for good (one more fault from losing
 //     acknowledged writes) is worse than a lost snapshot, and a replica
 //     unhealthy that long is usually on a dead machine whose copy is
@@ -141,6 +143,25 @@
 //     leader (a warning naming the snapshot, the volume and the replica).
 //   - A server removed from the cluster took its data: its replicas'
 //     copies are recorded LOST when the removal is applied.
+//
+// # Cluster-wide policy
+//
+// storpb.ClusterConfig is policy every server must apply alike, so it is
+// Raft state (meta/cluster_config, set by opSetClusterConfig, which merges
+// the non-zero fields and refuses out-of-range values as
+// ErrInvalidArgument; clusterconfig.go). It survives restarts, snapshots
+// and leader changes like the rest of the FSM, and it is read at the
+// moment of each decision, so a change needs no restart:
+//
+//   - over_provisioning_percent (100..10000, unset = 100): placement,
+//     replica replacement and volume expansion, all inside the FSM apply,
+//     count a server's free bytes as capacity * percent / 100 minus what
+//     its replicas' sizes add up to (ProvisionableBytes; thin volumes
+//     counted in full). Lowering it refuses new placements and growth on a
+//     server past the new limit; existing replicas stay.
+//   - replace_after_seconds (30s..7d, unset = the leader's start-time
+//     Config.ReplaceAfter): the leader's repair loop reads it at every
+//     pass. A new leader reads the same committed value.
 //
 // # Membership and liveness
 //

@@ -184,10 +184,11 @@ func (s *Store) promoteVoters(ctx context.Context) {
 //     ReplicaGrace becomes faulty;
 //   - a faulty replica whose server has reported since the replica failed
 //     starts rebuilding, while it has been unhealthy for less than
-//     ReplaceAfter: from where it stopped being healthy (a delta of the
+//     the replacement wait (the cluster config's replace-after, read at
+//     every pass, else Config.ReplaceAfter): from where it stopped being healthy (a delta of the
 //     regions written since), or in full if it never was healthy since it
 //     was added, however many rebuilds of it failed (replicastate.go);
-//   - a faulty replica unhealthy for longer than ReplaceAfter, or any
+//   - a faulty replica unhealthy for longer than the replacement wait, or any
 //     replica whose server was removed, is replaced by a new replica
 //     elsewhere (full rebuild); a rebuild in progress is never replaced
 //     for being slow; a snapshot whose last copy it held is then lost,
@@ -200,7 +201,9 @@ func (s *Store) promoteVoters(ctx context.Context) {
 func (s *Store) reconcileReplicas(ctx context.Context) {
 	var vols []*storpb.Volume
 	servers := map[string]*storpb.Server{}
+	var replaceAfter time.Duration
 	_ = s.fsm.View(func(r *Reader) error {
+		replaceAfter = s.replaceAfter(r)
 		vols, _, _ = r.Volumes("", 0)
 		list, _ := r.Servers()
 		for _, srv := range list {
@@ -225,7 +228,7 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 				unhealthyFor = now.Sub(time.Unix(0, r.UnhealthySinceUnixNano))
 			}
 			switch {
-			case srv == nil || r.ServerRemoved || (r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && unhealthyFor > s.cfg.ReplaceAfter):
+			case srv == nil || r.ServerRemoved || (r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY && unhealthyFor > replaceAfter):
 				s.repair(ctx, "replace", v, r, func() error { return s.replaceUnhealthy(ctx, v, r) })
 			case r.State != storpb.ReplicaState_REPLICA_STATE_FAULTY && down && (srv == nil || downFor > s.cfg.ReplicaGrace):
 				s.repair(ctx, "mark faulty (server down)", v, r, func() error {

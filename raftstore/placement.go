@@ -2,7 +2,6 @@ package raftstore
 
 import (
 	"fmt"
-	"math"
 	"slices"
 	"strings"
 
@@ -26,6 +25,9 @@ type PlaceRequest struct {
 	// SizeBytes is each replica's size; a server receives one only if it has
 	// that much free capacity.
 	SizeBytes uint64
+	// OverProvisioningPercent is the cluster's over-provisioning ratio
+	// (ClusterConfig); 0 means the default, 100. See ProvisionableBytes.
+	OverProvisioningPercent uint32
 	// Accessibility restricts (requisite) and steers (preferred) the choice,
 	// with CSI semantics. May be nil: any server, no preference.
 	Accessibility *storpb.TopologyRequirement
@@ -82,10 +84,11 @@ func TopologyMatches(t *storpb.Topology, s *storpb.Server) bool {
 //   - it is not in req.Existing;
 //   - it matches at least one requisite topology, if any are given
 //     (see [TopologyMatches]);
-//   - its free capacity, capacity_bytes - allocated_bytes, is at least
-//     req.SizeBytes. capacity_bytes == 0 means the server has not reported
-//     its capacity and is treated as unlimited; allocated_bytes above a
-//     reported capacity leaves no free capacity.
+//   - its free capacity, capacity_bytes * req.OverProvisioningPercent / 100
+//     less allocated_bytes ([ProvisionableBytes]), is at least req.SizeBytes.
+//     capacity_bytes == 0 means the server has not reported its capacity
+//     and is treated as unlimited; allocated_bytes above that limit leaves
+//     no free capacity.
 //
 // Replicas always go to distinct servers. Picks are greedy, one at a time,
 // each taking the eligible server that ranks first by:
@@ -164,7 +167,7 @@ func Place(servers []*storpb.Server, req PlaceRequest) ([]string, error) {
 		case !placeMatchesAny(requisite, s):
 			nOutside++
 		default:
-			free := placeFree(s)
+			free := ProvisionableBytes(s, req.OverProvisioningPercent)
 			cands = append(cands, placeCandidate{
 				id:   s.GetId(),
 				zone: s.GetZone(),
@@ -252,20 +255,6 @@ func placeBefore(a, b placeCandidate, zoneCount map[string]int) bool {
 		return a.free > b.free
 	}
 	return a.id < b.id
-}
-
-// placeFree returns the server's free capacity; math.MaxUint64 if the
-// server has not reported a capacity, 0 if it is over-allocated.
-func placeFree(s *storpb.Server) uint64 {
-	capacity, allocated := s.GetCapacityBytes(), s.GetAllocatedBytes()
-	switch {
-	case capacity == 0:
-		return math.MaxUint64
-	case allocated >= capacity:
-		return 0
-	default:
-		return capacity - allocated
-	}
 }
 
 // placeMatchesAny reports whether s matches one of ts; an empty ts

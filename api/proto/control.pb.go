@@ -1816,10 +1816,14 @@ func (*ListServersRequest) Descriptor() ([]byte, []int) {
 }
 
 type ListServersResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Servers       []*Server              `protobuf:"bytes,1,rep,name=servers,proto3" json:"servers,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Servers []*Server              `protobuf:"bytes,1,rep,name=servers,proto3" json:"servers,omitempty"`
+	// The over-provisioning ratio in force (ClusterConfig; 100 when unset):
+	// a server with a reported capacity can be promised
+	// capacity_bytes * over_provisioning_percent / 100 bytes in all.
+	OverProvisioningPercent uint32 `protobuf:"varint,2,opt,name=over_provisioning_percent,json=overProvisioningPercent,proto3" json:"over_provisioning_percent,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
 }
 
 func (x *ListServersResponse) Reset() {
@@ -1857,6 +1861,13 @@ func (x *ListServersResponse) GetServers() []*Server {
 		return x.Servers
 	}
 	return nil
+}
+
+func (x *ListServersResponse) GetOverProvisioningPercent() uint32 {
+	if x != nil {
+		return x.OverProvisioningPercent
+	}
+	return 0
 }
 
 type HeartbeatRequest struct {
@@ -2239,6 +2250,239 @@ func (x *ListNodesResponse) GetNextPageToken() string {
 	return ""
 }
 
+// ClusterConfig is cluster-wide policy kept in Raft. A zero field is unset:
+// the built-in or start-time default applies.
+type ClusterConfig struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How long a faulty replica waits before the leader replaces it with a
+	// new one elsewhere; 30..604800 (7 days). Unset: each server's
+	// start-time value (stor-server --replace-after, default 10m) applies
+	// while it leads.
+	ReplaceAfterSeconds uint64 `protobuf:"varint,1,opt,name=replace_after_seconds,json=replaceAfterSeconds,proto3" json:"replace_after_seconds,omitempty"`
+	// Thin over-provisioning: a server may be promised up to its capacity
+	// times this percentage (volume sizes counted in full); 100..10000.
+	// Unset: 100 (no over-provisioning).
+	OverProvisioningPercent uint32 `protobuf:"varint,2,opt,name=over_provisioning_percent,json=overProvisioningPercent,proto3" json:"over_provisioning_percent,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
+}
+
+func (x *ClusterConfig) Reset() {
+	*x = ClusterConfig{}
+	mi := &file_control_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterConfig) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterConfig) ProtoMessage() {}
+
+func (x *ClusterConfig) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterConfig.ProtoReflect.Descriptor instead.
+func (*ClusterConfig) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *ClusterConfig) GetReplaceAfterSeconds() uint64 {
+	if x != nil {
+		return x.ReplaceAfterSeconds
+	}
+	return 0
+}
+
+func (x *ClusterConfig) GetOverProvisioningPercent() uint32 {
+	if x != nil {
+		return x.OverProvisioningPercent
+	}
+	return 0
+}
+
+type GetClusterConfigRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetClusterConfigRequest) Reset() {
+	*x = GetClusterConfigRequest{}
+	mi := &file_control_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetClusterConfigRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetClusterConfigRequest) ProtoMessage() {}
+
+func (x *GetClusterConfigRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetClusterConfigRequest.ProtoReflect.Descriptor instead.
+func (*GetClusterConfigRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{28}
+}
+
+type GetClusterConfigResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// As set; zero fields are unset.
+	Config        *ClusterConfig `protobuf:"bytes,1,opt,name=config,proto3" json:"config,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetClusterConfigResponse) Reset() {
+	*x = GetClusterConfigResponse{}
+	mi := &file_control_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetClusterConfigResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetClusterConfigResponse) ProtoMessage() {}
+
+func (x *GetClusterConfigResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetClusterConfigResponse.ProtoReflect.Descriptor instead.
+func (*GetClusterConfigResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *GetClusterConfigResponse) GetConfig() *ClusterConfig {
+	if x != nil {
+		return x.Config
+	}
+	return nil
+}
+
+type SetClusterConfigRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Non-zero fields replace the current values; zero fields keep them.
+	// An out-of-range value is INVALID_ARGUMENT and nothing changes.
+	Config        *ClusterConfig `protobuf:"bytes,1,opt,name=config,proto3" json:"config,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetClusterConfigRequest) Reset() {
+	*x = SetClusterConfigRequest{}
+	mi := &file_control_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetClusterConfigRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetClusterConfigRequest) ProtoMessage() {}
+
+func (x *SetClusterConfigRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetClusterConfigRequest.ProtoReflect.Descriptor instead.
+func (*SetClusterConfigRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *SetClusterConfigRequest) GetConfig() *ClusterConfig {
+	if x != nil {
+		return x.Config
+	}
+	return nil
+}
+
+type SetClusterConfigResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The whole configuration after the change.
+	Config        *ClusterConfig `protobuf:"bytes,1,opt,name=config,proto3" json:"config,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetClusterConfigResponse) Reset() {
+	*x = SetClusterConfigResponse{}
+	mi := &file_control_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetClusterConfigResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetClusterConfigResponse) ProtoMessage() {}
+
+func (x *SetClusterConfigResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetClusterConfigResponse.ProtoReflect.Descriptor instead.
+func (*SetClusterConfigResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *SetClusterConfigResponse) GetConfig() *ClusterConfig {
+	if x != nil {
+		return x.Config
+	}
+	return nil
+}
+
 type CreateVolumeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Unique; creating an existing name with the same parameters returns the
@@ -2257,7 +2501,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[27]
+	mi := &file_control_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2269,7 +2513,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[27]
+	mi := &file_control_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2282,7 +2526,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{27}
+	return file_control_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -2336,7 +2580,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2348,7 +2592,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2361,7 +2605,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{28}
+	return file_control_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -2382,7 +2626,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2394,7 +2638,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2407,7 +2651,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{29}
+	return file_control_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -2433,7 +2677,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2445,7 +2689,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2458,7 +2702,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{30}
+	return file_control_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -2477,7 +2721,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2489,7 +2733,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2502,7 +2746,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{31}
+	return file_control_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -2528,7 +2772,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2540,7 +2784,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2553,7 +2797,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{32}
+	return file_control_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -2588,7 +2832,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2600,7 +2844,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2613,7 +2857,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{33}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -2639,7 +2883,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2651,7 +2895,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2664,7 +2908,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{34}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -2685,7 +2929,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2697,7 +2941,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2710,7 +2954,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{35}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DeleteVolumeResponse) GetRetained() *Volume {
@@ -2732,7 +2976,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2744,7 +2988,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2757,7 +3001,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -2783,7 +3027,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2795,7 +3039,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2808,7 +3052,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -2839,7 +3083,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2851,7 +3095,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2864,7 +3108,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -2912,7 +3156,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2924,7 +3168,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2937,7 +3181,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -2965,7 +3209,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2977,7 +3221,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2990,7 +3234,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -3023,7 +3267,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3035,7 +3279,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3048,7 +3292,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -3093,7 +3337,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3105,7 +3349,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3118,7 +3362,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -3193,7 +3437,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3205,7 +3449,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3218,7 +3462,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -3249,7 +3493,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3261,7 +3505,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3274,7 +3518,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -3314,7 +3558,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3326,7 +3570,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3339,7 +3583,7 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
@@ -3361,7 +3605,7 @@ type RecordCloneCopiedRequest struct {
 
 func (x *RecordCloneCopiedRequest) Reset() {
 	*x = RecordCloneCopiedRequest{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3373,7 +3617,7 @@ func (x *RecordCloneCopiedRequest) String() string {
 func (*RecordCloneCopiedRequest) ProtoMessage() {}
 
 func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3386,7 +3630,7 @@ func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *RecordCloneCopiedRequest) GetVolumeId() string {
@@ -3412,7 +3656,7 @@ type RecordCloneCopiedResponse struct {
 
 func (x *RecordCloneCopiedResponse) Reset() {
 	*x = RecordCloneCopiedResponse{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3424,7 +3668,7 @@ func (x *RecordCloneCopiedResponse) String() string {
 func (*RecordCloneCopiedResponse) ProtoMessage() {}
 
 func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3437,7 +3681,7 @@ func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
@@ -3456,7 +3700,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3468,7 +3712,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3481,7 +3725,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -3507,7 +3751,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3519,7 +3763,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3532,7 +3776,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{49}
+	return file_control_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -3568,7 +3812,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3580,7 +3824,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3593,7 +3837,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{50}
+	return file_control_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -3619,7 +3863,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3631,7 +3875,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3644,7 +3888,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{51}
+	return file_control_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -3664,7 +3908,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3676,7 +3920,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3689,7 +3933,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{52}
+	return file_control_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -3715,7 +3959,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3727,7 +3971,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3740,7 +3984,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{53}
+	return file_control_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -3759,7 +4003,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3771,7 +4015,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3784,7 +4028,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{54}
+	return file_control_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -3807,7 +4051,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3819,7 +4063,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3832,7 +4076,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{55}
+	return file_control_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -3866,7 +4110,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3878,7 +4122,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3891,7 +4135,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{56}
+	return file_control_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -3917,7 +4161,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3929,7 +4173,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3942,7 +4186,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{57}
+	return file_control_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -3960,7 +4204,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3972,7 +4216,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3985,7 +4229,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{58}
+	return file_control_proto_rawDescGZIP(), []int{63}
 }
 
 // RecordSnapshotCut is how the data path reports cuts: the attached engine
@@ -4007,7 +4251,7 @@ type RecordSnapshotCutRequest struct {
 
 func (x *RecordSnapshotCutRequest) Reset() {
 	*x = RecordSnapshotCutRequest{}
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4019,7 +4263,7 @@ func (x *RecordSnapshotCutRequest) String() string {
 func (*RecordSnapshotCutRequest) ProtoMessage() {}
 
 func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4032,7 +4276,7 @@ func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{59}
+	return file_control_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
@@ -4079,7 +4323,7 @@ type RecordSnapshotCutResponse struct {
 
 func (x *RecordSnapshotCutResponse) Reset() {
 	*x = RecordSnapshotCutResponse{}
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4091,7 +4335,7 @@ func (x *RecordSnapshotCutResponse) String() string {
 func (*RecordSnapshotCutResponse) ProtoMessage() {}
 
 func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4104,7 +4348,7 @@ func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{60}
+	return file_control_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
@@ -4261,9 +4505,10 @@ const file_control_proto_rawDesc = "" +
 	"\fcommit_index\x18\t \x01(\x04R\vcommitIndex\x12#\n" +
 	"\rapplied_index\x18\n" +
 	" \x01(\x04R\fappliedIndex\"\x14\n" +
-	"\x12ListServersRequest\"@\n" +
+	"\x12ListServersRequest\"|\n" +
 	"\x13ListServersResponse\x12)\n" +
-	"\aservers\x18\x01 \x03(\v2\x0f.stor.v1.ServerR\aservers\";\n" +
+	"\aservers\x18\x01 \x03(\v2\x0f.stor.v1.ServerR\aservers\x12:\n" +
+	"\x19over_provisioning_percent\x18\x02 \x01(\rR\x17overProvisioningPercent\";\n" +
 	"\x10HeartbeatRequest\x12'\n" +
 	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"0\n" +
 	"\x11HeartbeatResponse\x12\x1b\n" +
@@ -4282,7 +4527,17 @@ const file_control_proto_rawDesc = "" +
 	"page_token\x18\x02 \x01(\tR\tpageToken\"`\n" +
 	"\x11ListNodesResponse\x12#\n" +
 	"\x05nodes\x18\x01 \x03(\v2\r.stor.v1.NodeR\x05nodes\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xfd\x02\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\x7f\n" +
+	"\rClusterConfig\x122\n" +
+	"\x15replace_after_seconds\x18\x01 \x01(\x04R\x13replaceAfterSeconds\x12:\n" +
+	"\x19over_provisioning_percent\x18\x02 \x01(\rR\x17overProvisioningPercent\"\x19\n" +
+	"\x17GetClusterConfigRequest\"J\n" +
+	"\x18GetClusterConfigResponse\x12.\n" +
+	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"I\n" +
+	"\x17SetClusterConfigRequest\x12.\n" +
+	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"J\n" +
+	"\x18SetClusterConfigResponse\x12.\n" +
+	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"\xfd\x02\n" +
 	"\x13CreateVolumeRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
@@ -4434,7 +4689,7 @@ const file_control_proto_rawDesc = "" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
-	"\x11SUFFRAGE_NONVOTER\x10\x022\x95\x04\n" +
+	"\x11SUFFRAGE_NONVOTER\x10\x022\xc7\x05\n" +
 	"\x0eClusterService\x123\n" +
 	"\x04Join\x12\x14.stor.v1.JoinRequest\x1a\x15.stor.v1.JoinResponse\x126\n" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
@@ -4443,7 +4698,9 @@ const file_control_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse\x12K\n" +
 	"\fRegisterNode\x12\x1c.stor.v1.RegisterNodeRequest\x1a\x1d.stor.v1.RegisterNodeResponse\x12<\n" +
 	"\aGetNode\x12\x17.stor.v1.GetNodeRequest\x1a\x18.stor.v1.GetNodeResponse\x12B\n" +
-	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse2\xe7\x06\n" +
+	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse\x12W\n" +
+	"\x10GetClusterConfig\x12 .stor.v1.GetClusterConfigRequest\x1a!.stor.v1.GetClusterConfigResponse\x12W\n" +
+	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
 	"\fCreateVolume\x12\x1c.stor.v1.CreateVolumeRequest\x1a\x1d.stor.v1.CreateVolumeResponse\x12B\n" +
 	"\tGetVolume\x12\x19.stor.v1.GetVolumeRequest\x1a\x1a.stor.v1.GetVolumeResponse\x12H\n" +
@@ -4476,7 +4733,7 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 66)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 71)
 var file_control_proto_goTypes = []any{
 	(ServerState)(0),                  // 0: stor.v1.ServerState
 	(VolumeState)(0),                  // 1: stor.v1.VolumeState
@@ -4511,56 +4768,61 @@ var file_control_proto_goTypes = []any{
 	(*GetNodeResponse)(nil),           // 30: stor.v1.GetNodeResponse
 	(*ListNodesRequest)(nil),          // 31: stor.v1.ListNodesRequest
 	(*ListNodesResponse)(nil),         // 32: stor.v1.ListNodesResponse
-	(*CreateVolumeRequest)(nil),       // 33: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),      // 34: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),                 // 35: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),          // 36: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),         // 37: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),        // 38: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),       // 39: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),       // 40: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),      // 41: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),       // 42: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),      // 43: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),       // 44: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),      // 45: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),       // 46: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),      // 47: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),    // 48: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil),   // 49: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),     // 50: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),    // 51: stor.v1.ReplaceReplicaResponse
-	(*RecordCloneCopiedRequest)(nil),  // 52: stor.v1.RecordCloneCopiedRequest
-	(*RecordCloneCopiedResponse)(nil), // 53: stor.v1.RecordCloneCopiedResponse
-	(*WatchVolumeRequest)(nil),        // 54: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),               // 55: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),     // 56: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),    // 57: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),               // 58: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),        // 59: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),       // 60: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),      // 61: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),     // 62: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),     // 63: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),    // 64: stor.v1.DeleteSnapshotResponse
-	(*RecordSnapshotCutRequest)(nil),  // 65: stor.v1.RecordSnapshotCutRequest
-	(*RecordSnapshotCutResponse)(nil), // 66: stor.v1.RecordSnapshotCutResponse
-	nil,                               // 67: stor.v1.Server.LabelsEntry
-	nil,                               // 68: stor.v1.Node.LabelsEntry
-	nil,                               // 69: stor.v1.Topology.SegmentsEntry
-	nil,                               // 70: stor.v1.Volume.ParametersEntry
-	nil,                               // 71: stor.v1.CreateVolumeRequest.ParametersEntry
+	(*ClusterConfig)(nil),             // 33: stor.v1.ClusterConfig
+	(*GetClusterConfigRequest)(nil),   // 34: stor.v1.GetClusterConfigRequest
+	(*GetClusterConfigResponse)(nil),  // 35: stor.v1.GetClusterConfigResponse
+	(*SetClusterConfigRequest)(nil),   // 36: stor.v1.SetClusterConfigRequest
+	(*SetClusterConfigResponse)(nil),  // 37: stor.v1.SetClusterConfigResponse
+	(*CreateVolumeRequest)(nil),       // 38: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),      // 39: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                 // 40: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),          // 41: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),         // 42: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),        // 43: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),       // 44: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),       // 45: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),      // 46: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),       // 47: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),      // 48: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),       // 49: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),      // 50: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),       // 51: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),      // 52: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),    // 53: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),   // 54: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),     // 55: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),    // 56: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),  // 57: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil), // 58: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),        // 59: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),               // 60: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),     // 61: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),    // 62: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),               // 63: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),        // 64: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),       // 65: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),      // 66: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),     // 67: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),     // 68: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),    // 69: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),  // 70: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil), // 71: stor.v1.RecordSnapshotCutResponse
+	nil,                               // 72: stor.v1.Server.LabelsEntry
+	nil,                               // 73: stor.v1.Node.LabelsEntry
+	nil,                               // 74: stor.v1.Topology.SegmentsEntry
+	nil,                               // 75: stor.v1.Volume.ParametersEntry
+	nil,                               // 76: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	67, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	72, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
-	68, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
+	73, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
 	2,  // 3: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 4: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	69, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	74, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
 	11, // 6: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
 	11, // 7: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	70, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	75, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
 	10, // 9: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 10: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
 	9,  // 11: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
@@ -4578,88 +4840,95 @@ var file_control_proto_depIdxs = []int32{
 	7,  // 23: stor.v1.RegisterNodeResponse.node:type_name -> stor.v1.Node
 	7,  // 24: stor.v1.GetNodeResponse.node:type_name -> stor.v1.Node
 	7,  // 25: stor.v1.ListNodesResponse.nodes:type_name -> stor.v1.Node
-	71, // 26: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
-	10, // 27: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
-	12, // 28: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
-	13, // 29: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	35, // 30: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 31: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
-	13, // 32: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	35, // 33: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 34: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
-	35, // 35: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 36: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	35, // 37: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	3,  // 38: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
-	13, // 39: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	35, // 40: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 41: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
-	2,  // 42: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
-	13, // 43: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	35, // 44: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 45: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
-	13, // 46: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	35, // 47: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 48: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	15, // 49: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	58, // 50: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 51: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	15, // 52: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	58, // 53: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 54: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
-	16, // 55: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	18, // 56: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	20, // 57: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	23, // 58: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	25, // 59: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	27, // 60: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
-	29, // 61: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
-	31, // 62: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
-	33, // 63: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	36, // 64: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	38, // 65: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	40, // 66: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	42, // 67: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	44, // 68: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	46, // 69: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	54, // 70: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	48, // 71: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	50, // 72: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	52, // 73: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	56, // 74: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	59, // 75: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	61, // 76: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	63, // 77: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	65, // 78: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	17, // 79: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	19, // 80: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	22, // 81: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	24, // 82: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	26, // 83: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	28, // 84: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
-	30, // 85: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
-	32, // 86: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
-	34, // 87: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	37, // 88: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	39, // 89: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	41, // 90: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	43, // 91: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	45, // 92: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	47, // 93: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	55, // 94: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	49, // 95: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	51, // 96: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	53, // 97: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	57, // 98: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	60, // 99: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	62, // 100: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	64, // 101: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	66, // 102: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	79, // [79:103] is the sub-list for method output_type
-	55, // [55:79] is the sub-list for method input_type
-	55, // [55:55] is the sub-list for extension type_name
-	55, // [55:55] is the sub-list for extension extendee
-	0,  // [0:55] is the sub-list for field type_name
+	33, // 26: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
+	33, // 27: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
+	33, // 28: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
+	76, // 29: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	10, // 30: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
+	12, // 31: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
+	13, // 32: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
+	40, // 33: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 34: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
+	13, // 35: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
+	40, // 36: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 37: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
+	40, // 38: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 39: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
+	40, // 40: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	3,  // 41: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
+	13, // 42: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
+	40, // 43: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 44: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
+	2,  // 45: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
+	13, // 46: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
+	40, // 47: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 48: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	13, // 49: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
+	40, // 50: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 51: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	15, // 52: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	63, // 53: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 54: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	15, // 55: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	63, // 56: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 57: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
+	16, // 58: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	18, // 59: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	20, // 60: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	23, // 61: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	25, // 62: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	27, // 63: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
+	29, // 64: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
+	31, // 65: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
+	34, // 66: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
+	36, // 67: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
+	38, // 68: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	41, // 69: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	43, // 70: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	45, // 71: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	47, // 72: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	49, // 73: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	51, // 74: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	59, // 75: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	53, // 76: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	55, // 77: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	57, // 78: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	61, // 79: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	64, // 80: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	66, // 81: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	68, // 82: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	70, // 83: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 84: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 85: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 86: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 87: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 88: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 89: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 90: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 91: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	35, // 92: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
+	37, // 93: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
+	39, // 94: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	42, // 95: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	44, // 96: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	46, // 97: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	48, // 98: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	50, // 99: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	52, // 100: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	60, // 101: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	54, // 102: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	56, // 103: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	58, // 104: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	62, // 105: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	65, // 106: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	67, // 107: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	69, // 108: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	71, // 109: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	84, // [84:110] is the sub-list for method output_type
+	58, // [58:84] is the sub-list for method input_type
+	58, // [58:58] is the sub-list for extension type_name
+	58, // [58:58] is the sub-list for extension extendee
+	0,  // [0:58] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }
@@ -4677,7 +4946,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   66,
+			NumMessages:   71,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -33,14 +33,16 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ClusterService_Join_FullMethodName         = "/stor.v1.ClusterService/Join"
-	ClusterService_Leave_FullMethodName        = "/stor.v1.ClusterService/Leave"
-	ClusterService_Status_FullMethodName       = "/stor.v1.ClusterService/Status"
-	ClusterService_ListServers_FullMethodName  = "/stor.v1.ClusterService/ListServers"
-	ClusterService_Heartbeat_FullMethodName    = "/stor.v1.ClusterService/Heartbeat"
-	ClusterService_RegisterNode_FullMethodName = "/stor.v1.ClusterService/RegisterNode"
-	ClusterService_GetNode_FullMethodName      = "/stor.v1.ClusterService/GetNode"
-	ClusterService_ListNodes_FullMethodName    = "/stor.v1.ClusterService/ListNodes"
+	ClusterService_Join_FullMethodName             = "/stor.v1.ClusterService/Join"
+	ClusterService_Leave_FullMethodName            = "/stor.v1.ClusterService/Leave"
+	ClusterService_Status_FullMethodName           = "/stor.v1.ClusterService/Status"
+	ClusterService_ListServers_FullMethodName      = "/stor.v1.ClusterService/ListServers"
+	ClusterService_Heartbeat_FullMethodName        = "/stor.v1.ClusterService/Heartbeat"
+	ClusterService_RegisterNode_FullMethodName     = "/stor.v1.ClusterService/RegisterNode"
+	ClusterService_GetNode_FullMethodName          = "/stor.v1.ClusterService/GetNode"
+	ClusterService_ListNodes_FullMethodName        = "/stor.v1.ClusterService/ListNodes"
+	ClusterService_GetClusterConfig_FullMethodName = "/stor.v1.ClusterService/GetClusterConfig"
+	ClusterService_SetClusterConfig_FullMethodName = "/stor.v1.ClusterService/SetClusterConfig"
 )
 
 // ClusterServiceClient is the client API for ClusterService service.
@@ -56,6 +58,10 @@ type ClusterServiceClient interface {
 	RegisterNode(ctx context.Context, in *RegisterNodeRequest, opts ...grpc.CallOption) (*RegisterNodeResponse, error)
 	GetNode(ctx context.Context, in *GetNodeRequest, opts ...grpc.CallOption) (*GetNodeResponse, error)
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*ListNodesResponse, error)
+	GetClusterConfig(ctx context.Context, in *GetClusterConfigRequest, opts ...grpc.CallOption) (*GetClusterConfigResponse, error)
+	// SetClusterConfig changes cluster-wide policy (operator only); it takes
+	// effect at the next placement or repair decision, without restarts.
+	SetClusterConfig(ctx context.Context, in *SetClusterConfigRequest, opts ...grpc.CallOption) (*SetClusterConfigResponse, error)
 }
 
 type clusterServiceClient struct {
@@ -146,6 +152,26 @@ func (c *clusterServiceClient) ListNodes(ctx context.Context, in *ListNodesReque
 	return out, nil
 }
 
+func (c *clusterServiceClient) GetClusterConfig(ctx context.Context, in *GetClusterConfigRequest, opts ...grpc.CallOption) (*GetClusterConfigResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetClusterConfigResponse)
+	err := c.cc.Invoke(ctx, ClusterService_GetClusterConfig_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *clusterServiceClient) SetClusterConfig(ctx context.Context, in *SetClusterConfigRequest, opts ...grpc.CallOption) (*SetClusterConfigResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SetClusterConfigResponse)
+	err := c.cc.Invoke(ctx, ClusterService_SetClusterConfig_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServiceServer is the server API for ClusterService service.
 // All implementations must embed UnimplementedClusterServiceServer
 // for forward compatibility.
@@ -159,6 +185,10 @@ type ClusterServiceServer interface {
 	RegisterNode(context.Context, *RegisterNodeRequest) (*RegisterNodeResponse, error)
 	GetNode(context.Context, *GetNodeRequest) (*GetNodeResponse, error)
 	ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error)
+	GetClusterConfig(context.Context, *GetClusterConfigRequest) (*GetClusterConfigResponse, error)
+	// SetClusterConfig changes cluster-wide policy (operator only); it takes
+	// effect at the next placement or repair decision, without restarts.
+	SetClusterConfig(context.Context, *SetClusterConfigRequest) (*SetClusterConfigResponse, error)
 	mustEmbedUnimplementedClusterServiceServer()
 }
 
@@ -192,6 +222,12 @@ func (UnimplementedClusterServiceServer) GetNode(context.Context, *GetNodeReques
 }
 func (UnimplementedClusterServiceServer) ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListNodes not implemented")
+}
+func (UnimplementedClusterServiceServer) GetClusterConfig(context.Context, *GetClusterConfigRequest) (*GetClusterConfigResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetClusterConfig not implemented")
+}
+func (UnimplementedClusterServiceServer) SetClusterConfig(context.Context, *SetClusterConfigRequest) (*SetClusterConfigResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method SetClusterConfig not implemented")
 }
 func (UnimplementedClusterServiceServer) mustEmbedUnimplementedClusterServiceServer() {}
 func (UnimplementedClusterServiceServer) testEmbeddedByValue()                        {}
@@ -358,6 +394,42 @@ func _ClusterService_ListNodes_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_GetClusterConfig_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetClusterConfigRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).GetClusterConfig(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_GetClusterConfig_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).GetClusterConfig(ctx, req.(*GetClusterConfigRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ClusterService_SetClusterConfig_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SetClusterConfigRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).SetClusterConfig(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_SetClusterConfig_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).SetClusterConfig(ctx, req.(*SetClusterConfigRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ClusterService_ServiceDesc is the grpc.ServiceDesc for ClusterService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -396,6 +468,14 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListNodes",
 			Handler:    _ClusterService_ListNodes_Handler,
+		},
+		{
+			MethodName: "GetClusterConfig",
+			Handler:    _ClusterService_GetClusterConfig_Handler,
+		},
+		{
+			MethodName: "SetClusterConfig",
+			Handler:    _ClusterService_SetClusterConfig_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

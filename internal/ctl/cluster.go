@@ -3,7 +3,9 @@ package ctl
 import (
 	"context"
 	"fmt"
+	"math/bits"
 	"strconv"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -30,7 +32,96 @@ works during a partition; use --server to ask a particular one.`,
 			})
 		},
 	}
-	return group("cluster", "Cluster-wide state", status)
+	return group("cluster", "Cluster-wide state", status, newClusterConfigCommand(a))
+}
+
+func newClusterConfigCommand(a *app) *cobra.Command {
+	get := &cobra.Command{
+		Use:   "get",
+		Short: "Show the cluster-wide policy kept in Raft",
+		Long: `Show the cluster-wide policy. A setting never set shows its default: the
+replacement wait is then each server's start-time value (stor-server
+--replace-after, 10m unless given), over-provisioning 100%.`,
+		Args: exactArgs(),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Cluster.GetClusterConfig(ctx, &storpb.GetClusterConfigRequest{})
+				if err != nil {
+					return err
+				}
+				return a.printClusterConfig(resp.GetConfig())
+			})
+		},
+	}
+	var (
+		replaceAfter     time.Duration
+		overProvisioning uint32
+	)
+	set := &cobra.Command{
+		Use:   "set",
+		Short: "Change the cluster-wide policy kept in Raft",
+		Long: `Change the cluster-wide policy; settings not given keep their values. A change
+takes effect at the next placement or repair decision, on every server,
+without restarting any.
+
+--replace-after is how long a faulty replica waits before the leader
+replaces it with a new one on another server (a full rebuild); a replica
+whose server returns sooner gets a delta rebuild. 30s..168h, whole seconds.
+
+--over-provisioning is the percentage of each server's capacity that may be
+promised to replicas, volume sizes counted in full (thin volumes): 300 lets
+a server hold volumes adding up to three times its disk. 100..10000.
+Existing volumes are never moved or refused when it is lowered; new volumes,
+replicas and expansions are.`,
+		Example: "  stor-ctl cluster config set --replace-after 2m --over-provisioning 300",
+		Args:    exactArgs(),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			in := &storpb.ClusterConfig{}
+			if cmd.Flags().Changed("replace-after") {
+				if replaceAfter <= 0 || replaceAfter%time.Second != 0 {
+					return usageErrorf("--replace-after %v: want a positive whole number of seconds", replaceAfter)
+				}
+				in.ReplaceAfterSeconds = uint64(replaceAfter / time.Second)
+			}
+			if cmd.Flags().Changed("over-provisioning") {
+				if overProvisioning == 0 {
+					return usageErrorf("--over-provisioning 0: want a percentage of 100..10000")
+				}
+				in.OverProvisioningPercent = overProvisioning
+			}
+			if in.ReplaceAfterSeconds == 0 && in.OverProvisioningPercent == 0 {
+				return usageErrorf("cluster config set: give --replace-after or --over-provisioning")
+			}
+			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				resp, err := c.Cluster.SetClusterConfig(ctx, &storpb.SetClusterConfigRequest{Config: in})
+				if err != nil {
+					return err
+				}
+				return a.printClusterConfig(resp.GetConfig())
+			})
+		},
+	}
+	set.Flags().DurationVar(&replaceAfter, "replace-after", 0, "how long a faulty replica waits before it is replaced elsewhere (30s..168h)")
+	set.Flags().Uint32Var(&overProvisioning, "over-provisioning", 0, "percentage of each server's capacity that volumes may be promised (100..10000)")
+	return group("config", "Cluster-wide policy kept in Raft", get, set)
+}
+
+func (a *app) printClusterConfig(c *storpb.ClusterConfig) error {
+	if a.jsonOutput() {
+		return a.printJSON(c)
+	}
+	replaceAfter := "server default (stor-server --replace-after)"
+	if s := c.GetReplaceAfterSeconds(); s != 0 {
+		replaceAfter = (time.Duration(s) * time.Second).String()
+	}
+	overProvisioning := "100% (default)"
+	if p := c.GetOverProvisioningPercent(); p != 0 {
+		overProvisioning = strconv.FormatUint(uint64(p), 10) + "%"
+	}
+	return printFields(a.stdout,
+		field{"REPLACE AFTER", replaceAfter},
+		field{"OVER-PROVISIONING", overProvisioning},
+	)
 }
 
 func (a *app) printStatus(s *storpb.StatusResponse) error {
@@ -69,7 +160,13 @@ func newServerCommand(a *app) *cobra.Command {
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List the registered servers",
-		Args:  exactArgs(),
+		Long: `List the registered servers with their capacity and what is provisioned on
+them: PROVISIONED is the sum of the sizes of the replicas placed there (thin
+volumes counted in full, whatever they hold), PROVISIONABLE what more
+placement may promise under the cluster's over-provisioning ratio (stor-ctl
+cluster config): capacity x ratio / 100 - provisioned. The bytes replicas
+actually hold on disk are not reported to the cluster.`,
+		Args: exactArgs(),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
 				resp, err := c.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
@@ -80,11 +177,15 @@ func newServerCommand(a *app) *cobra.Command {
 					return a.printJSON(resp)
 				}
 				now := a.now()
-				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "ALLOCATED", "LAST SEEN")
+				percent := resp.GetOverProvisioningPercent()
+				if percent == 0 {
+					percent = 100 // a cluster older than the setting
+				}
+				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "LAST SEEN")
 				for _, s := range resp.GetServers() {
 					t.row(s.GetId(), orDash(s.GetAddress()), orDash(s.GetZone()), enumName(s.GetState()),
-						bytesize.Format(s.GetCapacityBytes()), bytesize.Format(s.GetAllocatedBytes()),
-						formatAge(now, s.GetLastSeenUnixNano()))
+						formatCapacity(s.GetCapacityBytes()), bytesize.Format(s.GetAllocatedBytes()),
+						formatProvisionable(s, percent), formatAge(now, s.GetLastSeenUnixNano()))
 				}
 				return t.flush()
 			})
@@ -109,6 +210,29 @@ func newServerCommand(a *app) *cobra.Command {
 		},
 	}
 	return group("server", "Storage servers", list, remove)
+}
+
+// formatCapacity renders a reported capacity; 0 is "unreported".
+func formatCapacity(b uint64) string {
+	if b == 0 {
+		return "unreported"
+	}
+	return bytesize.Format(b)
+}
+
+// formatProvisionable renders what more may be promised to s under the
+// over-provisioning percent (raftstore.ProvisionableBytes):
+// "unlimited" when s has not reported a capacity.
+func formatProvisionable(s *storpb.Server, percent uint32) string {
+	if s.GetCapacityBytes() == 0 {
+		return "unlimited"
+	}
+	hi, lo := bits.Mul64(s.GetCapacityBytes(), uint64(percent))
+	if hi >= 100 {
+		return "unlimited"
+	}
+	limit, _ := bits.Div64(hi, lo, 100)
+	return bytesize.Format(limit - min(limit, s.GetAllocatedBytes()))
 }
 
 func newNodeCommand(a *app) *cobra.Command {

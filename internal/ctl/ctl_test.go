@@ -411,9 +411,11 @@ func TestClusterStatus(t *testing.T) {
 func TestServerList(t *testing.T) {
 	f := newFake(t)
 	out := mustRun(t, "--server", f.addr, "server", "list")
-	assertCells(t, out, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "ALLOCATED", "LAST SEEN")
-	assertCells(t, out, "s1", "10.0.0.1:7400", "a", "up", "1 TiB", "30 GiB", "2s ago")
-	assertCells(t, out, "s2", "10.0.0.2:7400", "-", "down", "512 GiB", "0 B", "-")
+	assertCells(t, out, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "LAST SEEN")
+	// The fake answers no over-provisioning ratio, as a cluster older than
+	// it does: 100%.
+	assertCells(t, out, "s1", "10.0.0.1:7400", "a", "up", "1 TiB", "30 GiB", "994 GiB", "2s ago")
+	assertCells(t, out, "s2", "10.0.0.2:7400", "-", "down", "512 GiB", "0 B", "512 GiB", "-")
 }
 
 func TestNodeList(t *testing.T) {

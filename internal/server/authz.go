@@ -145,14 +145,15 @@ const (
 var accessTable = map[string]access{
 	healthpb.Health_Check_FullMethodName: {roles: roles(server, any_, controller, any_, node, any_)},
 
-	storpb.ClusterService_Status_FullMethodName:       {roles: roles(server, any_, controller, any_, node, any_)},
-	storpb.ClusterService_ListServers_FullMethodName:  {roles: roles(server, any_, controller, any_, node, any_)},
-	storpb.ClusterService_GetNode_FullMethodName:      {roles: roles(server, any_, controller, any_, node, any_)},
-	storpb.ClusterService_ListNodes_FullMethodName:    {roles: roles(server, any_, controller, any_)},
-	storpb.ClusterService_Join_FullMethodName:         {roles: roles(server, selfServer), mutates: true},
-	storpb.ClusterService_Heartbeat_FullMethodName:    {roles: roles(server, selfServer), mutates: true},
-	storpb.ClusterService_RegisterNode_FullMethodName: {roles: roles(node, selfNode), mutates: true},
-	storpb.ClusterService_Leave_FullMethodName:        {roles: roles(), mutates: true},
+	storpb.ClusterService_Status_FullMethodName:           {roles: roles(server, any_, controller, any_, node, any_)},
+	storpb.ClusterService_ListServers_FullMethodName:      {roles: roles(server, any_, controller, any_, node, any_)},
+	storpb.ClusterService_GetNode_FullMethodName:          {roles: roles(server, any_, controller, any_, node, any_)},
+	storpb.ClusterService_ListNodes_FullMethodName:        {roles: roles(server, any_, controller, any_)},
+	storpb.ClusterService_GetClusterConfig_FullMethodName: {roles: roles(server, any_, controller, any_, node, any_)},
+	storpb.ClusterService_Join_FullMethodName:             {roles: roles(server, selfServer), mutates: true},
+	storpb.ClusterService_Heartbeat_FullMethodName:        {roles: roles(server, selfServer), mutates: true},
+	storpb.ClusterService_RegisterNode_FullMethodName:     {roles: roles(node, selfNode), mutates: true},
+	storpb.ClusterService_Leave_FullMethodName:            {roles: roles(), mutates: true},
 
 	storpb.VolumeService_GetVolume_FullMethodName:         {roles: roles(server, any_, controller, any_, node, any_)},
 	storpb.VolumeService_ListVolumes_FullMethodName:       {roles: roles(server, any_, controller, any_)},

@@ -64,7 +64,11 @@ func (c *clusterService) ListServers(ctx context.Context, _ *storpb.ListServersR
 	}
 	resp := &storpb.ListServersResponse{}
 	err := c.s.store.View(func(r *raftstore.Reader) error {
-		var err error
+		cfg, err := r.ClusterConfig()
+		if err != nil {
+			return err
+		}
+		resp.OverProvisioningPercent = raftstore.OverProvisioningPercent(cfg)
 		resp.Servers, err = r.Servers()
 		return err
 	})
@@ -81,6 +85,28 @@ func (c *clusterService) Heartbeat(ctx context.Context, req *storpb.HeartbeatReq
 		return nil, err
 	}
 	return &storpb.HeartbeatResponse{LeaderId: c.s.cfg.ID}, nil
+}
+
+// GetClusterConfig returns the cluster-wide policy as set (zero fields
+// unset).
+func (c *clusterService) GetClusterConfig(ctx context.Context, _ *storpb.GetClusterConfigRequest) (*storpb.GetClusterConfigResponse, error) {
+	if err := c.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	cfg, err := c.s.store.ClusterConfig()
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.GetClusterConfigResponse{Config: cfg}, nil
+}
+
+// SetClusterConfig changes the cluster-wide policy (the operator's only).
+func (c *clusterService) SetClusterConfig(ctx context.Context, req *storpb.SetClusterConfigRequest) (*storpb.SetClusterConfigResponse, error) {
+	cfg, err := c.s.store.SetClusterConfig(ctx, req.GetConfig())
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.SetClusterConfigResponse{Config: cfg}, nil
 }
 
 // RegisterNode records a host that attaches volumes (a CSI node plugin).

@@ -1,0 +1,66 @@
+package ctl
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/internal/servertest"
+)
+
+// TestClusterConfigRoundTrip: stor-ctl sets the cluster config on a real
+// cluster, reads it back, and server list counts provisionable bytes with
+// the ratio set.
+func TestClusterConfigRoundTrip(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 1, Configure: func(i int, cfg *server.Config) {
+		cfg.Capacity = 4 << 30
+	}})
+	c.Leader(10 * time.Second)
+	srv := []string{"--server", c.Nodes[0].Addr}
+
+	out := mustRun(t, append(srv, "cluster", "config", "get")...)
+	assertCells(t, out, "REPLACE AFTER:", "server default (stor-server --replace-after)")
+	assertCells(t, out, "OVER-PROVISIONING:", "100% (default)")
+
+	out = mustRun(t, append(srv, "cluster", "config", "set", "--replace-after", "2m", "--over-provisioning", "300")...)
+	assertCells(t, out, "REPLACE AFTER:", "2m0s")
+	assertCells(t, out, "OVER-PROVISIONING:", "300%")
+	mustRun(t, append(srv, "cluster", "config", "set", "--replace-after", "90s")...)
+	out = mustRun(t, append(srv, "cluster", "config", "get")...)
+	assertCells(t, out, "REPLACE AFTER:", "1m30s")
+	assertCells(t, out, "OVER-PROVISIONING:", "300%")
+	out = mustRun(t, append(srv, "-o", "json", "cluster", "config", "get")...)
+	var js struct {
+		ReplaceAfterSeconds     string `json:"replaceAfterSeconds"`
+		OverProvisioningPercent int    `json:"overProvisioningPercent"`
+	}
+	if err := json.Unmarshal([]byte(out), &js); err != nil || js.ReplaceAfterSeconds != "90" || js.OverProvisioningPercent != 300 {
+		t.Fatalf("json config %+v (%v):\n%s", js, err, out)
+	}
+
+	out = mustRun(t, append(srv, "server", "list")...)
+	row := rowStarting(t, out, c.Nodes[0].ID)
+	if got, want := strings.Join(row[:min(len(row), 7)], "|"), strings.Join([]string{c.Nodes[0].ID, c.Nodes[0].Addr, "-", "up", "4 GiB", "0 B", "12 GiB"}, "|"); got != want {
+		t.Fatalf("server list row %q, want it to start %q (the last seen time follows)\n%s", got, want, out)
+	}
+
+	for _, tc := range []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{"--over-provisioning", "50"}, 1, "over-provisioning 50% is outside 100..10000%"},
+		{[]string{"--replace-after", "10s"}, 1, "replace-after 10s is outside 30s..168h0m0s"},
+		{[]string{"--replace-after", "1500ms"}, 2, "want a positive whole number of seconds"},
+		{nil, 2, "give --replace-after or --over-provisioning"},
+	} {
+		r := run(t, append(append(srv, "cluster", "config", "set"), tc.args...)...)
+		if r.code != tc.code || !strings.Contains(r.stderr, tc.want) {
+			t.Errorf("config set %v: exit %d, stderr %q; want exit %d containing %q", tc.args, r.code, r.stderr, tc.code, tc.want)
+		}
+	}
+	out = mustRun(t, append(srv, "cluster", "config", "get")...)
+	assertCells(t, out, "OVER-PROVISIONING:", "300%")
+}
