@@ -523,7 +523,7 @@ func (c *controllerServer) GetCapacity(ctx context.Context, req *csipb.GetCapaci
 	}
 	var free []uint64
 	for _, s := range resp.GetServers() {
-		if s.GetState() == storpb.ServerState_SERVER_STATE_UP && (all || zones[s.GetZone()]) {
+		if s.GetState() == storpb.ServerState_SERVER_STATE_UP && !s.GetCordoned() && (all || zones[s.GetZone()]) {
 			free = append(free, serverFree(s, resp.GetOverProvisioningPercent()))
 		}
 	}

@@ -320,3 +320,35 @@ func TestGetCapacityFollowsOverProvisioning(t *testing.T) {
 		t.Fatalf("CreateVolume back at 100%%: %v, want ResourceExhausted", err)
 	}
 }
+
+// GetCapacity leaves out cordoned servers, as placement does: with one of
+// three servers cordoned a 3-replica volume fits nowhere.
+func TestGetCapacitySkipsCordonedServers(t *testing.T) {
+	const g = 1 << 30
+	c, _, ctrl := zonedCluster(t, [3]uint64{g, g, g})
+	cl := clusterClient(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	capacity := func() int64 {
+		t.Helper()
+		got, err := ctrl.GetCapacity(ctx, &csipb.GetCapacityRequest{VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, Parameters: map[string]string{ParamReplicas: "3"}})
+		if err != nil {
+			t.Fatalf("GetCapacity: %v", err)
+		}
+		return got.GetMaximumVolumeSize().GetValue()
+	}
+	cordon := func(on bool) {
+		t.Helper()
+		if _, err := cl.Cluster.CordonServer(ctx, &storpb.CordonServerRequest{ServerId: c.Nodes[0].ID, Cordoned: on}); err != nil {
+			t.Fatalf("CordonServer %v: %v", on, err)
+		}
+	}
+	cordon(true)
+	if got := capacity(); got != 0 {
+		t.Fatalf("GetCapacity with one of three servers cordoned: maximum %d, want 0", got)
+	}
+	cordon(false)
+	if got := capacity(); got != g {
+		t.Fatalf("GetCapacity after uncordon: maximum %d, want %d", got, g)
+	}
+}

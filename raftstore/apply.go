@@ -133,6 +133,8 @@ func (w *writer) apply(c command) (proto.Message, error) {
 		return w.registerNode(c.At, c.Body.(*storpb.Node))
 	case opSetClusterConfig:
 		return w.setClusterConfig(c.Body.(*storpb.ClusterConfig))
+	case opCordonServer:
+		return w.cordonServer(c.Body.(*storpb.Server))
 	}
 	return nil, fmt.Errorf("%w: no handler for %v", ErrCorrupt, c.Op)
 }
@@ -195,6 +197,18 @@ func (w *writer) setServerState(at int64, in *storpb.Server) (proto.Message, err
 	}
 	s.State = in.State
 	s.LastSeenUnixNano = max(s.LastSeenUnixNano, in.LastSeenUnixNano)
+	w.put(bucketServers, s.Id, s)
+	return s, nil
+}
+
+// cordonServer sets or clears a server's cordon (opCordonServer): a
+// cordoned server receives no new replica (Place); its replicas stay.
+func (w *writer) cordonServer(in *storpb.Server) (proto.Message, error) {
+	s, err := w.Server(in.Id)
+	if err != nil {
+		return nil, err
+	}
+	s.Cordoned = in.Cordoned
 	w.put(bucketServers, s.Id, s)
 	return s, nil
 }

@@ -37,6 +37,7 @@ const (
 	// opSetClusterConfig merges the body's non-zero fields into the
 	// cluster-wide policy (clusterconfig.go).
 	opSetClusterConfig op = 18 // Body = storpb.ClusterConfig
+	opCordonServer     op = 19 // Body = storpb.Server (id, cordoned)
 )
 
 var opNames = map[op]string{
@@ -49,6 +50,7 @@ var opNames = map[op]string{
 	opReplaceReplica: "replace-replica", opRecordCut: "record-snapshot-cut",
 	opRecordCloneCopy: "record-clone-copied", opRegisterNode: "register-node",
 	opRepairReplica: "repair-replica", opSetClusterConfig: "set-cluster-config",
+	opCordonServer: "cordon-server",
 }
 
 func (o op) String() string {
@@ -108,7 +110,7 @@ func decodeCommand(b []byte) (command, error) {
 	var m proto.Message
 	switch c.Op {
 	case opInitCluster, opRemoveServer:
-	case opRegisterServer, opSetServerState:
+	case opRegisterServer, opSetServerState, opCordonServer:
 		m = &storpb.Server{}
 	case opCreateVolume:
 		m = &storpb.CreateVolumeRequest{}

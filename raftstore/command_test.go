@@ -36,6 +36,8 @@ func TestOpValuesArePinned(t *testing.T) {
 		{opRecordCloneCopy, 15, "record-clone-copied"},
 		{opRegisterNode, 16, "register-node"},
 		{opRepairReplica, 17, "repair-replica"},
+		{opSetClusterConfig, 18, "set-cluster-config"},
+		{opCordonServer, 19, "cordon-server"},
 	}
 	if len(opNames) != len(want) {
 		t.Errorf("opNames has %d ops, this test knows %d: add the new op here and to commandRoundTripCases", len(opNames), len(want))
@@ -122,6 +124,10 @@ func commandRoundTripCases() []struct {
 		{name: "register-node", cmd: command{Op: opRegisterNode, At: 15, Body: &storpb.Node{
 			Id: "worker-7", Zone: "zone-a", Labels: map[string]string{"pool": "gpu"},
 		}}},
+		{name: "set-cluster-config", cmd: command{Op: opSetClusterConfig, At: 16, Body: &storpb.ClusterConfig{
+			ReplaceAfterSeconds: 120, OverProvisioningPercent: 300,
+		}}},
+		{name: "cordon-server", cmd: command{Op: opCordonServer, At: 17, Body: &storpb.Server{Id: "s2", Cordoned: true}}},
 		// Edge values of the header.
 		{name: "negative time, long id", cmd: command{Op: opInitCluster, At: math.MinInt64, ID: string(bytes.Repeat([]byte("x"), 300))}},
 		{name: "max time, empty id", cmd: command{Op: opRemoveServer, At: math.MaxInt64}},

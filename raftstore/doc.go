@@ -171,4 +171,8 @@
 // leader (Heartbeat); the leader keeps the time it last heard from each in
 // memory and commits a state change only on transitions: a server silent
 // for Config.ServerDownTimeout is marked down, and up again when it reports.
+// Independently of that state an operator may cordon a server
+// (opCordonServer, storpb.Server.cordoned): placement then puts no new
+// replica on it while its replicas stay; the flag survives down/up and
+// re-registration, and goes with the server's record when it is removed.
 package raftstore

@@ -141,3 +141,17 @@ func (s *Store) RegisterNode(ctx context.Context, in *storpb.Node) (*storpb.Node
 	}
 	return m.(*storpb.Node), nil
 }
+
+// CordonServer sets (cordoned) or clears a server's cordon: a cordoned
+// server receives no new replica; the ones it holds stay. An unknown
+// server is ErrNotFound; a malformed id ErrInvalidArgument.
+func (s *Store) CordonServer(ctx context.Context, id string, cordoned bool) (*storpb.Server, error) {
+	if err := CheckServerID("server id", id); err != nil {
+		return nil, err
+	}
+	m, err := s.propose(ctx, command{Op: opCordonServer, Body: &storpb.Server{Id: id, Cordoned: cordoned}})
+	if err != nil {
+		return nil, err
+	}
+	return m.(*storpb.Server), nil
+}

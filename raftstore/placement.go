@@ -80,7 +80,7 @@ func TopologyMatches(t *storpb.Topology, s *storpb.Server) bool {
 //
 // A server is eligible when all of these hold:
 //   - its state is SERVER_STATE_UP (down, draining and unspecified servers
-//     never receive replicas);
+//     never receive replicas) and it is not cordoned;
 //   - it is not in req.Existing;
 //   - it matches at least one requisite topology, if any are given
 //     (see [TopologyMatches]);
@@ -111,9 +111,10 @@ func TopologyMatches(t *storpb.Topology, s *storpb.Server) bool {
 // Errors:
 //   - [ErrInvalidArgument] if req.Replicas < 1, or servers holds a nil
 //     server, an empty id or an id twice;
-//   - [ErrInsufficientServers] if fewer than req.Replicas servers are up, not
-//     in req.Existing and match the requisite topology, capacity aside; the
-//     message counts the servers excluded for each reason;
+//   - [ErrInsufficientServers] if fewer than req.Replicas servers are up
+//     and not cordoned, not in req.Existing and match the requisite
+//     topology, capacity aside; the message counts the servers excluded
+//     for each reason;
 //   - [ErrInsufficientCapacity] if there are enough such servers but fewer
 //     than req.Replicas of them have req.SizeBytes free.
 func Place(servers []*storpb.Server, req PlaceRequest) ([]string, error) {
@@ -155,8 +156,8 @@ func Place(servers []*storpb.Server, req PlaceRequest) ([]string, error) {
 	requisite := req.Accessibility.GetRequisite()
 	preferred := req.Accessibility.GetPreferred()
 	var (
-		nHolding, nNotUp, nOutside int
-		cands                      []placeCandidate // eligible, capacity aside
+		nHolding, nNotUp, nCordoned, nOutside int
+		cands                                 []placeCandidate // eligible, capacity aside
 	)
 	for _, s := range servers {
 		switch {
@@ -164,6 +165,8 @@ func Place(servers []*storpb.Server, req PlaceRequest) ([]string, error) {
 			nHolding++
 		case s.GetState() != storpb.ServerState_SERVER_STATE_UP:
 			nNotUp++
+		case s.GetCordoned():
+			nCordoned++
 		case !placeMatchesAny(requisite, s):
 			nOutside++
 		default:
@@ -182,8 +185,12 @@ func Place(servers []*storpb.Server, req PlaceRequest) ([]string, error) {
 		if len(requisite) > 0 {
 			where = " in " + placeDescribe(requisite)
 		}
-		return nil, fmt.Errorf("placement: need %d servers%s, %d eligible of %d (%d not up, %d outside the requisite topology, %d already holding a replica): %w",
-			req.Replicas, where, len(cands), len(servers), nNotUp, nOutside, nHolding, ErrInsufficientServers)
+		cordoned := ""
+		if nCordoned > 0 {
+			cordoned = fmt.Sprintf(", %d cordoned", nCordoned)
+		}
+		return nil, fmt.Errorf("placement: need %d servers%s, %d eligible of %d (%d not up%s, %d outside the requisite topology, %d already holding a replica): %w",
+			req.Replicas, where, len(cands), len(servers), nNotUp, cordoned, nOutside, nHolding, ErrInsufficientServers)
 	}
 
 	eligible := make([]placeCandidate, 0, len(cands))

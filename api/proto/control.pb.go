@@ -385,8 +385,14 @@ type Server struct {
 	// CreateVolume whose preferred topology names a Kubernetes node puts a
 	// replica on the server running there (data locality).
 	KubernetesNode string `protobuf:"bytes,12,opt,name=kubernetes_node,json=kubernetesNode,proto3" json:"kubernetes_node,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Set by an operator (CordonServer): placement puts no new replica here
+	// (new volumes, replacements, added replicas); the replicas it holds
+	// stay and are served and repaired as before. Kept across restarts and
+	// down/up transitions; a server removed and joining again starts
+	// uncordoned.
+	Cordoned      bool `protobuf:"varint,13,opt,name=cordoned,proto3" json:"cordoned,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Server) Reset() {
@@ -501,6 +507,13 @@ func (x *Server) GetKubernetesNode() string {
 		return x.KubernetesNode
 	}
 	return ""
+}
+
+func (x *Server) GetCordoned() bool {
+	if x != nil {
+		return x.Cordoned
+	}
+	return false
 }
 
 // Node is a host that attaches volumes: a CSI node plugin registers its
@@ -2311,6 +2324,103 @@ func (x *ClusterConfig) GetOverProvisioningPercent() uint32 {
 	return 0
 }
 
+type CordonServerRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	ServerId string                 `protobuf:"bytes,1,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
+	// true cordons, false uncordons; either is idempotent.
+	Cordoned      bool `protobuf:"varint,2,opt,name=cordoned,proto3" json:"cordoned,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CordonServerRequest) Reset() {
+	*x = CordonServerRequest{}
+	mi := &file_control_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CordonServerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CordonServerRequest) ProtoMessage() {}
+
+func (x *CordonServerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CordonServerRequest.ProtoReflect.Descriptor instead.
+func (*CordonServerRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *CordonServerRequest) GetServerId() string {
+	if x != nil {
+		return x.ServerId
+	}
+	return ""
+}
+
+func (x *CordonServerRequest) GetCordoned() bool {
+	if x != nil {
+		return x.Cordoned
+	}
+	return false
+}
+
+type CordonServerResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Server        *Server                `protobuf:"bytes,1,opt,name=server,proto3" json:"server,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CordonServerResponse) Reset() {
+	*x = CordonServerResponse{}
+	mi := &file_control_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CordonServerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CordonServerResponse) ProtoMessage() {}
+
+func (x *CordonServerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CordonServerResponse.ProtoReflect.Descriptor instead.
+func (*CordonServerResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *CordonServerResponse) GetServer() *Server {
+	if x != nil {
+		return x.Server
+	}
+	return nil
+}
+
 type GetClusterConfigRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2319,7 +2429,7 @@ type GetClusterConfigRequest struct {
 
 func (x *GetClusterConfigRequest) Reset() {
 	*x = GetClusterConfigRequest{}
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2331,7 +2441,7 @@ func (x *GetClusterConfigRequest) String() string {
 func (*GetClusterConfigRequest) ProtoMessage() {}
 
 func (x *GetClusterConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[28]
+	mi := &file_control_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2344,7 +2454,7 @@ func (x *GetClusterConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetClusterConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetClusterConfigRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{28}
+	return file_control_proto_rawDescGZIP(), []int{30}
 }
 
 type GetClusterConfigResponse struct {
@@ -2357,7 +2467,7 @@ type GetClusterConfigResponse struct {
 
 func (x *GetClusterConfigResponse) Reset() {
 	*x = GetClusterConfigResponse{}
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2369,7 +2479,7 @@ func (x *GetClusterConfigResponse) String() string {
 func (*GetClusterConfigResponse) ProtoMessage() {}
 
 func (x *GetClusterConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[29]
+	mi := &file_control_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2382,7 +2492,7 @@ func (x *GetClusterConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetClusterConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetClusterConfigResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{29}
+	return file_control_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *GetClusterConfigResponse) GetConfig() *ClusterConfig {
@@ -2403,7 +2513,7 @@ type SetClusterConfigRequest struct {
 
 func (x *SetClusterConfigRequest) Reset() {
 	*x = SetClusterConfigRequest{}
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2415,7 +2525,7 @@ func (x *SetClusterConfigRequest) String() string {
 func (*SetClusterConfigRequest) ProtoMessage() {}
 
 func (x *SetClusterConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2428,7 +2538,7 @@ func (x *SetClusterConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterConfigRequest.ProtoReflect.Descriptor instead.
 func (*SetClusterConfigRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{30}
+	return file_control_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SetClusterConfigRequest) GetConfig() *ClusterConfig {
@@ -2448,7 +2558,7 @@ type SetClusterConfigResponse struct {
 
 func (x *SetClusterConfigResponse) Reset() {
 	*x = SetClusterConfigResponse{}
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2460,7 +2570,7 @@ func (x *SetClusterConfigResponse) String() string {
 func (*SetClusterConfigResponse) ProtoMessage() {}
 
 func (x *SetClusterConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2473,7 +2583,7 @@ func (x *SetClusterConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterConfigResponse.ProtoReflect.Descriptor instead.
 func (*SetClusterConfigResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{31}
+	return file_control_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SetClusterConfigResponse) GetConfig() *ClusterConfig {
@@ -2501,7 +2611,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2513,7 +2623,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2526,7 +2636,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{32}
+	return file_control_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -2580,7 +2690,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2592,7 +2702,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2605,7 +2715,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{33}
+	return file_control_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -2626,7 +2736,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2638,7 +2748,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2651,7 +2761,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{34}
+	return file_control_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -2677,7 +2787,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2689,7 +2799,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2702,7 +2812,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{35}
+	return file_control_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -2721,7 +2831,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2733,7 +2843,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2746,7 +2856,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -2772,7 +2882,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2784,7 +2894,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2797,7 +2907,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -2832,7 +2942,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2844,7 +2954,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2857,7 +2967,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -2883,7 +2993,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2895,7 +3005,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2908,7 +3018,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -2929,7 +3039,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2941,7 +3051,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2954,7 +3064,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *DeleteVolumeResponse) GetRetained() *Volume {
@@ -2976,7 +3086,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2988,7 +3098,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3001,7 +3111,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -3027,7 +3137,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3039,7 +3149,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3052,7 +3162,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -3083,7 +3193,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3095,7 +3205,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3108,7 +3218,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -3156,7 +3266,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3168,7 +3278,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3181,7 +3291,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -3209,7 +3319,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3221,7 +3331,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3234,7 +3344,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -3267,7 +3377,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3279,7 +3389,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3292,7 +3402,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -3337,7 +3447,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3349,7 +3459,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3362,7 +3472,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -3437,7 +3547,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3449,7 +3559,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3462,7 +3572,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -3493,7 +3603,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3505,7 +3615,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3518,7 +3628,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{49}
+	return file_control_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -3558,7 +3668,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3570,7 +3680,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3583,7 +3693,7 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{50}
+	return file_control_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
@@ -3605,7 +3715,7 @@ type RecordCloneCopiedRequest struct {
 
 func (x *RecordCloneCopiedRequest) Reset() {
 	*x = RecordCloneCopiedRequest{}
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3617,7 +3727,7 @@ func (x *RecordCloneCopiedRequest) String() string {
 func (*RecordCloneCopiedRequest) ProtoMessage() {}
 
 func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3630,7 +3740,7 @@ func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{51}
+	return file_control_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *RecordCloneCopiedRequest) GetVolumeId() string {
@@ -3656,7 +3766,7 @@ type RecordCloneCopiedResponse struct {
 
 func (x *RecordCloneCopiedResponse) Reset() {
 	*x = RecordCloneCopiedResponse{}
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3668,7 +3778,7 @@ func (x *RecordCloneCopiedResponse) String() string {
 func (*RecordCloneCopiedResponse) ProtoMessage() {}
 
 func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3681,7 +3791,7 @@ func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{52}
+	return file_control_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
@@ -3700,7 +3810,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3712,7 +3822,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3725,7 +3835,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{53}
+	return file_control_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -3751,7 +3861,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3763,7 +3873,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3776,7 +3886,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{54}
+	return file_control_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -3812,7 +3922,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3824,7 +3934,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3837,7 +3947,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{55}
+	return file_control_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -3863,7 +3973,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3875,7 +3985,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3888,7 +3998,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{56}
+	return file_control_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -3908,7 +4018,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3920,7 +4030,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3933,7 +4043,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{57}
+	return file_control_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -3959,7 +4069,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3971,7 +4081,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3984,7 +4094,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{58}
+	return file_control_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4003,7 +4113,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4015,7 +4125,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4028,7 +4138,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{59}
+	return file_control_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4051,7 +4161,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4063,7 +4173,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4076,7 +4186,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{60}
+	return file_control_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -4110,7 +4220,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4122,7 +4232,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4135,7 +4245,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{61}
+	return file_control_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -4161,7 +4271,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4173,7 +4283,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4186,7 +4296,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{62}
+	return file_control_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4204,7 +4314,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4216,7 +4326,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4229,7 +4339,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{63}
+	return file_control_proto_rawDescGZIP(), []int{65}
 }
 
 // RecordSnapshotCut is how the data path reports cuts: the attached engine
@@ -4251,7 +4361,7 @@ type RecordSnapshotCutRequest struct {
 
 func (x *RecordSnapshotCutRequest) Reset() {
 	*x = RecordSnapshotCutRequest{}
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4263,7 +4373,7 @@ func (x *RecordSnapshotCutRequest) String() string {
 func (*RecordSnapshotCutRequest) ProtoMessage() {}
 
 func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4276,7 +4386,7 @@ func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{64}
+	return file_control_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
@@ -4323,7 +4433,7 @@ type RecordSnapshotCutResponse struct {
 
 func (x *RecordSnapshotCutResponse) Reset() {
 	*x = RecordSnapshotCutResponse{}
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4335,7 +4445,7 @@ func (x *RecordSnapshotCutResponse) String() string {
 func (*RecordSnapshotCutResponse) ProtoMessage() {}
 
 func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4348,7 +4458,7 @@ func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{65}
+	return file_control_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
@@ -4362,7 +4472,7 @@ var File_control_proto protoreflect.FileDescriptor
 
 const file_control_proto_rawDesc = "" +
 	"\n" +
-	"\rcontrol.proto\x12\astor.v1\"\xfa\x03\n" +
+	"\rcontrol.proto\x12\astor.v1\"\x96\x04\n" +
 	"\x06Server\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12!\n" +
@@ -4376,7 +4486,8 @@ const file_control_proto_rawDesc = "" +
 	"\x13last_seen_unix_nano\x18\n" +
 	" \x01(\x03R\x10lastSeenUnixNano\x12(\n" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x12'\n" +
-	"\x0fkubernetes_node\x18\f \x01(\tR\x0ekubernetesNode\x1a9\n" +
+	"\x0fkubernetes_node\x18\f \x01(\tR\x0ekubernetesNode\x12\x1a\n" +
+	"\bcordoned\x18\r \x01(\bR\bcordoned\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x02\n" +
@@ -4530,7 +4641,12 @@ const file_control_proto_rawDesc = "" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\x7f\n" +
 	"\rClusterConfig\x122\n" +
 	"\x15replace_after_seconds\x18\x01 \x01(\x04R\x13replaceAfterSeconds\x12:\n" +
-	"\x19over_provisioning_percent\x18\x02 \x01(\rR\x17overProvisioningPercent\"\x19\n" +
+	"\x19over_provisioning_percent\x18\x02 \x01(\rR\x17overProvisioningPercent\"N\n" +
+	"\x13CordonServerRequest\x12\x1b\n" +
+	"\tserver_id\x18\x01 \x01(\tR\bserverId\x12\x1a\n" +
+	"\bcordoned\x18\x02 \x01(\bR\bcordoned\"?\n" +
+	"\x14CordonServerResponse\x12'\n" +
+	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"\x19\n" +
 	"\x17GetClusterConfigRequest\"J\n" +
 	"\x18GetClusterConfigResponse\x12.\n" +
 	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"I\n" +
@@ -4689,7 +4805,7 @@ const file_control_proto_rawDesc = "" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
-	"\x11SUFFRAGE_NONVOTER\x10\x022\xc7\x05\n" +
+	"\x11SUFFRAGE_NONVOTER\x10\x022\x94\x06\n" +
 	"\x0eClusterService\x123\n" +
 	"\x04Join\x12\x14.stor.v1.JoinRequest\x1a\x15.stor.v1.JoinResponse\x126\n" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
@@ -4698,7 +4814,8 @@ const file_control_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x19.stor.v1.HeartbeatRequest\x1a\x1a.stor.v1.HeartbeatResponse\x12K\n" +
 	"\fRegisterNode\x12\x1c.stor.v1.RegisterNodeRequest\x1a\x1d.stor.v1.RegisterNodeResponse\x12<\n" +
 	"\aGetNode\x12\x17.stor.v1.GetNodeRequest\x1a\x18.stor.v1.GetNodeResponse\x12B\n" +
-	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse\x12W\n" +
+	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse\x12K\n" +
+	"\fCordonServer\x12\x1c.stor.v1.CordonServerRequest\x1a\x1d.stor.v1.CordonServerResponse\x12W\n" +
 	"\x10GetClusterConfig\x12 .stor.v1.GetClusterConfigRequest\x1a!.stor.v1.GetClusterConfigResponse\x12W\n" +
 	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
@@ -4733,7 +4850,7 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 71)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
 var file_control_proto_goTypes = []any{
 	(ServerState)(0),                  // 0: stor.v1.ServerState
 	(VolumeState)(0),                  // 1: stor.v1.VolumeState
@@ -4769,60 +4886,62 @@ var file_control_proto_goTypes = []any{
 	(*ListNodesRequest)(nil),          // 31: stor.v1.ListNodesRequest
 	(*ListNodesResponse)(nil),         // 32: stor.v1.ListNodesResponse
 	(*ClusterConfig)(nil),             // 33: stor.v1.ClusterConfig
-	(*GetClusterConfigRequest)(nil),   // 34: stor.v1.GetClusterConfigRequest
-	(*GetClusterConfigResponse)(nil),  // 35: stor.v1.GetClusterConfigResponse
-	(*SetClusterConfigRequest)(nil),   // 36: stor.v1.SetClusterConfigRequest
-	(*SetClusterConfigResponse)(nil),  // 37: stor.v1.SetClusterConfigResponse
-	(*CreateVolumeRequest)(nil),       // 38: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),      // 39: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),                 // 40: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),          // 41: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),         // 42: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),        // 43: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),       // 44: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),       // 45: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),      // 46: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),       // 47: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),      // 48: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),       // 49: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),      // 50: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),       // 51: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),      // 52: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),    // 53: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil),   // 54: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),     // 55: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),    // 56: stor.v1.ReplaceReplicaResponse
-	(*RecordCloneCopiedRequest)(nil),  // 57: stor.v1.RecordCloneCopiedRequest
-	(*RecordCloneCopiedResponse)(nil), // 58: stor.v1.RecordCloneCopiedResponse
-	(*WatchVolumeRequest)(nil),        // 59: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),               // 60: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),     // 61: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),    // 62: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),               // 63: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),        // 64: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),       // 65: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),      // 66: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),     // 67: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),     // 68: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),    // 69: stor.v1.DeleteSnapshotResponse
-	(*RecordSnapshotCutRequest)(nil),  // 70: stor.v1.RecordSnapshotCutRequest
-	(*RecordSnapshotCutResponse)(nil), // 71: stor.v1.RecordSnapshotCutResponse
-	nil,                               // 72: stor.v1.Server.LabelsEntry
-	nil,                               // 73: stor.v1.Node.LabelsEntry
-	nil,                               // 74: stor.v1.Topology.SegmentsEntry
-	nil,                               // 75: stor.v1.Volume.ParametersEntry
-	nil,                               // 76: stor.v1.CreateVolumeRequest.ParametersEntry
+	(*CordonServerRequest)(nil),       // 34: stor.v1.CordonServerRequest
+	(*CordonServerResponse)(nil),      // 35: stor.v1.CordonServerResponse
+	(*GetClusterConfigRequest)(nil),   // 36: stor.v1.GetClusterConfigRequest
+	(*GetClusterConfigResponse)(nil),  // 37: stor.v1.GetClusterConfigResponse
+	(*SetClusterConfigRequest)(nil),   // 38: stor.v1.SetClusterConfigRequest
+	(*SetClusterConfigResponse)(nil),  // 39: stor.v1.SetClusterConfigResponse
+	(*CreateVolumeRequest)(nil),       // 40: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),      // 41: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                 // 42: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),          // 43: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),         // 44: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),        // 45: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),       // 46: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),       // 47: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),      // 48: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),       // 49: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),      // 50: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),       // 51: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),      // 52: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),       // 53: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),      // 54: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),    // 55: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),   // 56: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),     // 57: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),    // 58: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),  // 59: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil), // 60: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),        // 61: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),               // 62: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),     // 63: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),    // 64: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),               // 65: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),        // 66: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),       // 67: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),      // 68: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),     // 69: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),     // 70: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),    // 71: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),  // 72: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil), // 73: stor.v1.RecordSnapshotCutResponse
+	nil,                               // 74: stor.v1.Server.LabelsEntry
+	nil,                               // 75: stor.v1.Node.LabelsEntry
+	nil,                               // 76: stor.v1.Topology.SegmentsEntry
+	nil,                               // 77: stor.v1.Volume.ParametersEntry
+	nil,                               // 78: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	72, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	74, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
-	73, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
+	75, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
 	2,  // 3: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 4: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	74, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	76, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
 	11, // 6: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
 	11, // 7: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	75, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	77, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
 	10, // 9: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 10: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
 	9,  // 11: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
@@ -4840,95 +4959,98 @@ var file_control_proto_depIdxs = []int32{
 	7,  // 23: stor.v1.RegisterNodeResponse.node:type_name -> stor.v1.Node
 	7,  // 24: stor.v1.GetNodeResponse.node:type_name -> stor.v1.Node
 	7,  // 25: stor.v1.ListNodesResponse.nodes:type_name -> stor.v1.Node
-	33, // 26: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
-	33, // 27: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
-	33, // 28: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
-	76, // 29: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
-	10, // 30: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
-	12, // 31: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
-	13, // 32: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	40, // 33: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 34: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
-	13, // 35: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	40, // 36: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 37: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
-	40, // 38: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 39: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	40, // 40: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	3,  // 41: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
-	13, // 42: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	40, // 43: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 44: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
-	2,  // 45: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
-	13, // 46: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	40, // 47: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 48: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
-	13, // 49: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	40, // 50: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 51: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	15, // 52: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	63, // 53: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 54: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	15, // 55: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	63, // 56: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 57: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
-	16, // 58: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	18, // 59: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	20, // 60: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	23, // 61: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	25, // 62: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	27, // 63: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
-	29, // 64: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
-	31, // 65: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
-	34, // 66: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
-	36, // 67: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
-	38, // 68: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	41, // 69: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	43, // 70: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	45, // 71: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	47, // 72: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	49, // 73: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	51, // 74: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	59, // 75: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	53, // 76: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	55, // 77: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	57, // 78: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	61, // 79: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	64, // 80: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	66, // 81: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	68, // 82: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	70, // 83: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	17, // 84: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	19, // 85: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	22, // 86: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	24, // 87: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	26, // 88: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	28, // 89: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
-	30, // 90: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
-	32, // 91: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
-	35, // 92: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
-	37, // 93: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
-	39, // 94: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	42, // 95: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	44, // 96: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	46, // 97: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	48, // 98: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	50, // 99: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	52, // 100: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	60, // 101: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	54, // 102: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	56, // 103: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	58, // 104: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	62, // 105: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	65, // 106: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	67, // 107: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	69, // 108: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	71, // 109: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	84, // [84:110] is the sub-list for method output_type
-	58, // [58:84] is the sub-list for method input_type
-	58, // [58:58] is the sub-list for extension type_name
-	58, // [58:58] is the sub-list for extension extendee
-	0,  // [0:58] is the sub-list for field type_name
+	6,  // 26: stor.v1.CordonServerResponse.server:type_name -> stor.v1.Server
+	33, // 27: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
+	33, // 28: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
+	33, // 29: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
+	78, // 30: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	10, // 31: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
+	12, // 32: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
+	13, // 33: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
+	42, // 34: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 35: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
+	13, // 36: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
+	42, // 37: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 38: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
+	42, // 39: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 40: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
+	42, // 41: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	3,  // 42: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
+	13, // 43: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
+	42, // 44: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 45: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
+	2,  // 46: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
+	13, // 47: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
+	42, // 48: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 49: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	13, // 50: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
+	42, // 51: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 52: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	15, // 53: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	65, // 54: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 55: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	15, // 56: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	65, // 57: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 58: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
+	16, // 59: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	18, // 60: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	20, // 61: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	23, // 62: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	25, // 63: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	27, // 64: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
+	29, // 65: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
+	31, // 66: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
+	34, // 67: stor.v1.ClusterService.CordonServer:input_type -> stor.v1.CordonServerRequest
+	36, // 68: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
+	38, // 69: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
+	40, // 70: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	43, // 71: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	45, // 72: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	47, // 73: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	49, // 74: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	51, // 75: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	53, // 76: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	61, // 77: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	55, // 78: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	57, // 79: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	59, // 80: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	63, // 81: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	66, // 82: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	68, // 83: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	70, // 84: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	72, // 85: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 86: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 87: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 88: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 89: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 90: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 91: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 92: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 93: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	35, // 94: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
+	37, // 95: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
+	39, // 96: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
+	41, // 97: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	44, // 98: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	46, // 99: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	48, // 100: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	50, // 101: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	52, // 102: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	54, // 103: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	62, // 104: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	56, // 105: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	58, // 106: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	60, // 107: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	64, // 108: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	67, // 109: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	69, // 110: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	71, // 111: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	73, // 112: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	86, // [86:113] is the sub-list for method output_type
+	59, // [59:86] is the sub-list for method input_type
+	59, // [59:59] is the sub-list for extension type_name
+	59, // [59:59] is the sub-list for extension extendee
+	0,  // [0:59] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }
@@ -4946,7 +5068,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   71,
+			NumMessages:   73,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -41,6 +41,7 @@ const (
 	ClusterService_RegisterNode_FullMethodName     = "/stor.v1.ClusterService/RegisterNode"
 	ClusterService_GetNode_FullMethodName          = "/stor.v1.ClusterService/GetNode"
 	ClusterService_ListNodes_FullMethodName        = "/stor.v1.ClusterService/ListNodes"
+	ClusterService_CordonServer_FullMethodName     = "/stor.v1.ClusterService/CordonServer"
 	ClusterService_GetClusterConfig_FullMethodName = "/stor.v1.ClusterService/GetClusterConfig"
 	ClusterService_SetClusterConfig_FullMethodName = "/stor.v1.ClusterService/SetClusterConfig"
 )
@@ -58,6 +59,9 @@ type ClusterServiceClient interface {
 	RegisterNode(ctx context.Context, in *RegisterNodeRequest, opts ...grpc.CallOption) (*RegisterNodeResponse, error)
 	GetNode(ctx context.Context, in *GetNodeRequest, opts ...grpc.CallOption) (*GetNodeResponse, error)
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*ListNodesResponse, error)
+	// CordonServer stops (or resumes) new placements on a server (operator
+	// only); NOT_FOUND for an unknown server.
+	CordonServer(ctx context.Context, in *CordonServerRequest, opts ...grpc.CallOption) (*CordonServerResponse, error)
 	GetClusterConfig(ctx context.Context, in *GetClusterConfigRequest, opts ...grpc.CallOption) (*GetClusterConfigResponse, error)
 	// SetClusterConfig changes cluster-wide policy (operator only); it takes
 	// effect at the next placement or repair decision, without restarts.
@@ -152,6 +156,16 @@ func (c *clusterServiceClient) ListNodes(ctx context.Context, in *ListNodesReque
 	return out, nil
 }
 
+func (c *clusterServiceClient) CordonServer(ctx context.Context, in *CordonServerRequest, opts ...grpc.CallOption) (*CordonServerResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CordonServerResponse)
+	err := c.cc.Invoke(ctx, ClusterService_CordonServer_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *clusterServiceClient) GetClusterConfig(ctx context.Context, in *GetClusterConfigRequest, opts ...grpc.CallOption) (*GetClusterConfigResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(GetClusterConfigResponse)
@@ -185,6 +199,9 @@ type ClusterServiceServer interface {
 	RegisterNode(context.Context, *RegisterNodeRequest) (*RegisterNodeResponse, error)
 	GetNode(context.Context, *GetNodeRequest) (*GetNodeResponse, error)
 	ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error)
+	// CordonServer stops (or resumes) new placements on a server (operator
+	// only); NOT_FOUND for an unknown server.
+	CordonServer(context.Context, *CordonServerRequest) (*CordonServerResponse, error)
 	GetClusterConfig(context.Context, *GetClusterConfigRequest) (*GetClusterConfigResponse, error)
 	// SetClusterConfig changes cluster-wide policy (operator only); it takes
 	// effect at the next placement or repair decision, without restarts.
@@ -222,6 +239,9 @@ func (UnimplementedClusterServiceServer) GetNode(context.Context, *GetNodeReques
 }
 func (UnimplementedClusterServiceServer) ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListNodes not implemented")
+}
+func (UnimplementedClusterServiceServer) CordonServer(context.Context, *CordonServerRequest) (*CordonServerResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CordonServer not implemented")
 }
 func (UnimplementedClusterServiceServer) GetClusterConfig(context.Context, *GetClusterConfigRequest) (*GetClusterConfigResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetClusterConfig not implemented")
@@ -394,6 +414,24 @@ func _ClusterService_ListNodes_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_CordonServer_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CordonServerRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).CordonServer(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_CordonServer_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).CordonServer(ctx, req.(*CordonServerRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _ClusterService_GetClusterConfig_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetClusterConfigRequest)
 	if err := dec(in); err != nil {
@@ -468,6 +506,10 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListNodes",
 			Handler:    _ClusterService_ListNodes_Handler,
+		},
+		{
+			MethodName: "CordonServer",
+			Handler:    _ClusterService_CordonServer_Handler,
 		},
 		{
 			MethodName: "GetClusterConfig",

@@ -183,7 +183,11 @@ actually hold on disk are not reported to the cluster.`,
 				}
 				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "LAST SEEN")
 				for _, s := range resp.GetServers() {
-					t.row(s.GetId(), orDash(s.GetAddress()), orDash(s.GetZone()), enumName(s.GetState()),
+					state := enumName(s.GetState())
+					if s.GetCordoned() {
+						state += ",cordoned"
+					}
+					t.row(s.GetId(), orDash(s.GetAddress()), orDash(s.GetZone()), state,
 						formatCapacity(s.GetCapacityBytes()), bytesize.Format(s.GetAllocatedBytes()),
 						formatProvisionable(s, percent), formatAge(now, s.GetLastSeenUnixNano()))
 				}
@@ -209,7 +213,35 @@ actually hold on disk are not reported to the cluster.`,
 			})
 		},
 	}
-	return group("server", "Storage servers", list, remove)
+	cordon := func(use string, cordoned bool, short, long string) *cobra.Command {
+		return &cobra.Command{
+			Use:   use + " ID",
+			Short: short,
+			Long:  long,
+			Args:  exactArgs("ID"),
+			RunE: func(cmd *cobra.Command, args []string) error {
+				return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+					resp, err := c.Cluster.CordonServer(ctx, &storpb.CordonServerRequest{ServerId: args[0], Cordoned: cordoned})
+					if err != nil {
+						return err
+					}
+					if a.jsonOutput() {
+						return a.printJSON(resp)
+					}
+					_, err = fmt.Fprintf(a.stdout, "server %q %sed\n", args[0], use)
+					return err
+				})
+			},
+		}
+	}
+	return group("server", "Storage servers", list, remove,
+		cordon("cordon", true, "Stop placing new replicas on a server",
+			`Cordon a server: no new replica is placed on it (new volumes, replacements,
+added replicas); the replicas it holds stay, are served and repaired as before.
+The cordon is kept in Raft across restarts until uncordon. server list shows
+the server's state as "up,cordoned".`),
+		cordon("uncordon", false, "Allow new replicas on a cordoned server again",
+			`Uncordon a server: placement may choose it again.`))
 }
 
 // formatCapacity renders a reported capacity; 0 is "unreported".

@@ -1,11 +1,17 @@
 package ctl
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/server"
 	"github.com/stor-io/stor/internal/servertest"
 )
@@ -63,4 +69,39 @@ func TestClusterConfigRoundTrip(t *testing.T) {
 	}
 	out = mustRun(t, append(srv, "cluster", "config", "get")...)
 	assertCells(t, out, "OVER-PROVISIONING:", "300%")
+}
+
+// TestServerCordonRoundTrip: stor-ctl cordons the only server of a real
+// cluster, a volume is then refused, and placed again after uncordon.
+func TestServerCordonRoundTrip(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 1})
+	c.Leader(10 * time.Second)
+	srv := []string{"--server", c.Nodes[0].Addr}
+	id := c.Nodes[0].ID
+	create := func(name string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, err := c.Client(0).Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: name, SizeBytes: 1 << 20, ReplicaCount: 1})
+		return err
+	}
+
+	if out := mustRun(t, append(srv, "server", "cordon", id)...); out != fmt.Sprintf("server %q cordoned\n", id) {
+		t.Fatalf("cordon printed %q", out)
+	}
+	if row := rowStarting(t, mustRun(t, append(srv, "server", "list")...), id); len(row) < 4 || row[3] != "up,cordoned" {
+		t.Fatalf("server list row %q: want state up,cordoned", row)
+	}
+	if err := create("refused"); status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "1 cordoned") {
+		t.Fatalf("volume on the cordoned only server: %v, want ResourceExhausted counting 1 cordoned", err)
+	}
+	mustRun(t, append(srv, "server", "uncordon", id)...)
+	if row := rowStarting(t, mustRun(t, append(srv, "server", "list")...), id); len(row) < 4 || row[3] != "up" {
+		t.Fatalf("server list row %q: want state up", row)
+	}
+	if err := create("placed"); err != nil {
+		t.Fatalf("volume after uncordon: %v", err)
+	}
+	if r := run(t, append(srv, "server", "cordon", "nosuch")...); r.code != 1 || !strings.Contains(r.stderr, "not found") {
+		t.Fatalf("cordon of an unknown server: exit %d, stderr %q; want exit 1, not found", r.code, r.stderr)
+	}
 }

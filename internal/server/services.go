@@ -87,6 +87,16 @@ func (c *clusterService) Heartbeat(ctx context.Context, req *storpb.HeartbeatReq
 	return &storpb.HeartbeatResponse{LeaderId: c.s.cfg.ID}, nil
 }
 
+// CordonServer stops or resumes new placements on a server (the
+// operator's only).
+func (c *clusterService) CordonServer(ctx context.Context, req *storpb.CordonServerRequest) (*storpb.CordonServerResponse, error) {
+	srv, err := c.s.store.CordonServer(ctx, req.GetServerId(), req.GetCordoned())
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.CordonServerResponse{Server: srv}, nil
+}
+
 // GetClusterConfig returns the cluster-wide policy as set (zero fields
 // unset).
 func (c *clusterService) GetClusterConfig(ctx context.Context, _ *storpb.GetClusterConfigRequest) (*storpb.GetClusterConfigResponse, error) {
