@@ -2,6 +2,7 @@ package raftstore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"math/bits"
@@ -34,7 +35,7 @@ var keyClusterConfig = []byte("cluster_config")
 // when none was ever set (zero fields are unset).
 func (r *Reader) ClusterConfig() (*storpb.ClusterConfig, error) {
 	c := &storpb.ClusterConfig{}
-	if err := r.get(bucketMeta, string(keyClusterConfig), c); err != nil && err != ErrNotFound {
+	if err := r.get(bucketMeta, string(keyClusterConfig), c); err != nil && !errors.Is(err, ErrNotFound) {
 		return nil, err
 	}
 	return c, nil
