@@ -12,6 +12,11 @@ package csi
 //	STOR_CSI_DIR=/tmp/csi         socket, state dir, mount points
 //	STOR_CSI_MAX_VOLUMES=4        the plugin's --max-volumes (csi-sanity's
 //	                              attach-limit test creates that many + 1)
+//	STOR_CSI_TLS_DIR=/tmp/stor/tls certificates made by stor-ctl certs local
+//	                              (--node <node id>): the controller and the
+//	                              node plugin then run as two processes with
+//	                              TLS, each with its role's certificate;
+//	                              unset: one process, mode all, plaintext
 
 import (
 	"bytes"
@@ -36,20 +41,34 @@ import (
 	. "github.com/onsi/gomega"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
+
+	"github.com/stor-io/stor/internal/pki"
 )
 
 type external struct {
 	t                     *testing.T
 	bin, servers, node    string
 	dir, endpoint, stateD string
-	health                string // --health-listen
+	// ctrlEndpoint is the controller's socket: endpoint (one process,
+	// mode all) without TLS; with TLS the controller and the node plugin
+	// are two processes, as in a deployment, each with its certificate.
+	ctrlEndpoint string
+	plugins      []*plugin
 
-	cmd  *exec.Cmd
-	logf *os.File
 	conn *grpc.ClientConn
 	ctrl csipb.ControllerClient
 	nd   csipb.NodeClient
 	id   csipb.IdentityClient
+}
+
+// plugin is one stor-csi process.
+type plugin struct {
+	mode, endpoint, log string
+	health              string // --health-listen
+	tls                 pki.Files
+
+	cmd  *exec.Cmd
+	logf *os.File
 }
 
 func needExternal(t *testing.T) *external {
@@ -68,83 +87,109 @@ func needExternal(t *testing.T) *external {
 	if e.bin == "" || e.servers == "" || e.node == "" {
 		t.Fatal("STOR_CSI_BIN, STOR_SERVER and STOR_CSI_NODE_ID must be set")
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	if tlsDir := os.Getenv("STOR_CSI_TLS_DIR"); tlsDir != "" {
+		e.ctrlEndpoint = "unix://" + filepath.Join(dir, "controller.sock")
+		e.plugins = []*plugin{
+			{mode: "controller", endpoint: e.ctrlEndpoint, log: "stor-csi-controller.log",
+				tls: pki.LocalFiles(tlsDir, pki.Identity{Role: pki.RoleCSIController, Name: "stor-csi"})},
+			{mode: "node", endpoint: e.endpoint, log: "stor-csi.log",
+				tls: pki.LocalFiles(tlsDir, pki.Identity{Role: pki.RoleCSINode, Name: e.node})},
+		}
+	} else {
+		e.ctrlEndpoint = e.endpoint
+		e.plugins = []*plugin{{mode: "all", endpoint: e.endpoint, log: "stor-csi.log"}}
 	}
-	e.health = lis.Addr().String()
-	lis.Close()
+	for _, p := range e.plugins {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.health = lis.Addr().String()
+		lis.Close()
+	}
 	e.start()
 	t.Cleanup(func() { e.stop(false) })
 	e.conn = dialCSI(t, e.endpoint)
-	e.ctrl, e.nd, e.id = csipb.NewControllerClient(e.conn), csipb.NewNodeClient(e.conn), csipb.NewIdentityClient(e.conn)
+	e.ctrl, e.nd, e.id = csipb.NewControllerClient(dialCSI(t, e.ctrlEndpoint)), csipb.NewNodeClient(e.conn), csipb.NewIdentityClient(e.conn)
 	e.waitReady()
 	return e
 }
 
-// start runs the plugin (mode all) in the background.
+// start runs the plugin processes in the background.
 func (e *external) start() {
 	e.t.Helper()
-	f, err := os.OpenFile(filepath.Join(e.dir, "stor-csi.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	e.logf = f
-	args := []string{"--mode=all", "--endpoint", e.endpoint, "--servers", e.servers,
-		"--node-id", e.node, "--state-dir", e.stateD, "--health-listen", e.health}
-	if m := os.Getenv("STOR_CSI_MAX_VOLUMES"); m != "" {
-		args = append(args, "--max-volumes", m)
-	}
-	e.cmd = exec.Command(e.bin, args...)
-	e.cmd.Stdout, e.cmd.Stderr = f, f
-	if err := e.cmd.Start(); err != nil {
-		e.t.Fatal(err)
+	for _, p := range e.plugins {
+		f, err := os.OpenFile(filepath.Join(e.dir, p.log), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		p.logf = f
+		args := []string{"--mode=" + p.mode, "--endpoint", p.endpoint, "--servers", e.servers, "--health-listen", p.health}
+		if p.mode != "controller" { // the node flags, which the controller refuses
+			args = append(args, "--node-id", e.node, "--state-dir", e.stateD)
+			if m := os.Getenv("STOR_CSI_MAX_VOLUMES"); m != "" {
+				args = append(args, "--max-volumes", m)
+			}
+		}
+		if p.tls.Set() {
+			args = append(args, "--tls-cert", p.tls.Cert, "--tls-key", p.tls.Key, "--tls-ca", p.tls.CA)
+		}
+		p.cmd = exec.Command(e.bin, args...)
+		p.cmd.Stdout, p.cmd.Stderr = f, f
+		if err := p.cmd.Start(); err != nil {
+			e.t.Fatal(err)
+		}
 	}
 }
 
-// stop ends the plugin: SIGTERM (it leaves devices for the next start),
-// or SIGKILL.
+// stop ends the plugin processes: SIGTERM (the node plugin leaves devices
+// for the next start), or SIGKILL.
 func (e *external) stop(kill bool) {
-	if e.cmd == nil {
-		return
+	for _, p := range e.plugins {
+		if p.cmd == nil {
+			continue
+		}
+		if kill {
+			p.cmd.Process.Kill()
+		} else {
+			p.cmd.Process.Signal(unix.SIGTERM)
+		}
+		done := make(chan struct{})
+		go func() { p.cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(60 * time.Second):
+			p.cmd.Process.Kill()
+			<-done
+		}
+		p.cmd = nil
+		p.logf.Close()
 	}
-	if kill {
-		e.cmd.Process.Kill()
-	} else {
-		e.cmd.Process.Signal(unix.SIGTERM)
-	}
-	done := make(chan struct{})
-	go func() { e.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(60 * time.Second):
-		e.cmd.Process.Kill()
-		<-done
-	}
-	e.cmd = nil
-	e.logf.Close()
 }
 
-// waitReady polls the plugin's /readyz (registered, staged volumes
-// recovered, the cluster has a leader) until it answers 200.
+// waitReady polls every plugin's /readyz (the controller: the cluster has
+// a leader; the node: registered, staged volumes recovered) until it
+// answers 200.
 func (e *external) waitReady() {
 	e.t.Helper()
 	deadline := time.Now().Add(120 * time.Second)
 	hc := &http.Client{Timeout: 5 * time.Second}
-	for {
-		resp, err := hc.Get("http://" + e.health + "/readyz")
-		if err == nil {
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
+	for _, p := range e.plugins {
+		for {
+			resp, err := hc.Get("http://" + p.health + "/readyz")
+			if err == nil {
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode == http.StatusOK {
+					break
+				}
+				err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(body))
 			}
-			err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(body))
+			if time.Now().After(deadline) {
+				e.t.Fatalf("stor-csi --mode=%s not ready within 120s: %v", p.mode, err)
+			}
+			time.Sleep(200 * time.Millisecond)
 		}
-		if time.Now().After(deadline) {
-			e.t.Fatalf("stor-csi not ready within 120s: %v", err)
-		}
-		time.Sleep(200 * time.Millisecond)
 	}
 }
 
@@ -152,8 +197,12 @@ func (e *external) waitReady() {
 // $STOR_CSI_SANITY_FOCUS) against the real plugin.
 func TestExternalSanity(t *testing.T) {
 	e := needExternal(t)
-	mountCfg := sanityConfig(e.endpoint, e.dir, "mount")
-	blockCfg := sanityConfig(e.endpoint, e.dir, "block")
+	endpoint := e.endpoint
+	if e.ctrlEndpoint != e.endpoint {
+		endpoint = sanityFront(t, e)
+	}
+	mountCfg := sanityConfig(endpoint, e.dir, "mount")
+	blockCfg := sanityConfig(endpoint, e.dir, "block")
 	for _, c := range []*sanity.TestConfig{mountCfg, blockCfg} {
 		c.TestVolumeSize = 64 << 20
 		c.TestVolumeExpandSize = 96 << 20

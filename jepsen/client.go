@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
@@ -35,6 +36,9 @@ type Request struct {
 	Volume  string   `json:"volume,omitempty"`
 	Node    string   `json:"node,omitempty"`
 	Servers []string `json:"servers,omitempty"`
+	// TLS, for open: the certificate the process presents to the control
+	// API and the data ports (the harness's operator certificate).
+	TLS pki.Files `json:"tls"`
 	// Broken names a deliberately broken engine mode (see BrokenModes);
 	// used only to prove the checkers can fail.
 	Broken string `json:"broken,omitempty"`
@@ -89,10 +93,13 @@ var BrokenModes = map[string]BrokenMode{
 }
 
 type clientProc struct {
-	mu  sync.Mutex // guards eng, nbd and c
+	mu  sync.Mutex // guards eng, nbd, c and dataDial
 	eng *engine.Engine
 	nbd *nbdConns // the NBD connections serving eng
 	c   *client.Client
+	// dataDial opens replica connections under the certificate of the
+	// first open.
+	dataDial pki.DialFunc
 
 	outMu sync.Mutex
 	out   *json.Encoder
@@ -210,20 +217,25 @@ func finish(resp Response, err error) Response {
 func (p *clientProc) open(ctx context.Context, req Request) error {
 	p.mu.Lock()
 	if p.c == nil {
-		c, err := client.Dial(req.Servers)
+		src, err := pki.Load(req.TLS, p.log)
 		if err != nil {
 			p.mu.Unlock()
 			return err
 		}
-		p.c = c
+		c, err := client.Dial(req.Servers, src.GRPCDialCredentials())
+		if err != nil {
+			p.mu.Unlock()
+			return err
+		}
+		p.c, p.dataDial = c, src.Dialer(nil, pki.RoleServer)
 	}
-	c := p.c
+	c, dataDial := p.c, p.dataDial
 	p.mu.Unlock()
 	mode, ok := BrokenModes[req.Broken]
 	if req.Broken != "" && !ok {
 		return fmt.Errorf("client: unknown broken mode %q", req.Broken)
 	}
-	connect := engine.WireConnector(wire.ClientConfig{})
+	connect := engine.WireConnector(wire.ClientConfig{Dial: dataDial})
 	if mode.Conn != nil {
 		connect = wrapConns(connect, mode.Conn)
 	}

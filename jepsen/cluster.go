@@ -3,6 +3,7 @@ package jepsen
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/pki"
 )
 
 // Ports every stor-server uses on its host's address: control, Raft and
@@ -59,6 +61,31 @@ type Cluster struct {
 	Broken string
 	// selfBin runs the client and proxy roles (the test binary, re-exec'd).
 	selfBin string
+	// TLS is the operator's certificate (Operator), which the harness's
+	// control clients, its replica reads and every client process
+	// present; tls is it loaded.
+	TLS pki.Files
+	tls *pki.Source
+}
+
+// Operator is the identity of everything the harness runs besides the
+// servers: its control clients (the nemeses replace replicas, detach,
+// expand and snapshot, which a csi-node may not), the checkers' replica
+// reads (an inspection, which needs an operator), and the client
+// processes, whose engines attach with a takeover (an operator's right: a
+// csi-node only re-attaches what is attached to it).
+var Operator = pki.Identity{Role: pki.RoleOperator, Name: "jepsen"}
+
+// Dial opens a connection to a data port under the operator's
+// certificate (TLS, the server's certificate verified).
+func (c *Cluster) Dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	return c.tls.Dialer(nil, pki.RoleServer)(ctx, network, addr)
+}
+
+// DialControl opens a control client to addrs under the operator's
+// certificate.
+func (c *Cluster) DialControl(addrs []string) (*client.Client, error) {
+	return client.Dial(addrs, c.tls.GRPCDialCredentials())
 }
 
 // ClusterConfig says what to start.
@@ -96,6 +123,20 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 			c.Close()
 		}
 	}()
+	// Every run has a CA of its own, in its data dir, and a certificate
+	// per server and for the operator; everything speaks TLS.
+	tlsDir := filepath.Join(cfg.Dir, "tls")
+	ids := []pki.Identity{Operator}
+	for i := range cfg.Servers {
+		ids = append(ids, pki.Identity{Role: pki.RoleServer, Name: fmt.Sprintf("stor-%d", i)})
+	}
+	if err := pki.EnsureLocal(tlsDir, ids...); err != nil {
+		return nil, err
+	}
+	c.TLS = pki.LocalFiles(tlsDir, Operator)
+	if c.tls, err = pki.Load(c.TLS, nil); err != nil {
+		return nil, err
+	}
 	var join []string
 	for i := range cfg.Servers {
 		join = append(join, fmt.Sprintf("%s:%d", n.Host(fmt.Sprintf("s%d", i)).Addr, portControl))
@@ -108,6 +149,7 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 			return nil, err
 		}
 		s := &Server{ID: id, Host: h}
+		certs := pki.LocalFiles(tlsDir, pki.Identity{Role: pki.RoleServer, Name: id})
 		s.Proc = &Proc{Name: id, Host: h, Bin: cfg.ServerBin, LogPath: filepath.Join(cfg.Dir, id+".log"), Env: cfg.ServerEnv,
 			Args: []string{
 				"--id", id, "--data-dir", dataDir,
@@ -118,7 +160,7 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 				"--data-advertise", fmt.Sprintf("%s:%d", h.Addr, portDataProxy),
 				"--join", strings.Join(join, ","),
 				"--server-down-timeout", "5s", "--capacity", "10GiB",
-				"--insecure-data-inspect", // the checkers read replicas and snapshot layers (readBlocks)
+				"--tls-cert", certs.Cert, "--tls-key", certs.Key, "--tls-ca", certs.CA,
 			}}
 		s.Proxy = &Proc{Name: id + "-proxy", Host: h, Bin: cfg.SelfBin, LogPath: filepath.Join(cfg.Dir, id+"-proxy.log"),
 			Env: []string{"STOR_JEPSEN_ROLE=proxy"},
@@ -137,7 +179,7 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 			return nil, err
 		}
 	}
-	if c.Control, err = client.Dial(join); err != nil {
+	if c.Control, err = c.DialControl(join); err != nil {
 		return nil, err
 	}
 	if err := c.WaitHealthy(ctx, 60*time.Second); err != nil {
@@ -250,7 +292,7 @@ func (c *Cluster) Open(ctx context.Context, ch *ClientHost) (uint64, error) {
 		ch.session = s
 	}
 	ch.mu.Unlock()
-	r, err := s.Call(ctx, Request{Op: "open", Volume: c.Volume, Node: ch.Name, Servers: c.ServerAddrs(), Broken: c.Broken, TimeoutMS: 30000})
+	r, err := s.Call(ctx, Request{Op: "open", Volume: c.Volume, Node: ch.Name, Servers: c.ServerAddrs(), TLS: c.TLS, Broken: c.Broken, TimeoutMS: 30000})
 	if err != nil {
 		return 0, err
 	}

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
-	"github.com/stor-io/stor/internal/client"
 )
 
 // Faults around a detach. While a nemesis holds the volume detached the
@@ -86,7 +85,7 @@ func (detachExpand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (stri
 				addrs = append(addrs, o.ControlAddr())
 			}
 		}
-		c, err := client.Dial(addrs)
+		c, err := r.c.DialControl(addrs)
 		if err != nil {
 			return "", errors.Join(err, r.c.Net.HealAll(ctx), r.reattach(ctx, ch))
 		}

@@ -20,6 +20,13 @@
 // store's writes and syncs fail with EIO, SIGUSR2 heals) and a link proxy
 // (RunProxy) that fronts its Raft and data ports; the server advertises
 // the proxy's ports, so every Raft and replica connection crosses it.
+// Every port speaks mutual TLS: a run makes a CA of its own in its data
+// dir (data/tls), a certificate per server (stor://server/<id>) and one
+// operator certificate (Operator) that everything else presents — the
+// harness's control clients (the nemeses replace replicas, detach, expand
+// and snapshot), the checkers' replica reads (an inspection, which the
+// data port grants only to an operator) and the client processes (whose
+// engines attach with a takeover, which a csi-node may not).
 // Client hosts run a client process (RunClient): the volume engine opened
 // as stor-ctl nbd serve opens it, driven over stdin/stdout with JSON
 // requests, so that it can be killed with SIGKILL. The process also

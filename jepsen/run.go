@@ -594,7 +594,7 @@ func (r *runner) readReplicas(ctx context.Context) error {
 	blocks := int(r.blocks.Load())
 	for _, rep := range healthy(v) {
 		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		data, err := readBlocks(cctx, dataAddr[rep.ServerId], v.Id, rep.Id, "", v.Epoch, blocks)
+		data, err := readBlocks(cctx, r.c.Dial, dataAddr[rep.ServerId], v.Id, rep.Id, "", v.Epoch, blocks)
 		cancel()
 		now := r.now()
 		r.recordBlocks(Op{Kind: "replica-read", Replica: rep.Id, Call: now, Return: now}, data, err, blocks)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/wire"
 )
@@ -234,7 +235,7 @@ func (r *runner) readSnapshots(ctx context.Context) error {
 			if rep.State != storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT {
 				continue
 			}
-			data, err := readBlocks(ctx, dataAddr[rep.ServerId], vol.Volume.Id, rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
+			data, err := readBlocks(ctx, r.c.Dial, dataAddr[rep.ServerId], vol.Volume.Id, rep.ReplicaId, layer, vol.Volume.Epoch, blocks)
 			r.recordBlocks(Op{Snapshot: s.name, Replica: rep.ReplicaId, Call: o.Call, Return: o.Return}, data, err, blocks)
 		}
 	}
@@ -296,7 +297,7 @@ func (r *runner) readClones(ctx context.Context, dataAddr map[string]string) err
 		}
 		blocks := int(c.snap.size / blockStride)
 		for _, rep := range v.Replicas {
-			data, err := readBlocks(ctx, dataAddr[rep.ServerId], v.Id, rep.Id, "", v.Epoch, blocks)
+			data, err := readBlocks(ctx, r.c.Dial, dataAddr[rep.ServerId], v.Id, rep.Id, "", v.Epoch, blocks)
 			r.recordBlocks(Op{Snapshot: c.snap.name, Clone: c.name, Replica: rep.Id, Call: c.snap.call, Return: c.snap.ready}, data, err, blocks)
 		}
 	}
@@ -325,13 +326,13 @@ func (r *runner) recordBlocks(base Op, data [][]byte, err error, blocks int) {
 
 // readBlocks reads the first block of every register from one replica of
 // volume volumeID, of snapshot layer layer, or of its head when layer is
-// "", opened for inspection at the volume's current epoch (the servers
-// run with --insecure-data-inspect).
-func readBlocks(ctx context.Context, addr, volumeID, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
+// "", opened for inspection at the volume's current epoch, over dial (an
+// operator's certificate: only an operator may inspect a replica).
+func readBlocks(ctx context.Context, dial pki.DialFunc, addr, volumeID, replicaID, layer string, epoch uint64, blocks int) ([][]byte, error) {
 	if addr == "" {
 		return nil, errors.New("the replica's server has no data address")
 	}
-	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{})
+	conn, err := wire.Dial(ctx, "tcp", addr, wire.ClientConfig{Dial: dial})
 	if err != nil {
 		return nil, err
 	}

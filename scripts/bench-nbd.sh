@@ -10,6 +10,16 @@
 #            stor-ctl nbd serve
 #   stor-r3  a 3-replica volume of the same cluster, the same way
 #
+# With BENCH_TLS=1, a second 3-server cluster runs beside the first with
+# mutual TLS on every port (its CA and certificates made by stor-ctl certs
+# local), and two more targets are served from it by stor-ctl nbd serve
+# with the operator's certificate:
+#
+#   stor-r1-tls, stor-r3-tls   as stor-r1 and stor-r3, over TLS
+#
+# so that TLS on and off are measured in the same run, interleaved; a
+# second table gives their medians and the ratio TLS / plaintext.
+#
 # Every target is prefilled with one sequential 1 MiB write pass, then each
 # workload runs BENCH_RUNS times per target, the three targets back to back
 # (their order rotating each round, so a burst of noise from elsewhere does
@@ -66,6 +76,8 @@
 #   BENCH_QUIET_WAIT [0]  seconds: before each run, wait at most this long
 #                         while a BENCH_OTHERS process runs (the wait does
 #                         not count towards BENCH_DEADLINE)
+#   BENCH_TLS [0]         1: also the TLS cluster and its two targets
+#                         (ports BENCH_PORT+30 to +52)
 #   BENCH_HOLD [0]        1: after the cluster, the servers and the
 #                         prefill are up, print how to reach them and wait
 #                         for Ctrl-C instead of benchmarking (profiling)
@@ -86,6 +98,12 @@ quiet_wait=${BENCH_QUIET_WAIT:-0}
 all_workloads="randwrite-4k-qd32 randread-4k-qd32 write-1m-qd8 read-1m-qd8 randwrite-4k-qd1"
 workloads=${BENCH_WORKLOADS:-$all_workloads}
 targets=(nbdkit stor-r1 stor-r3)
+tls=${BENCH_TLS:-0}
+stor_targets=(stor-r1 stor-r3)
+if [[ $tls == 1 ]]; then
+	targets+=(stor-r1-tls stor-r3-tls)
+	stor_targets+=(stor-r1-tls stor-r3-tls)
+fi
 
 for tool in fio nbdkit nbdinfo jq; do
 	if ! command -v "$tool" >/dev/null; then
@@ -108,6 +126,12 @@ mkdir -p "$dir" "$out_dir"
 dir=$(cd "$dir" && pwd)
 servers=127.0.0.1:$port,127.0.0.1:$((port + 10)),127.0.0.1:$((port + 20))
 ctl=(bin/stor-ctl --server "$servers")
+# The TLS cluster (BENCH_TLS=1): its servers, certificates and stor-ctl.
+tls_port=$((port + 30))
+tls_servers=127.0.0.1:$tls_port,127.0.0.1:$((tls_port + 10)),127.0.0.1:$((tls_port + 20))
+tls_dir=$dir/tls
+tls_ctl=(bin/stor-ctl --server "$tls_servers" --tls-cert "$tls_dir/operator-stor-ctl.crt"
+	--tls-key "$tls_dir/operator-stor-ctl.key" --tls-ca "$tls_dir/ca.crt")
 
 log() { echo "bench-nbd: $*" >&2; }
 
@@ -157,7 +181,7 @@ cleanup() {
 		log "data and logs kept in $dir"
 	elif [[ $rc != 0 ]]; then
 		# Keep the logs (and fio's reports) of a failed run, not the GiBs.
-		rm -rf "$dir"/s[123] "$dir/nbdkit.img"
+		rm -rf "$dir"/s[123] "$dir"/t[123] "$dir/nbdkit.img"
 		log "logs kept in $dir"
 	else
 		rm -rf "$dir"
@@ -196,42 +220,67 @@ wait_nbd() {
 
 # --- the cluster -----------------------------------------------------------
 
-for ((p = port; p <= port + 22; p++)); do
+for ((p = port; p <= port + (tls == 1 ? 52 : 22); p++)); do
 	if [[ -n $(ss -Hltn "( sport = :$p )" 2>/dev/null) ]]; then
 		log "port $p is in use (another bench-nbd?); choose other ports with BENCH_PORT"
 		exit 1
 	fi
 done
-for i in 1 2 3; do
-	p=$((port + 10 * (i - 1)))
-	args=(--id "bench-s$i" --data-dir "$dir/s$i" --log-level warn
-		--listen "127.0.0.1:$p" --raft-listen "127.0.0.1:$((p + 1))" --data-listen "127.0.0.1:$((p + 2))")
-	((i > 1)) && args+=(--join "127.0.0.1:$port")
-	setsid bin/stor-server "${args[@]}" >"$dir/s$i.log" 2>&1 &
-	server_pids+=($!)
-done
-log "started 3 servers ($servers) in $dir"
-for ((i = 0; ; i++)); do
-	check_alive
-	if status=$("${ctl[@]}" --timeout 1s cluster status -o json 2>/dev/null) &&
-		[[ $(grep -c '"SERVER_STATE_UP"' <<<"$status") -eq 3 ]]; then
-		break
-	fi
-	if ((i >= 60)); then
-		log "the cluster did not form within 30s; logs in $dir"
-		exit 1
-	fi
-	sleep 0.5
-done
+# start_cluster NAME FIRST_PORT CTL... : three servers NAME1..3 (data in
+# $dir/NAME<i>, log $dir/NAME<i>.log, ports FIRST_PORT+10*(i-1)), with the
+# --tls-* flags of their certificates when NAME is t; waits until CTL sees
+# all three up.
+start_cluster() {
+	local name=$1 first=$2 i p args
+	shift 2
+	for i in 1 2 3; do
+		p=$((first + 10 * (i - 1)))
+		args=(--id "bench-$name$i" --data-dir "$dir/$name$i" --log-level warn
+			--listen "127.0.0.1:$p" --raft-listen "127.0.0.1:$((p + 1))" --data-listen "127.0.0.1:$((p + 2))")
+		((i > 1)) && args+=(--join "127.0.0.1:$first")
+		[[ $name == t ]] && args+=(--tls-cert "$tls_dir/server-bench-t$i.crt" --tls-key "$tls_dir/server-bench-t$i.key" --tls-ca "$tls_dir/ca.crt")
+		setsid bin/stor-server "${args[@]}" >"$dir/$name$i.log" 2>&1 &
+		server_pids+=($!)
+	done
+	log "started 3 servers (${name}1-3, first port $first) in $dir"
+	for ((i = 0; ; i++)); do
+		check_alive
+		if status=$("$@" --timeout 1s cluster status -o json 2>/dev/null) &&
+			[[ $(grep -c '"SERVER_STATE_UP"' <<<"$status") -eq 3 ]]; then
+			break
+		fi
+		if ((i >= 60)); then
+			log "the cluster did not form within 30s; logs in $dir"
+			exit 1
+		fi
+		sleep 0.5
+	done
+}
 
+# serve SUFFIX REPLICAS CTL...: a volume bench-rREPLICAS served by stor-ctl
+# nbd serve on $dir/rREPLICAS<SUFFIX>.sock: target stor-rREPLICAS<SUFFIX>.
 declare -A uri
-for r in 1 3; do
-	"${ctl[@]}" --timeout 30s volume create "bench-r$r" --size "${size_mib}MiB" --replicas "$r" >/dev/null
-	setsid bin/stor-ctl --server "$servers" --timeout 30s nbd serve "bench-r$r" --node bench-nbd \
-		--listen "unix:$dir/r$r.sock" >"$dir/serve-r$r.log" 2>&1 &
+serve() {
+	local sfx=$1 r=$2
+	shift 2
+	"$@" --timeout 30s volume create "bench-r$r" --size "${size_mib}MiB" --replicas "$r" >/dev/null
+	setsid "$@" --timeout 30s nbd serve "bench-r$r" --node bench-nbd \
+		--listen "unix:$dir/r$r$sfx.sock" >"$dir/serve-r$r$sfx.log" 2>&1 &
 	serve_pids+=($!)
-	uri[stor-r$r]="nbd+unix:///bench-r$r?socket=$dir/r$r.sock"
+	uri[stor-r$r$sfx]="nbd+unix:///bench-r$r?socket=$dir/r$r$sfx.sock"
+}
+
+start_cluster s "$port" "${ctl[@]}"
+for r in 1 3; do
+	serve "" "$r" "${ctl[@]}"
 done
+if [[ $tls == 1 ]]; then
+	bin/stor-ctl certs local --dir "$tls_dir" --server bench-t1,bench-t2,bench-t3 >/dev/null
+	start_cluster t "$tls_port" "${tls_ctl[@]}"
+	for r in 1 3; do
+		serve -tls "$r" "${tls_ctl[@]}"
+	done
+fi
 
 # nbdkit's file plugin on a preallocated file beside stor's data. Its default
 # thread model for this plugin is "parallel" (16 threads) and it offers
@@ -246,7 +295,7 @@ for t in "${targets[@]}"; do
 	wait_nbd "${uri[$t]}"
 done
 nbdkit_model=$(nbdkit --dump-plugin file | sed -n 's/^thread_model=//p')
-log "serving: ${uri[nbdkit]} (${nbdkit_cmd[*]}; thread model $nbdkit_model), ${uri[stor-r1]}, ${uri[stor-r3]}"
+log "serving: ${uri[nbdkit]} (${nbdkit_cmd[*]}; thread model $nbdkit_model), $(for t in "${stor_targets[@]}"; do printf '%s ' "${uri[$t]}"; done)"
 fs_line() { df -P "$1" | awk 'NR == 2 { print $1 " on " $6 }'; }
 fs_stor=$(fs_line "$dir/s1")
 fs_nbdkit=$(fs_line "$dir/nbdkit.img")
@@ -300,7 +349,7 @@ for t in "${targets[@]}"; do
 done
 
 if [[ ${BENCH_HOLD:-0} == 1 ]]; then
-	log "holding (BENCH_HOLD=1): Ctrl-C ends it. pids: servers ${server_pids[*]}, nbd serve r1 ${serve_pids[0]}, r3 ${serve_pids[1]}, nbdkit $nbdkit_pid"
+	log "holding (BENCH_HOLD=1): Ctrl-C ends it. pids: servers ${server_pids[*]}, nbd serves (${stor_targets[*]}) ${serve_pids[*]}, nbdkit $nbdkit_pid"
 	for t in "${targets[@]}"; do echo "$t ${uri[$t]}"; done
 	while true; do check_alive; sleep 1; done
 fi
@@ -397,7 +446,8 @@ summary=$(jq -s \
 	--arg load_before "$load_before" --arg load_after "$load_after" \
 	--arg others_pattern "$others_pattern" --argjson waited "$waited" \
 	--argjson others_before "${others_before:-0}" --argjson others_after "${others_after:-0}" \
-	--argjson per_target "$runs" --argjson secs "$bench_secs" --argjson size_mib "$size_mib" '
+	--argjson per_target "$runs" --argjson secs "$bench_secs" --argjson size_mib "$size_mib" \
+	--argjson stor_targets "$(printf '%s\n' "${stor_targets[@]}" | jq -R . | jq -s -c .)" '
 	def median: sort | if length == 0 then null
 		elif length % 2 == 1 then .[length / 2 | floor]
 		else (.[length / 2 - 1] + .[length / 2]) / 2 end;
@@ -427,7 +477,7 @@ summary=$(jq -s \
 			| ($nk | median) as $base
 			| {workload: $r.w, metric: $r.m, unit: $r.unit, higher_is_better: $r.higher,
 			   nbdkit: $base, nbdkit_min: ($nk | min), nbdkit_max: ($nk | max),
-			   stor: ([[ "stor-r1", "stor-r3" ][] as $t
+			   stor: ([$stor_targets[] as $t
 				| [$runs[] | select(.workload == $r.w and .target == $t) | .[$r.m]] as $all
 				| ($all | median) as $v
 				| {($t): {median: $v, min: ($all | min), max: ($all | max), ratio: (if $base > 0 then $v / $base else null end),
@@ -450,6 +500,21 @@ table=$(jq -r '
 	(.rows[] | .higher_is_better as $h
 	 | "| \(.workload) | \(.unit) | \(cell(.nbdkit; .nbdkit_min; .nbdkit_max)) | \(.stor["stor-r1"] | cell(.median; .min; .max)) | \(.stor["stor-r1"].ratio | ratio) | \(.stor["stor-r1"].target | goal($h)) | \(.stor["stor-r1"].result // "") | \(.stor["stor-r3"] | cell(.median; .min; .max)) | \(.stor["stor-r3"].ratio | ratio) | \(.stor["stor-r3"].target | goal($h)) | \(.stor["stor-r3"].result // "") |")
 ' <<<"$summary")
+
+if [[ $tls == 1 ]]; then
+	table+=$'\n\n'$(jq -r '
+	def num: if . == null then "-" elif . >= 100 then (. | round | tostring)
+		else ((. * 10 | round) / 10 | tostring) end;
+	def cell($m; $lo; $hi): "\($m | num) [\($lo | num)–\($hi | num)]";
+	def tlsratio($a; $b): if $a == null or $b == null or $a == 0 then "-" else (($b / $a * 100 | round) / 100 | tostring) + "×" end;
+	"TLS on against off (the same run, interleaved): medians [range], ratio TLS / plaintext",
+	"",
+	"| workload | metric | stor 1-replica | stor 1-replica TLS | TLS / plain | stor 3-replica | stor 3-replica TLS | TLS / plain |",
+	"|---|---|--:|--:|--:|--:|--:|--:|",
+	(.rows[] | .stor as $s
+	 | "| \(.workload) | \(.unit) | \($s["stor-r1"] | cell(.median; .min; .max)) | \($s["stor-r1-tls"] | cell(.median; .min; .max)) | \(tlsratio($s["stor-r1"].median; $s["stor-r1-tls"].median)) | \($s["stor-r3"] | cell(.median; .min; .max)) | \($s["stor-r3-tls"] | cell(.median; .min; .max)) | \(tlsratio($s["stor-r3"].median; $s["stor-r3-tls"].median)) |")
+	' <<<"$summary")
+fi
 
 conditions=$(jq -r '
 	"- \(.when) UTC, stor \(.rev), Linux \(.kernel), \(.cpus) CPUs (\(.cpu)), \(.fio), \(.nbdkit | split("\n")[0])",

@@ -118,9 +118,10 @@ func csiScenario(t *testing.T, name, test, focus string, expect []string, timeou
 	}
 }
 
-// csi-sanity, every spec, against stor-csi (controller and node in one
-// process) with the real kernel NBD attach and real mounts, for the mount
-// and block access types.
+// csi-sanity, every spec, against stor-csi (the controller and the node
+// plugin as two processes, each with its role's TLS certificate) with the
+// real kernel NBD attach and real mounts, for the mount and block access
+// types.
 func TestVMCSISanity(t *testing.T) {
 	csiScenario(t, "csi-sanity", "TestExternalSanity", "", []string{"SUCCESS!"}, 10*time.Minute)
 }

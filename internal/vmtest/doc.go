@@ -71,7 +71,9 @@
 //
 // A scenario is a script plus what it needs (files, programs, modules) and
 // what it must print. StorScenario adds what every stor scenario needs:
-// stor-server and stor-ctl, /vmtest/stor.sh (start_cluster and friends),
+// stor-server and stor-ctl, /vmtest/stor.sh (start_cluster and friends:
+// every process runs with mutual TLS, its certificates made in the guest
+// by stor-ctl certs local),
 // the ext4 tools, and the nbd and ext4 modules. Other tests (the CSI node
 // plugin's) build their own binaries and add them as Files; the xfs one
 // adds xfsprogs and the xfs module (withXFS), and needs 320 MiB volumes:

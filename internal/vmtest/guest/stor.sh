@@ -4,6 +4,23 @@
 STOR=/tmp/stor
 export STOR_SERVER=127.0.0.1:7400,127.0.0.1:7410,127.0.0.1:7420
 
+# Every process speaks mutual TLS: make_certs makes a CA and certificates
+# in $STOR_TLS (stor-ctl certs local): one per server, one per CSI node
+# (vm, s1), stor-ctl's (operator) and the CSI controller's. stor-ctl finds
+# its own through $STOR_CERT, $STOR_KEY and $STOR_CA.
+STOR_TLS=$STOR/tls
+export STOR_CERT=$STOR_TLS/operator-stor-ctl.crt STOR_KEY=$STOR_TLS/operator-stor-ctl.key STOR_CA=$STOR_TLS/ca.crt
+
+# make_certs: creates what is missing in $STOR_TLS.
+make_certs() {
+	stor-ctl certs local --dir "$STOR_TLS" --server s1,s2,s3 --node vm,s1 >/dev/null || fail "stor-ctl certs local"
+}
+
+# tls_args ROLE NAME: the --tls-* flags of the certificate ROLE-NAME.
+tls_args() {
+	echo "--tls-cert $STOR_TLS/$1-$2.crt --tls-key $STOR_TLS/$1-$2.key --tls-ca $STOR_TLS/ca.crt"
+}
+
 # start_server ID PORT [JOIN]: control PORT, raft PORT+1, data PORT+2; log
 # in $STOR/ID.log; its pid in $STOR/ID.pid.
 start_server() {
@@ -16,7 +33,7 @@ start_server() {
 	fi
 	stor-server --id "$_id" --data-dir "$STOR/$_id" --listen "127.0.0.1:$_port" \
 		--raft-listen "127.0.0.1:$((_port + 1))" --data-listen "127.0.0.1:$((_port + 2))" \
-		"$@" >>"$STOR/$_id.log" 2>&1 &
+		$(tls_args server "$_id") "$@" >>"$STOR/$_id.log" 2>&1 &
 	echo $! >"$STOR/$_id.pid"
 }
 
@@ -30,6 +47,7 @@ cluster_up() {
 # start_cluster: s1 bootstraps, s2 and s3 join; waits for three servers up.
 start_cluster() {
 	_t0=$(now)
+	make_certs
 	start_server s1 7400
 	start_server s2 7410 127.0.0.1:7400
 	start_server s3 7420 127.0.0.1:7400

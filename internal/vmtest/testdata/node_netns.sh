@@ -13,12 +13,13 @@
 #     the family is not visible in this network namespace and to run it
 #     with hostNetwork, and stor-ctl nbd attach fails the same way.
 
-# start_plugin DIR SERVERS: stor-csi --mode=node in the background, its
-# log in DIR/stor-csi.log; sets PID_CSI.
+# start_plugin DIR SERVERS: stor-csi --mode=node in the background, with
+# node vm's certificate, its log in DIR/stor-csi.log; sets PID_CSI.
 start_plugin() {
 	mkdir -p "$1/state"
+	make_certs
 	stor-csi --mode=node --endpoint "unix://$1/csi.sock" --driver-name=csi.stor.io --node-id=vm \
-		--servers="$2" --state-dir="$1/state" >"$1/stor-csi.log" 2>&1 &
+		--servers="$2" --state-dir="$1/state" $(tls_args csi-node vm) >"$1/stor-csi.log" 2>&1 &
 	PID_CSI=$!
 }
 
