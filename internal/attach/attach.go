@@ -30,7 +30,12 @@ const (
 	// is rounded down to a multiple of it.
 	BlockSize = 4096
 	// DefaultTimeout bounds attaching and the final flush and detach.
-	DefaultTimeout = 10 * time.Second
+	// Attaching opens the engine, which first reconciles the regions an
+	// unclean stop left dirty: work that grows with them (a clone's first
+	// attach reconciled 64 MiB in over 10 s under qemu's TCG with TLS, and
+	// NodeStage failed at the old 10 s). The kubelet's own deadline for
+	// NodeStage is longer.
+	DefaultTimeout = 60 * time.Second
 	// DefaultDrainTimeout bounds how long a stop waits for requests in
 	// flight.
 	DefaultDrainTimeout = 30 * time.Second
