@@ -13,7 +13,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 )
 
 // Bounds on starting the control plane.
@@ -158,16 +157,6 @@ func (cp *ControlPlane) TokenKubeconfig(name, token string) string {
 		cp.t.Fatal(err)
 	}
 	return path
-}
-
-// TokenConfig is a client config with a bearer token.
-func (cp *ControlPlane) TokenConfig(token string) *rest.Config {
-	return &rest.Config{Host: cp.server, BearerToken: token, TLSClientConfig: rest.TLSClientConfig{CAFile: cp.pki.caFile}}
-}
-
-// ConfigFromKubeconfig loads a kubeconfig file (for tests that check one).
-func ConfigFromKubeconfig(path string) (*rest.Config, error) {
-	return clientcmd.BuildConfigFromFlags("", path)
 }
 
 func (cp *ControlPlane) start(name, bin string, args ...string) {

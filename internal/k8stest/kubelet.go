@@ -134,9 +134,6 @@ func StartKubelet(t testing.TB, cfg KubeletConfig) *Kubelet {
 	return k
 }
 
-// Name is the node's name.
-func (k *Kubelet) Name() string { return k.cfg.Name }
-
 // Stop stops the kubelet as a node that died does: no heartbeat, no
 // more syncs, nothing unmounted.
 func (k *Kubelet) Stop() {
@@ -294,8 +291,8 @@ func (k *Kubelet) registerDriver(ctx context.Context) error {
 
 func (k *Kubelet) run(ctx context.Context) {
 	defer close(k.done)
-	sync := time.NewTicker(syncInterval)
-	defer sync.Stop()
+	syncs := time.NewTicker(syncInterval)
+	defer syncs.Stop()
 	lease := time.NewTicker(leaseInterval)
 	defer lease.Stop()
 	status := time.NewTicker(statusInterval)
@@ -312,7 +309,7 @@ func (k *Kubelet) run(ctx context.Context) {
 			if err := k.updateStatus(ctx, nil); err != nil && ctx.Err() == nil {
 				k.log.Warn("status update failed", "err", err)
 			}
-		case <-sync.C:
+		case <-syncs.C:
 			k.sync(ctx)
 		}
 	}
