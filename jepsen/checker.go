@@ -1,6 +1,7 @@
 package jepsen
 
 import (
+	"cmp"
 	"fmt"
 	"maps"
 	"math"
@@ -17,7 +18,7 @@ type Op struct {
 	Client int    `json:"client"`
 	Host   string `json:"host"`  // the client host that ran it
 	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
-	Kind   string `json:"kind"`  // write, read, flush, open, detach, fence, final-read, snapshot, snapshot-delete, clone, snapshot-read, snapshot-lost, replica-remove
+	Kind   string `json:"kind"`  // write, read, flush, open, detach, fence, final-read, snapshot, snapshot-delete, clone, snapshot-read, snapshot-lost, replica-remove, replica-read, replica-check
 	Block  int    `json:"block"`
 	// Snapshot names the snapshot of a snapshot op; Replica the replica a
 	// snapshot-read read from; Clone the clone of the snapshot it read, if
@@ -46,7 +47,7 @@ type Anomalies struct {
 	Fencing         int      `json:"fencing"`         // writes acknowledged by a fenced engine
 	Expansion       int      `json:"expansion"`       // online expansions the engine never served
 	Snapshot        int      `json:"snapshot"`        // findings that a snapshot or clone is not the volume at one point of its window
-	Divergence      int      `json:"divergence"`      // registers whose healthy replicas hold different values after the final reopen
+	Divergence      int      `json:"divergence"`      // registers whose healthy replicas hold different values after the final reopen, or an older value than the last write after a rebuild
 	Unknown         int      `json:"unknown"`         // blocks porcupine could not decide in time
 	Details         []string `json:"details,omitempty"`
 }
@@ -228,6 +229,51 @@ func checkReplicasAgree(ops []Op, a *Anomalies) {
 		if len(seen[b]) > 1 {
 			a.Divergence++
 			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the final open: %v (value: replicas)", b, seen[b]))
+		}
+	}
+}
+
+// checkReplicasHoldLastWrite: a "replica-check" op reads a register from
+// one HEALTHY replica directly, at a moment nothing writes it (the cold
+// registers once a rebuild-writes rebuild is over). It must hold the
+// register's last write: the write called last before the check, if every
+// write to that register called before the check was acknowledged before
+// the check began and before that last write was called (no write in
+// flight, none failed, none concurrent: otherwise either value may be
+// right and the register is left out). A HEALTHY replica holding an older
+// value lost an acknowledged write: a read that goes to it returns it.
+func checkReplicasHoldLastWrite(ops []Op, a *Anomalies) {
+	writes := map[int][]Op{} // block -> writes, in history order
+	for _, o := range ops {
+		if o.Kind == "write" {
+			writes[o.Block] = append(writes[o.Block], o)
+		}
+	}
+	for _, c := range ops {
+		if c.Kind != "replica-check" || !c.OK || c.Bad != "" {
+			continue
+		}
+		var before []Op
+		for _, w := range writes[c.Block] {
+			if w.Call < c.Call {
+				before = append(before, w)
+			}
+		}
+		if len(before) == 0 {
+			continue
+		}
+		last := slices.MaxFunc(before, func(x, y Op) int { return cmp.Compare(x.Call, y.Call) })
+		clear := true
+		for _, w := range before {
+			if !w.OK || w.Return >= c.Call || (w.Value != last.Value && w.Return >= last.Call) {
+				clear = false
+				break
+			}
+		}
+		if clear && c.Value != last.Value {
+			a.Divergence++
+			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d on HEALTHY replica %s holds %d at %v, but write %d was acknowledged at %v and nothing wrote the block since",
+				c.Block, c.Replica, c.Value, time.Duration(c.Call), last.Value, time.Duration(last.Return)))
 		}
 	}
 }

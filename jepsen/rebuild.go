@@ -446,7 +446,11 @@ func (replaceReplica) Heal(ctx context.Context, r *runner) error { return nil }
 // target to be HEALTHY. Nothing writes a cold register afterwards, so if a
 // copy and a write to the same block interleave (the copy read the
 // source's block before the write and wrote it to the target after), the
-// target keeps the older block for good: the divergence checker reads every
+// target keeps the older block for good. Once the target is HEALTHY the
+// cold registers are read from every HEALTHY replica (ops "replica-check",
+// checkReplicasHoldLastWrite): each must hold its register's last write.
+// The next rebuild nemesis writes the cold registers again, so that check
+// is what sees each rebuild's outcome; the divergence checker reads every
 // replica at the end, and the workers' reads see it when the target is the
 // replica they read from (issue 13, C).
 type rebuildWrites struct{}
@@ -509,7 +513,7 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	if during > 0 {
 		r.hit("rebuild-writes: cold register written while the target was REBUILDING")
 	}
-	_, _, werr := r.waitReplica(ctx, rebuildDone, func(v *storpb.Volume) *storpb.Replica {
+	_, v, werr := r.waitReplica(ctx, rebuildDone, func(v *storpb.Volume) *storpb.Replica {
 		if now := replicaIn(v, target.Id); now != nil && now.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
 			return now
 		}
@@ -521,6 +525,15 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	} else {
 		r.copyPerBlock = time.Since(copyStart) / time.Duration(max(r.cfg.Blocks, 1))
 		end += fmt.Sprintf(" (%v a register's stride)", r.copyPerBlock.Round(time.Millisecond))
+		// Each rebuild's outcome is checked before the next fault writes
+		// the cold registers again (which would hide it from the final
+		// checks): every HEALTHY replica, the target among them, must hold
+		// the last write to each cold register (checkReplicasHoldLastWrite).
+		if err := r.readHealthyReplicas(ctx, v, "replica-check", r.cold); err != nil {
+			end += fmt.Sprintf("; the replicas were not read: %v", err)
+		} else {
+			end += "; the cold registers read from every HEALTHY replica"
+		}
 	}
 	return fmt.Sprintf("%s%d cold registers written during the copy of %s (%d seen while it was REBUILDING); %s", desc, written, target.Id, during, end), nil
 }

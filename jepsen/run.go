@@ -581,6 +581,13 @@ func (r *runner) readReplicas(ctx context.Context) error {
 		}
 		sleep(ctx, 500*time.Millisecond)
 	}
+	return r.readHealthyReplicas(ctx, v, "replica-read", func(int) bool { return true })
+}
+
+// readHealthyReplicas reads the registers keep picks from every replica
+// of v that is HEALTHY, directly, and records a read op of kind kind for
+// each (one per replica and register).
+func (r *runner) readHealthyReplicas(ctx context.Context, v *storpb.Volume, kind string, keep func(block int) bool) error {
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	servers, err := r.c.Control.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
 	cancel()
@@ -593,11 +600,24 @@ func (r *runner) readReplicas(ctx context.Context) error {
 	}
 	blocks := int(r.blocks.Load())
 	for _, rep := range healthy(v) {
+		call := r.now()
 		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		data, err := readBlocks(cctx, r.c.Dial, dataAddr[rep.ServerId], v.Id, rep.Id, "", v.Epoch, blocks)
 		cancel()
-		now := r.now()
-		r.recordBlocks(Op{Kind: "replica-read", Replica: rep.Id, Call: now, Return: now}, data, err, blocks)
+		ret := r.now()
+		for b := range blocks {
+			if !keep(b) {
+				continue
+			}
+			o := Op{Client: -1, Kind: kind, Replica: rep.Id, Block: b, Call: call, Return: ret}
+			if err != nil {
+				o.Err = err.Error()
+			} else {
+				o.OK = true
+				o.decode(data[b], r.cfg.Seed)
+			}
+			r.record(o)
+		}
 	}
 	return nil
 }
@@ -675,6 +695,7 @@ func (r *runner) check(rep *Report) (*Report, error) {
 	checkFencing(ops, a)
 	checkDurability(ops, int(r.blocks.Load()), a)
 	checkReplicasAgree(ops, a)
+	checkReplicasHoldLastWrite(ops, a)
 	snapReads := checkSnapshots(ops, a)
 	rep.SnapshotsLost = checkSnapshotLosses(ops, a)
 	checkLinearizable(ops, snapReads, int(r.blocks.Load()), 2*time.Minute, func(b int) string {
