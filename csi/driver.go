@@ -341,7 +341,7 @@ func (d *Driver) Run(ctx context.Context) error {
 }
 
 // Listen opens the unix socket an endpoint names, removing a stale socket
-// file first.
+// file first; the socket is made mode 0600.
 func Listen(endpoint string) (net.Listener, error) {
 	path := endpoint
 	if strings.Contains(endpoint, "://") {
@@ -365,7 +365,17 @@ func Listen(endpoint string) (net.Listener, error) {
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("csi: remove stale socket: %w", err)
 	}
-	return net.Listen("unix", path)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, err
+	}
+	// Only the socket's owner (the kubelet and the sidecars run as root,
+	// as this plugin does) may connect: CSI calls are not authenticated.
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("csi: socket mode: %w", err)
+	}
+	return ln, nil
 }
 
 // listenTCP listens on a host:port address.

@@ -38,6 +38,11 @@ func Listen(addr string) (net.Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("nbd: listen on %s: %w", addr, err)
 	}
+	// NBD has no authentication here: only the socket's owner may connect.
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("nbd: listen on %s: socket mode: %w", addr, err)
+	}
 	return ln, nil
 }
 

@@ -73,6 +73,9 @@ func TestListenUnix(t *testing.T) {
 		t.Fatalf("Listen over a stale socket: %v", err)
 	}
 	defer ln.Close()
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode %v (%v), want 0600: only its owner may connect", fi.Mode().Perm(), err)
+	}
 	if _, err := Listen("unix:" + path); err == nil || !errors.Is(err, syscall.EADDRINUSE) {
 		t.Fatalf("Listen over a live socket: %v, want EADDRINUSE", err)
 	}

@@ -125,7 +125,7 @@ dir=${BENCH_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/stor-bench-nbd.XXXXXX")}
 mkdir -p "$dir" "$out_dir"
 dir=$(cd "$dir" && pwd)
 servers=127.0.0.1:$port,127.0.0.1:$((port + 10)),127.0.0.1:$((port + 20))
-ctl=(bin/stor-ctl --server "$servers")
+ctl=(bin/stor-ctl --insecure --server "$servers")
 # The TLS cluster (BENCH_TLS=1): its servers, certificates and stor-ctl.
 tls_port=$((port + 30))
 tls_servers=127.0.0.1:$tls_port,127.0.0.1:$((tls_port + 10)),127.0.0.1:$((tls_port + 20))
@@ -228,7 +228,8 @@ for ((p = port; p <= port + (tls == 1 ? 52 : 22); p++)); do
 done
 # start_cluster NAME FIRST_PORT CTL... : three servers NAME1..3 (data in
 # $dir/NAME<i>, log $dir/NAME<i>.log, ports FIRST_PORT+10*(i-1)), with the
-# --tls-* flags of their certificates when NAME is t; waits until CTL sees
+# --tls-* flags of their certificates when NAME is t (else --insecure: the
+# plaintext baseline, on loopback); waits until CTL sees
 # all three up.
 start_cluster() {
 	local name=$1 first=$2 i p args
@@ -238,7 +239,11 @@ start_cluster() {
 		args=(--id "bench-$name$i" --data-dir "$dir/$name$i" --log-level warn
 			--listen "127.0.0.1:$p" --raft-listen "127.0.0.1:$((p + 1))" --data-listen "127.0.0.1:$((p + 2))")
 		((i > 1)) && args+=(--join "127.0.0.1:$first")
-		[[ $name == t ]] && args+=(--tls-cert "$tls_dir/server-bench-t$i.crt" --tls-key "$tls_dir/server-bench-t$i.key" --tls-ca "$tls_dir/ca.crt")
+		if [[ $name == t ]]; then
+			args+=(--tls-cert "$tls_dir/server-bench-t$i.crt" --tls-key "$tls_dir/server-bench-t$i.key" --tls-ca "$tls_dir/ca.crt")
+		else
+			args+=(--insecure)
+		fi
 		setsid bin/stor-server "${args[@]}" >"$dir/$name$i.log" 2>&1 &
 		server_pids+=($!)
 	done

@@ -99,7 +99,7 @@ func run(args []string) error {
 			return err
 		}
 	default:
-		cfg.Logger.Warn("no TLS: the connections to the cluster are unauthenticated and unencrypted")
+		return errNoCertificates
 	}
 	c, err := client.Dial(addrs, opts...)
 	if err != nil {
@@ -120,6 +120,9 @@ func run(args []string) error {
 // stor://csi-controller/<any>, a node stor://csi-node/<--node-id> (the
 // cluster lets a node's certificate act only for the node it names); mode
 // all would need both.
+// errNoCertificates: stor-csi was given neither certificates nor --insecure.
+var errNoCertificates = errors.New("no TLS certificates (--tls-cert, --tls-key and --tls-ca; cert-manager issues them in Kubernetes) and no --insecure (plaintext, loopback servers only)")
+
 func checkRole(id pki.Identity, mode csi.Mode, nodeID string) error {
 	switch {
 	case mode == csi.ModeController && id.Role != pki.RoleCSIController:

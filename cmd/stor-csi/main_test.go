@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
@@ -14,10 +15,22 @@ import (
 func TestControllerRefusesNodeFlags(t *testing.T) {
 	for _, flag := range []string{"--node-id=worker-1", "--zone=a", "--state-dir=/var/lib/stor-csi", "--max-volumes=8"} {
 		name, _, _ := strings.Cut(flag, "=")
-		err := run([]string{"--mode=controller", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1", flag})
+		err := run([]string{"--mode=controller", "--insecure", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1", flag})
 		if err == nil || !strings.Contains(err.Error(), "("+name+") is for node mode") {
 			t.Errorf("stor-csi --mode=controller %s: %v, want an error naming %s", flag, err, name)
 		}
+	}
+}
+
+// Without certificates stor-csi starts only with --insecure, and says how
+// to give it certificates.
+func TestNoCertificatesRefused(t *testing.T) {
+	err := run([]string{"--mode=controller", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1"})
+	if !errors.Is(err, errNoCertificates) || !strings.Contains(err.Error(), "--tls-cert") {
+		t.Fatalf("no certificates, no --insecure: %v, want errNoCertificates naming --tls-cert", err)
+	}
+	if err := run([]string{"--mode=controller", "--insecure", "--servers=10.0.0.1:7400", "--endpoint=tcp://127.0.0.1:1"}); err == nil || !strings.Contains(err.Error(), "loopback") {
+		t.Fatalf("--insecure with a remote server: %v, want an error naming loopback", err)
 	}
 }
 

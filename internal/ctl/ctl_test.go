@@ -339,8 +339,27 @@ type result struct {
 	stdout, stderr string
 }
 
-// run runs stor-ctl in-process with args.
+// run runs stor-ctl in-process with args, with --insecure (the test
+// clusters are plaintext on loopback) unless args choose TLS or
+// --insecure themselves.
 func run(t *testing.T, args ...string) result {
+	t.Helper()
+	return runAsIs(t, plaintext(args)...)
+}
+
+// plaintext prepends --insecure to args unless they name --insecure or a
+// --tls- flag.
+func plaintext(args []string) []string {
+	for _, a := range args {
+		if a == "--insecure" || strings.HasPrefix(a, "--tls-") {
+			return args
+		}
+	}
+	return append([]string{"--insecure"}, args...)
+}
+
+// runAsIs runs stor-ctl in-process with exactly args.
+func runAsIs(t *testing.T, args ...string) result {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
 	code := execute(&app{stdout: &stdout, stderr: &stderr, now: func() time.Time { return testNow }}, args)
@@ -793,7 +812,7 @@ func TestNewRootCommand(t *testing.T) {
 	f := newFake(t)
 	var stdout, stderr bytes.Buffer
 	cmd := NewRootCommand(&stdout, &stderr)
-	cmd.SetArgs([]string{"--server", f.addr, "volume", "list"})
+	cmd.SetArgs([]string{"--insecure", "--server", f.addr, "volume", "list"})
 	if err := cmd.Execute(); err != nil {
 		t.Fatal(err)
 	}

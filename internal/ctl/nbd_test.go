@@ -98,7 +98,7 @@ func startNBDServeNoWait(t *testing.T, c *servertest.Cluster, args ...string) *n
 	s.cancel = cancel
 	a := &app{stdout: s.stdout, stderr: s.stderr, now: time.Now}
 	go func() {
-		s.done <- executeContext(ctx, a, append([]string{"--server", strings.Join(addrs, ","), "nbd", "serve"}, args...))
+		s.done <- executeContext(ctx, a, plaintext(append([]string{"--server", strings.Join(addrs, ","), "nbd", "serve"}, args...)))
 	}()
 	t.Cleanup(func() {
 		cancel()

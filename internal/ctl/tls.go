@@ -73,8 +73,10 @@ func (a *app) transport(cmd *cobra.Command, addrs []string) ([]grpc.DialOption, 
 		if err := pki.CheckLoopback(addrs...); err != nil {
 			return nil, nil, usageError{err}
 		}
+		return nil, nil, nil
 	}
-	return nil, nil, nil
+	return nil, nil, usageErrorf("no certificate: pass --tls-cert, --tls-key and --tls-ca (or set $%s, $%s and $%s), run from make cluster's directory (or set $%s to its data dir), or pass --insecure for a plaintext cluster on loopback",
+		certEnv, keyEnv, caEnv, dataEnv)
 }
 
 // newCertsCommand is "stor-ctl certs local": the local CA and certificates

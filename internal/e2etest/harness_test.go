@@ -233,7 +233,6 @@ func newServer(t *testing.T, id, dataDir, join string) *server {
 			"--data-listen", loopback(ports[2]),
 			"--server-down-timeout", "3s",
 			"--capacity", "100GiB",
-			"--insecure-data-inspect", // servertest.Checksums compares replicas
 		},
 	}
 	if join != "" {

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -107,13 +108,12 @@ type Config struct {
 	// accessTable), the Raft port only servers, the data port servers, CSI
 	// nodes and operators; and every connection this server makes presents
 	// its certificate and wants a server's. Its identity must be
-	// stor://server/<ID>. Default nil: plaintext — see Insecure.
+	// stor://server/<ID>. A server needs TLS or Insecure.
 	TLS *pki.Source
 	// Insecure states that the server runs without TLS on purpose; then
 	// every address (listen, advertise, join) must be on loopback. With
-	// neither TLS nor Insecure the server runs plaintext as before TLS
-	// existed, and says so in its log: the transition while harnesses
-	// gain certificates.
+	// neither TLS nor Insecure the server does not start
+	// (ErrNoCertificates): an unauthenticated port is never the default.
 	Insecure bool
 }
 
@@ -279,6 +279,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("server: --insecure with TLS certificates")
 	case c.TLS != nil && c.TLS.Identity() != (pki.Identity{Role: pki.RoleServer, Name: c.ID}):
 		return fmt.Errorf("server: the TLS certificate is %s, not stor://server/%s", c.TLS.Identity(), c.ID)
+	case c.TLS == nil && !c.Insecure:
+		return ErrNoCertificates
 	case c.Insecure:
 		if err := pki.CheckLoopback(append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise}, c.Join...)...); err != nil {
 			return fmt.Errorf("server: %w", err)
@@ -289,6 +291,9 @@ func (c *Config) Validate() error {
 	}
 	return nil
 }
+
+// ErrNoCertificates: a server was given neither TLS nor Insecure.
+var ErrNoCertificates = errors.New("server: no TLS certificates (--tls-cert, --tls-key and --tls-ca; make cluster makes them, cert-manager in Kubernetes) and no --insecure (plaintext, loopback addresses only)")
 
 var ordinalPattern = regexp.MustCompile(`-(\d+)$`)
 

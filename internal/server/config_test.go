@@ -53,6 +53,7 @@ func TestConfigValidate(t *testing.T) {
 		valid bool
 	}{
 		{"defaults", func(c *server.Config) { c.ID = "s1" }, true},
+		{"neither TLS nor insecure", func(c *server.Config) { c.ID = "s1"; c.Insecure = false }, false},
 		{"empty id", func(c *server.Config) { c.ID = "" }, false},
 		{"id with a slash", func(c *server.Config) { c.ID = "a/b" }, false},
 		{"no data dir", func(c *server.Config) { c.ID = "s1"; c.DataDir = "" }, false},
@@ -65,11 +66,14 @@ func TestConfigValidate(t *testing.T) {
 		{"insecure advertising a LAN address", func(c *server.Config) { c.ID = "s1"; c.Insecure = true; c.Advertise = "10.0.0.1:7400" }, false},
 		{"insecure joining a DNS name", func(c *server.Config) { c.ID = "s1"; c.Insecure = true; c.Join = []string{"stor-0.stor:7400"} }, false},
 		{"TLS and insecure", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s1"); c.Insecure = true }, false},
-		{"TLS certificate of this id", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s1") }, true},
-		{"TLS certificate of another id", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s2") }, false},
+		{"TLS certificate of this id", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s1"); c.Insecure = false }, true},
+		{"TLS certificate of another id", func(c *server.Config) { c.ID = "s1"; c.TLS = source(t, "s2"); c.Insecure = false }, false},
 	}
 	for _, tc := range cases {
+		// Insecure (on the default loopback addresses) unless a case says
+		// otherwise, so that each case fails, if it does, for its own reason.
 		cfg := server.DefaultConfig()
+		cfg.Insecure = true
 		tc.edit(&cfg)
 		if err := cfg.Validate(); (err == nil) != tc.valid {
 			t.Errorf("%s: Validate() = %v, want valid=%v", tc.name, err, tc.valid)

@@ -22,6 +22,7 @@ func loopbackConfig(t *testing.T, id, dir string) server.Config {
 	cfg.ID, cfg.DataDir = id, dir
 	cfg.Listen, cfg.RaftListen, cfg.DataListen = "127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0"
 	cfg.Capacity = 1 << 30
+	cfg.Insecure = true
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	return cfg
 }

@@ -91,6 +91,7 @@ func TestConfig() server.Config {
 	// Checksums and ReadSnapshot compare replicas' bytes over the data
 	// protocol, which without TLS identities only this lets them do.
 	cfg.InsecureDataInspect = true
+	cfg.Insecure = true // loopback only; NewCluster's TLS option turns it off
 	return cfg
 }
 
@@ -134,7 +135,7 @@ func (c *Cluster) AddNode() *Node {
 	cfg.Dial = c.Net.Dialer(i)
 	cfg.Logger = c.log.logger.With("node", n.ID)
 	if c.opts.TLS {
-		cfg.TLS = c.TLSSource(pki.Identity{Role: pki.RoleServer, Name: n.ID})
+		cfg.TLS, cfg.Insecure = c.TLSSource(pki.Identity{Role: pki.RoleServer, Name: n.ID}), false
 	}
 	if c.opts.Configure != nil {
 		c.opts.Configure(i, &cfg)
