@@ -59,6 +59,9 @@ func run(args []string) error {
 	fs.StringVar(&files.Cert, "tls-cert", "", "PEM certificate of this server (URI SAN stor://server/<id>); re-read when it changes")
 	fs.StringVar(&files.Key, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle every peer's certificate must chain to")
+	issuerCert := fs.String("tls-issuer-cert", "", "PEM certificate of a CA whose key is --tls-issuer-key: without --tls-cert, this server issues its own certificate from it (stor://server/<id>, renewed; deploy/ mounts cert-manager's stor-ca)")
+	issuerKey := fs.String("tls-issuer-key", "", "PEM key of --tls-issuer-cert")
+	tlsDir := fs.String("tls-dir", "", "where a certificate issued from --tls-issuer-cert is written (a directory of its own, not under --data-dir)")
 	fs.BoolVar(&cfg.Insecure, "insecure", false, "run without TLS; every address must then be on loopback")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
@@ -91,14 +94,30 @@ func run(args []string) error {
 		return fmt.Errorf("--log-level: %w", err)
 	}
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if (*issuerCert == "") != (*issuerKey == "") {
+		return fmt.Errorf("--tls-issuer-cert and --tls-issuer-key go together")
+	}
+	if *issuerCert != "" && files.Cert == "" {
+		if files.Key != "" || files.CA == "" {
+			return fmt.Errorf("a self-issued certificate needs --tls-ca (the bundle) and no --tls-key")
+		}
+		if *tlsDir == "" {
+			return fmt.Errorf("a self-issued certificate needs --tls-dir (not under --data-dir: a directory of its own, e.g. a memory-backed emptyDir)")
+		}
+		si := &pki.SelfIssuer{ID: pki.Identity{Role: pki.RoleServer, Name: cfg.ID}, CACert: *issuerCert, CAKey: *issuerKey,
+			Bundle: files.CA, Dir: *tlsDir, Logger: cfg.Logger}
+		if files, err = si.Issue(); err != nil {
+			return err
+		}
+		go si.Run(ctx)
+	}
 	if files.Set() {
 		if cfg.TLS, err = pki.Load(files, cfg.Logger); err != nil {
 			return err
 		}
 	}
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	return server.Run(ctx, cfg)
 }
 
