@@ -28,6 +28,7 @@ import (
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 
+	"github.com/stor-io/stor/internal/k8stest"
 	"github.com/stor-io/stor/internal/server"
 )
 
@@ -73,7 +74,7 @@ func metaOf(obj runtime.Object) meta {
 }
 
 // strictDecoder decodes YAML into the Kubernetes types registered in
-// client-go's scheme plus the VolumeSnapshot v1 types, refusing unknown and
+// client-go's scheme plus the VolumeSnapshot v1 and cert-manager types, refusing unknown and
 // duplicate fields and unknown kinds.
 func strictDecoder() (runtime.Decoder, error) {
 	scheme := runtime.NewScheme()
@@ -81,6 +82,11 @@ func strictDecoder() (runtime.Decoder, error) {
 		return nil, err
 	}
 	if err := snapshotv1.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	// cert-manager's Issuer and Certificate, as far as deploy/ uses them
+	// (the fields the k8s tier's stand-in for cert-manager understands).
+	if err := k8stest.AddCertManagerToScheme(scheme); err != nil {
 		return nil, err
 	}
 	return json.NewSerializerWithOptions(json.DefaultMetaFactory, scheme, scheme,
@@ -313,11 +319,41 @@ func crossCheck(objs []object, flagsOf map[string][]string) []error {
 		}
 	}
 
+	// Certificates: each is issued by an Issuer of its namespace, and a
+	// CA Issuer's secret is made by an isCA Certificate.
+	certSecrets := map[key]bool{} // Secret -> a Certificate makes it
+	caSecrets := map[key]bool{}
+	for _, o := range objs {
+		if c, ok := o.obj.(*k8stest.Certificate); ok {
+			certSecrets[key{"Secret", c.Namespace, c.Spec.SecretName}] = true
+			if c.Spec.IsCA {
+				caSecrets[key{"Secret", c.Namespace, c.Spec.SecretName}] = true
+			}
+		}
+	}
+	for _, o := range objs {
+		switch x := o.obj.(type) {
+		case *k8stest.Certificate:
+			if x.Spec.IssuerRef.Kind != "Issuer" || !have[key{"Issuer", x.Namespace, x.Spec.IssuerRef.Name}] {
+				fail("%s: issuerRef %s %q is not an Issuer of namespace %q", o.name(), x.Spec.IssuerRef.Kind, x.Spec.IssuerRef.Name, x.Namespace)
+			}
+		case *k8stest.Issuer:
+			if x.Spec.CA != nil && !caSecrets[key{"Secret", x.Namespace, x.Spec.CA.SecretName}] {
+				fail("%s: ca.secretName %q is made by no isCA Certificate", o.name(), x.Spec.CA.SecretName)
+			}
+		}
+	}
+
 	pods := podTemplates(objs)
 	for _, p := range pods {
 		spec := p.spec
 		if sa := spec.ServiceAccountName; sa != "" && !have[key{"ServiceAccount", p.ns, sa}] {
 			fail("%s: serviceAccountName %q does not exist in namespace %q", p.owner, sa, p.ns)
+		}
+		for _, v := range spec.Volumes {
+			if v.Secret != nil && !certSecrets[key{"Secret", p.ns, v.Secret.SecretName}] && !have[key{"Secret", p.ns, v.Secret.SecretName}] {
+				fail("%s: volume %s: Secret %q is made by no Certificate and is not in deploy/", p.owner, v.Name, v.Secret.SecretName)
+			}
 		}
 		volumes := map[string]bool{}
 		for _, v := range spec.Volumes {

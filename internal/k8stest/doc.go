@@ -17,8 +17,14 @@
 //     kubelet does) and a token of the ServiceAccount deploy/ binds, so
 //     deploy/'s RBAC is what is tested. Only addresses change: the socket
 //     path (a temp dir for /csi), stor-api:7400 (the servers' loopback
-//     addresses), health ports (one free port each), and --kubeconfig
-//     (out of cluster).
+//     addresses), health ports (one free port each), Secret volumes (a
+//     directory of the Secret's keys, named in place of the mount path),
+//     and --kubeconfig (out of cluster).
+//   - cert-manager is not run: a stand-in (certmanager.go) with CRDs that
+//     accept any spec issues deploy/'s Certificates from its Issuers into
+//     their Secrets, with the stor cluster's CA. Everything speaks mutual
+//     TLS: stor-csi --mode=controller with deploy/'s certificate, the node
+//     plugins as csi-node/<node>, the test as the operator.
 //   - Nodes are fake kubelets (Kubelet): each registers its Node and
 //     keeps its Lease, writes its CSINode and topology labels from the
 //     node plugin's NodeGetInfo as the kubelet does once the registrar
@@ -29,6 +35,8 @@
 //     kernel (this machine has no nbd): the engine, the attachment rules
 //     and the cluster calls are real, the block device is not. The
 //     kernel path is make vm's.
-//   - The stor servers are an in-process cluster (servertest), one per
-//     node, with --k8s-node set to that node.
+//   - The stor servers are an in-process cluster (servertest, with TLS),
+//     one per node, with --k8s-node set to that node; deploy/'s
+//     StatefulSet is applied but its pods are not run (its self-issued
+//     certificates are tested by internal/e2etest).
 package k8stest

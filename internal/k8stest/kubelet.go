@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -676,7 +677,7 @@ type NodePlugin struct {
 
 // StartNodePlugin runs a node plugin for node name in zone with the
 // cluster's control addresses.
-func StartNodePlugin(t testing.TB, dir, name, zone string, cluster csi.Cluster, logger *slog.Logger) *NodePlugin {
+func StartNodePlugin(t testing.TB, dir, name, zone string, cluster csi.Cluster, dataDial func(ctx context.Context, network, addr string) (net.Conn, error), logger *slog.Logger) *NodePlugin {
 	t.Helper()
 	kern := attachtest.NewKernel()
 	mounter := mount.NewFakeMounter(nil)
@@ -696,8 +697,9 @@ func StartNodePlugin(t testing.TB, dir, name, zone string, cluster csi.Cluster, 
 	cfg := csi.DefaultConfig()
 	cfg.Mode, cfg.Endpoint, cfg.NodeID, cfg.Zone = csi.ModeNode, "unix://"+sock, name, zone
 	cfg.StateDir, cfg.Cluster, cfg.Host, cfg.Logger = filepath.Join(dir, "state"), cluster, host, logger
+	cfg.DataDial = dataDial
 	cfg.Attacher = csi.NewKernelAttacher(csi.KernelAttacherConfig{
-		StateDir: filepath.Join(dir, "state"), NodeID: name, Cluster: cluster, Kernel: kern.Ops(), Logger: logger})
+		StateDir: filepath.Join(dir, "state"), NodeID: name, Cluster: cluster, Kernel: kern.Ops(), Logger: logger, DataDial: dataDial})
 	d, err := csi.New(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -31,6 +31,7 @@ import (
 
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/client"
+	storpki "github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 	"github.com/stor-io/stor/internal/servertest"
 )
@@ -117,7 +118,7 @@ func Start(t testing.TB, opts Options) *Stack {
 	for _, f := range append(crds, filepath.Join(opts.Bin, "manifests", "rbac-snapshot-controller.yaml")) {
 		s.ApplyFile(ctx, f)
 	}
-	s.waitCRDs(ctx)
+	s.waitCRDs(ctx, "volumesnapshots.snapshot.storage.k8s.io", "volumesnapshotcontents.snapshot.storage.k8s.io", "volumesnapshotclasses.snapshot.storage.k8s.io")
 
 	// stor: one server per node that has one, told its Kubernetes node.
 	var serverNodes []NodeSpec
@@ -126,7 +127,7 @@ func Start(t testing.TB, opts Options) *Stack {
 			serverNodes = append(serverNodes, n)
 		}
 	}
-	s.Stor = servertest.NewCluster(t, servertest.Options{Servers: len(serverNodes), Configure: func(i int, cfg *server.Config) {
+	s.Stor = servertest.NewCluster(t, servertest.Options{Servers: len(serverNodes), TLS: true, Configure: func(i int, cfg *server.Config) {
 		cfg.KubernetesNode, cfg.Zone = serverNodes[i].Name, serverNodes[i].Zone
 		s.serverNode[cfg.ID] = cfg.KubernetesNode
 		cfg.Logger = s.log.With("server", cfg.ID)
@@ -135,17 +136,24 @@ func Start(t testing.TB, opts Options) *Stack {
 	for _, n := range s.Stor.Nodes {
 		addrs = append(addrs, n.Addr)
 	}
-	cl, err := client.Dial(addrs)
+	// The test's own view of stor, as the operator.
+	cl, err := client.Dial(addrs, s.Stor.TLSSource(servertest.Operator).GRPCDialCredentials())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cl.Close() })
 	s.storCSI = csi.Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots}
 
-	// deploy/ as rendered.
+	// deploy/ as rendered, its certificates issued by the stand-in for
+	// cert-manager (certmanager.go) from the stor cluster's CA.
+	for _, doc := range certManagerCRDs() {
+		s.Apply(ctx, doc)
+	}
+	s.waitCRDs(ctx, "issuers.cert-manager.io", "certificates.cert-manager.io")
 	for _, doc := range opts.Manifests {
 		s.Apply(ctx, doc)
 	}
+	s.issueCertificates(ctx)
 	for _, n := range opts.Nodes {
 		s.AddNode(n)
 	}
@@ -171,7 +179,16 @@ func (s *Stack) AddNode(n NodeSpec) *Node {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		s.t.Fatal(err)
 	}
-	np := StartNodePlugin(s.t, dir, n.Name, n.Zone, s.storCSI, s.log.With("node", n.Name))
+	// The node plugin speaks to stor as csi-node/<node>: what it may
+	// attach and open is what ControllerPublish attached to its node.
+	src := s.Stor.TLSSource(storpki.Identity{Role: storpki.RoleCSINode, Name: n.Name})
+	cl, err := client.Dial(strings.Split(s.ServerAddrs(), ","), src.GRPCDialCredentials())
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.t.Cleanup(func() { cl.Close() })
+	np := StartNodePlugin(s.t, dir, n.Name, n.Zone, csi.Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
+		src.Dialer(nil, storpki.RoleServer), s.log.With("node", n.Name))
 	kl := StartKubelet(s.t, KubeletConfig{Name: n.Name, Zone: n.Zone, Driver: np.Endpoint, Root: filepath.Join(dir, "kubelet"),
 		Client: s.CP.NodeConfig(n.Name), Logger: s.log})
 	node := &Node{Spec: n, Kubelet: kl, Plugin: np}
@@ -252,12 +269,12 @@ func (s *Stack) Apply(ctx context.Context, doc []byte) *unstructured.Unstructure
 	return out
 }
 
-func (s *Stack) waitCRDs(ctx context.Context) {
+func (s *Stack) waitCRDs(ctx context.Context, names ...string) {
 	s.t.Helper()
 	crd := schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
-	for _, name := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
+	for _, name := range names {
 		err := poll(ctx, func() error {
-			o, err := s.CP.Dynamic.Resource(crd).Get(ctx, name+".snapshot.storage.k8s.io", metav1.GetOptions{})
+			o, err := s.CP.Dynamic.Resource(crd).Get(ctx, name, metav1.GetOptions{})
 			if err != nil {
 				return err
 			}
@@ -389,8 +406,34 @@ func (s *Stack) StartControllerPod(ctx context.Context, pod *corev1.Pod) *Contro
 				env[e.Name] = e.Value
 			}
 		}
+		// Secret volumes (the certificates of tls.yaml): the Secret's keys
+		// as files in a directory of this pod, named where it is mounted.
+		mounts := map[string]string{} // mountPath -> local dir
+		for _, m := range c.VolumeMounts {
+			i := slices.IndexFunc(pod.Spec.Volumes, func(v corev1.Volume) bool { return v.Name == m.Name })
+			if i < 0 || pod.Spec.Volumes[i].Secret == nil {
+				continue
+			}
+			sec, err := s.CP.Client.CoreV1().Secrets(pod.Namespace).Get(ctx, pod.Spec.Volumes[i].Secret.SecretName, metav1.GetOptions{})
+			if err != nil {
+				s.t.Fatalf("k8stest: pod %s: secret volume %s: %v", pod.Name, m.Name, err)
+			}
+			local := filepath.Join(dir, "secret-"+m.Name)
+			if err := os.MkdirAll(local, 0o700); err != nil {
+				s.t.Fatal(err)
+			}
+			for k, v := range sec.Data {
+				if err := os.WriteFile(filepath.Join(local, k), v, 0o400); err != nil {
+					s.t.Fatal(err)
+				}
+			}
+			mounts[strings.TrimSuffix(m.MountPath, "/")] = local
+		}
 		var args []string
 		for _, a := range append(slices.Clone(c.Command), c.Args...) {
+			for path, local := range mounts {
+				a = strings.ReplaceAll(a, path+"/", local+"/")
+			}
 			a = varRef.ReplaceAllStringFunc(a, func(m string) string {
 				if v, ok := env[m[2:len(m)-1]]; ok {
 					return v
