@@ -202,13 +202,16 @@ func (w *writer) setServerState(at int64, in *storpb.Server) (proto.Message, err
 }
 
 // cordonServer sets or clears a server's cordon (opCordonServer): a
-// cordoned server receives no new replica (Place); its replicas stay.
+// cordoned server receives no new replica (Place); its replicas stay,
+// unless it is also draining (the leader moves them: drainReplicas). A
+// drain implies the cordon; clearing the cordon ends the drain.
 func (w *writer) cordonServer(in *storpb.Server) (proto.Message, error) {
 	s, err := w.Server(in.Id)
 	if err != nil {
 		return nil, err
 	}
-	s.Cordoned = in.Cordoned
+	s.Cordoned = in.Cordoned || in.Draining
+	s.Draining = in.Draining
 	w.put(bucketServers, s.Id, s)
 	return s, nil
 }

@@ -51,3 +51,64 @@ func replicaOnServer(v *storpb.Volume, server string) bool {
 	}
 	return false
 }
+
+// A drain cordons; clearing the cordon ends the drain.
+func TestDrainServerApply(t *testing.T) {
+	f := openTestFSM(t, "")
+	mustApply(t, f, cmdInitCluster("c"), cmdRegisterServer("s1", "", 0, nil))
+	mustApply(t, f, command{Op: opCordonServer, Body: &storpb.Server{Id: "s1", Cordoned: true, Draining: true}})
+	if s := readServer(t, f, "s1"); !s.Draining || !s.Cordoned {
+		t.Fatalf("after a drain: %v, want draining and cordoned", s)
+	}
+	mustApply(t, f, cmdCordonServer("s1", false))
+	if s := readServer(t, f, "s1"); s.Draining || s.Cordoned {
+		t.Fatalf("after uncordon: %v, want neither draining nor cordoned", s)
+	}
+}
+
+// drainMove: one replica of a volume at a time, a healthy one only when
+// every other is healthy and none is missing.
+func TestDrainMove(t *testing.T) {
+	h, rb, fy := storpb.ReplicaState_REPLICA_STATE_HEALTHY, storpb.ReplicaState_REPLICA_STATE_REBUILDING, storpb.ReplicaState_REPLICA_STATE_FAULTY
+	vol := func(count uint32, reps ...*storpb.Replica) *storpb.Volume {
+		return &storpb.Volume{ReplicaCount: count, Replicas: reps}
+	}
+	rep := func(id, server string, st storpb.ReplicaState) *storpb.Replica {
+		return &storpb.Replica{Id: id, ServerId: server, State: st}
+	}
+	draining := map[string]bool{"d": true}
+	for _, tc := range []struct {
+		name string
+		v    *storpb.Volume
+		want string
+	}{
+		{"all healthy", vol(3, rep("a", "s1", h), rep("b", "d", h), rep("c", "s2", h)), "b"},
+		{"another rebuilding", vol(3, rep("a", "s1", rb), rep("b", "d", h), rep("c", "s2", h)), ""},
+		{"another faulty", vol(3, rep("a", "s1", fy), rep("b", "d", h), rep("c", "s2", h)), ""},
+		{"one missing", vol(3, rep("b", "d", h), rep("c", "s2", h)), ""},
+		{"the drained one faulty", vol(3, rep("a", "s1", rb), rep("b", "d", fy), rep("c", "s2", h)), "b"},
+		{"the drained one rebuilding, one missing", vol(3, rep("b", "d", rb), rep("c", "s2", h)), "b"},
+		{"nothing on the drained server", vol(3, rep("a", "s1", h), rep("c", "s2", h), rep("e", "s3", h)), ""},
+	} {
+		got := ""
+		if m := drainMove(tc.v, draining); m != nil {
+			got = m.Id
+		}
+		if got != tc.want {
+			t.Errorf("%s: drainMove %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
+
+func readServer(t testing.TB, f *FSM, id string) *storpb.Server {
+	t.Helper()
+	var s *storpb.Server
+	if err := f.View(func(r *Reader) error {
+		var err error
+		s, err = r.Server(id)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}

@@ -175,4 +175,8 @@
 // (opCordonServer, storpb.Server.cordoned): placement then puts no new
 // replica on it while its replicas stay; the flag survives down/up and
 // re-registration, and goes with the server's record when it is removed.
+// A drain (storpb.Server.draining, the same command) cordons the server
+// and has the leader's repair loop move its replicas elsewhere, one
+// replica of a volume at a time and never below the volume's count of
+// healthy replicas minus one (drainReplicas); clearing the cordon ends it.
 package raftstore

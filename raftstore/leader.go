@@ -249,6 +249,92 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 			})
 		}
 	}
+	s.drainReplicas(ctx, servers)
+}
+
+// DrainParallel bounds the rebuilds a drain keeps under way: the drain
+// starts no move while this many replicas rebuild in the cluster, for any
+// reason.
+const DrainParallel = 2
+
+// drainReplicas moves replicas off draining servers (Server.draining), for
+// the repair loop, one replica of a volume at a time:
+//
+//   - a replica there that is not HEALTHY is replaced at once (the
+//     volume's healthy replicas are elsewhere);
+//   - a HEALTHY one is replaced only when its volume has all its replicas
+//     and every other one is HEALTHY, so that a move never leaves a volume
+//     with fewer healthy replicas than its count minus one;
+//   - no move starts while DrainParallel replicas rebuild in the cluster.
+//
+// Each move is an operator's ReplaceReplica (refused for the last copy of
+// a ready snapshot: the drain then waits for an operator, and stor-ctl
+// server drain --wait says which replica). Placement never chooses the
+// draining server (it is cordoned). Decisions read the volume afresh:
+// this pass may have changed it.
+func (s *Store) drainReplicas(ctx context.Context, servers map[string]*storpb.Server) {
+	draining := map[string]bool{}
+	for id, srv := range servers {
+		if srv.Draining {
+			draining[id] = true
+		}
+	}
+	if len(draining) == 0 {
+		return
+	}
+	var vols []*storpb.Volume
+	_ = s.fsm.View(func(r *Reader) error {
+		vols, _, _ = r.Volumes("", 0)
+		return nil
+	})
+	rebuilding := 0
+	for _, v := range vols {
+		for _, r := range v.Replicas {
+			if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+				rebuilding++
+			}
+		}
+	}
+	for _, v := range vols {
+		if ctx.Err() != nil || rebuilding >= DrainParallel {
+			return
+		}
+		move := drainMove(v, draining)
+		if move == nil {
+			continue
+		}
+		_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: move.Id})
+		if err != nil {
+			if ctx.Err() == nil {
+				s.logger.Info("drain: replica not moved yet", "volume", v.Name, "replica", move.Id, "server", move.ServerId, "err", err)
+			}
+			continue
+		}
+		s.logger.Info("drain: replica moved", "volume", v.Name, "replica", move.Id, "server", move.ServerId)
+		rebuilding++
+	}
+}
+
+// drainMove is the replica of v that drainReplicas moves now, or nil.
+func drainMove(v *storpb.Volume, draining map[string]bool) *storpb.Replica {
+	for _, r := range v.Replicas {
+		if draining[r.ServerId] && r.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			return r
+		}
+	}
+	if len(v.Replicas) < int(v.ReplicaCount) {
+		return nil
+	}
+	var move *storpb.Replica
+	for _, r := range v.Replicas {
+		switch {
+		case r.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY:
+			return nil
+		case draining[r.ServerId] && move == nil:
+			move = r
+		}
+	}
+	return move
 }
 
 // replaceUnhealthy replaces replica r of v for the repair loop

@@ -143,13 +143,18 @@ func (s *Store) RegisterNode(ctx context.Context, in *storpb.Node) (*storpb.Node
 }
 
 // CordonServer sets (cordoned) or clears a server's cordon: a cordoned
-// server receives no new replica; the ones it holds stay. An unknown
-// server is ErrNotFound; a malformed id ErrInvalidArgument.
-func (s *Store) CordonServer(ctx context.Context, id string, cordoned bool) (*storpb.Server, error) {
+// server receives no new replica; the ones it holds stay, unless drain is
+// set too: then the leader moves them elsewhere (drainReplicas). Clearing
+// the cordon ends a drain. An unknown server is ErrNotFound; a malformed
+// id, or drain without cordoned, ErrInvalidArgument.
+func (s *Store) CordonServer(ctx context.Context, id string, cordoned, drain bool) (*storpb.Server, error) {
 	if err := CheckServerID("server id", id); err != nil {
 		return nil, err
 	}
-	m, err := s.propose(ctx, command{Op: opCordonServer, Body: &storpb.Server{Id: id, Cordoned: cordoned}})
+	if drain && !cordoned {
+		return nil, fmt.Errorf("%w: a drain cordons the server: drain with cordoned false", ErrInvalidArgument)
+	}
+	m, err := s.propose(ctx, command{Op: opCordonServer, Body: &storpb.Server{Id: id, Cordoned: cordoned, Draining: drain}})
 	if err != nil {
 		return nil, err
 	}

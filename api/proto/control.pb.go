@@ -390,7 +390,12 @@ type Server struct {
 	// stay and are served and repaired as before. Kept across restarts and
 	// down/up transitions; a server removed and joining again starts
 	// uncordoned.
-	Cordoned      bool `protobuf:"varint,13,opt,name=cordoned,proto3" json:"cordoned,omitempty"`
+	Cordoned bool `protobuf:"varint,13,opt,name=cordoned,proto3" json:"cordoned,omitempty"`
+	// Set by an operator (CordonServer with drain): the server is cordoned
+	// and the leader moves every replica it holds elsewhere, one volume at a
+	// time, never taking a volume below its healthy replicas but the one
+	// moved. Cleared with the cordon.
+	Draining      bool `protobuf:"varint,14,opt,name=draining,proto3" json:"draining,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -512,6 +517,13 @@ func (x *Server) GetKubernetesNode() string {
 func (x *Server) GetCordoned() bool {
 	if x != nil {
 		return x.Cordoned
+	}
+	return false
+}
+
+func (x *Server) GetDraining() bool {
+	if x != nil {
+		return x.Draining
 	}
 	return false
 }
@@ -2327,8 +2339,12 @@ func (x *ClusterConfig) GetOverProvisioningPercent() uint32 {
 type CordonServerRequest struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	ServerId string                 `protobuf:"bytes,1,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
-	// true cordons, false uncordons; either is idempotent.
-	Cordoned      bool `protobuf:"varint,2,opt,name=cordoned,proto3" json:"cordoned,omitempty"`
+	// true cordons, false uncordons (and stops a drain); either is
+	// idempotent.
+	Cordoned bool `protobuf:"varint,2,opt,name=cordoned,proto3" json:"cordoned,omitempty"`
+	// With cordoned: also drain, i.e. move every replica off the server
+	// (Server.draining).
+	Drain         bool `protobuf:"varint,3,opt,name=drain,proto3" json:"drain,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2373,6 +2389,13 @@ func (x *CordonServerRequest) GetServerId() string {
 func (x *CordonServerRequest) GetCordoned() bool {
 	if x != nil {
 		return x.Cordoned
+	}
+	return false
+}
+
+func (x *CordonServerRequest) GetDrain() bool {
+	if x != nil {
+		return x.Drain
 	}
 	return false
 }
@@ -4472,7 +4495,7 @@ var File_control_proto protoreflect.FileDescriptor
 
 const file_control_proto_rawDesc = "" +
 	"\n" +
-	"\rcontrol.proto\x12\astor.v1\"\x96\x04\n" +
+	"\rcontrol.proto\x12\astor.v1\"\xb2\x04\n" +
 	"\x06Server\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12!\n" +
@@ -4487,7 +4510,8 @@ const file_control_proto_rawDesc = "" +
 	" \x01(\x03R\x10lastSeenUnixNano\x12(\n" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x12'\n" +
 	"\x0fkubernetes_node\x18\f \x01(\tR\x0ekubernetesNode\x12\x1a\n" +
-	"\bcordoned\x18\r \x01(\bR\bcordoned\x1a9\n" +
+	"\bcordoned\x18\r \x01(\bR\bcordoned\x12\x1a\n" +
+	"\bdraining\x18\x0e \x01(\bR\bdraining\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x02\n" +
@@ -4641,10 +4665,11 @@ const file_control_proto_rawDesc = "" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\x7f\n" +
 	"\rClusterConfig\x122\n" +
 	"\x15replace_after_seconds\x18\x01 \x01(\x04R\x13replaceAfterSeconds\x12:\n" +
-	"\x19over_provisioning_percent\x18\x02 \x01(\rR\x17overProvisioningPercent\"N\n" +
+	"\x19over_provisioning_percent\x18\x02 \x01(\rR\x17overProvisioningPercent\"d\n" +
 	"\x13CordonServerRequest\x12\x1b\n" +
 	"\tserver_id\x18\x01 \x01(\tR\bserverId\x12\x1a\n" +
-	"\bcordoned\x18\x02 \x01(\bR\bcordoned\"?\n" +
+	"\bcordoned\x18\x02 \x01(\bR\bcordoned\x12\x14\n" +
+	"\x05drain\x18\x03 \x01(\bR\x05drain\"?\n" +
 	"\x14CordonServerResponse\x12'\n" +
 	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"\x19\n" +
 	"\x17GetClusterConfigRequest\"J\n" +

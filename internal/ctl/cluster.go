@@ -184,7 +184,10 @@ actually hold on disk are not reported to the cluster.`,
 				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "LAST SEEN")
 				for _, s := range resp.GetServers() {
 					state := enumName(s.GetState())
-					if s.GetCordoned() {
+					switch {
+					case s.GetDraining():
+						state += ",draining"
+					case s.GetCordoned():
 						state += ",cordoned"
 					}
 					t.row(s.GetId(), orDash(s.GetAddress()), orDash(s.GetZone()), state,
@@ -234,14 +237,14 @@ actually hold on disk are not reported to the cluster.`,
 			},
 		}
 	}
-	return group("server", "Storage servers", list, remove,
+	return group("server", "Storage servers", list, remove, newServerDrainCommand(a),
 		cordon("cordon", true, "Stop placing new replicas on a server",
 			`Cordon a server: no new replica is placed on it (new volumes, replacements,
 added replicas); the replicas it holds stay, are served and repaired as before.
 The cordon is kept in Raft across restarts until uncordon. server list shows
 the server's state as "up,cordoned".`),
-		cordon("uncordon", false, "Allow new replicas on a cordoned server again",
-			`Uncordon a server: placement may choose it again.`))
+		cordon("uncordon", false, "Allow new replicas on a cordoned server again (stops a drain)",
+			`Uncordon a server: placement may choose it again, and a drain stops.`))
 }
 
 // formatCapacity renders a reported capacity; 0 is "unreported".

@@ -90,7 +90,7 @@ func (c *clusterService) Heartbeat(ctx context.Context, req *storpb.HeartbeatReq
 // CordonServer stops or resumes new placements on a server (the
 // operator's only).
 func (c *clusterService) CordonServer(ctx context.Context, req *storpb.CordonServerRequest) (*storpb.CordonServerResponse, error) {
-	srv, err := c.s.store.CordonServer(ctx, req.GetServerId(), req.GetCordoned())
+	srv, err := c.s.store.CordonServer(ctx, req.GetServerId(), req.GetCordoned(), req.GetDrain())
 	if err != nil {
 		return nil, err
 	}
