@@ -92,6 +92,10 @@ func checkSize(name string, size uint64) error {
 // apply executes one command. Each case validates everything first and
 // only then writes, so a refused command changes nothing.
 func (w *writer) apply(c command) (proto.Message, error) {
+	w.op, w.at, w.reason = c.Op, c.At, ""
+	if r, ok := c.Body.(*storpb.SetReplicaStateRequest); ok {
+		w.reason = r.Reason
+	}
 	switch c.Op {
 	case opInitCluster:
 		if cur := w.ClusterID(); cur != "" {

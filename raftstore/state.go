@@ -27,7 +27,7 @@ var (
 	// later (nodes) are created when a file or snapshot from before them
 	// is opened.
 	requiredBuckets = [][]byte{bucketMeta, bucketServers, bucketVolumes, bucketVolumeNames, bucketSnapshots, bucketSnapshotNames}
-	allBuckets      = append(slices.Clone(requiredBuckets), bucketNodes)
+	allBuckets      = append(slices.Clone(requiredBuckets), bucketNodes, bucketEvents)
 
 	keyAppliedIndex = []byte("applied_index")
 	keyClusterID    = []byte("cluster_id")
@@ -271,12 +271,19 @@ func (r *Reader) get(bucket []byte, key string, m proto.Message) error {
 // writer adds writes to a Reader; only the FSM holds one.
 type writer struct {
 	Reader
+	// The command being applied, for the events its writes record
+	// (events.go): its op, time, and for a replica state change its
+	// reason.
+	op     op
+	at     int64
+	reason string
 	// lastTouched lists volumes changed as a side effect of the command
 	// being applied (a removed server's replicas), for watchers.
 	lastTouched []string
 }
 
 func (w *writer) put(bucket []byte, key string, m proto.Message) {
+	w.recordChange(bucket, key, m)
 	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(m)
 	if err != nil {
 		panic(fmt.Sprintf("raftstore: marshal %s/%s: %v", bucket, key, err))
@@ -289,6 +296,7 @@ func (w *writer) putRaw(bucket []byte, key, value string) {
 }
 
 func (w *writer) del(bucket []byte, key string) {
+	w.recordChange(bucket, key, nil)
 	w.must(w.tx.Bucket(bucket).Delete([]byte(key)))
 }
 

@@ -2444,6 +2444,222 @@ func (x *CordonServerResponse) GetServer() *Server {
 	return nil
 }
 
+// An Event is one thing the cluster did, recorded by the Raft state
+// machine as it applied the command that did it (so every server holds the
+// same events): a replica that failed, started or finished a rebuild, was
+// added or removed; an attach, detach or takeover; an expansion; a server
+// down, up, cordoned or draining. The newest 10000 are kept.
+type Event struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Increases by one with each event, cluster-wide.
+	Seq uint64 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	// The proposer's clock when the command was proposed.
+	AtUnixNano int64 `protobuf:"varint,2,opt,name=at_unix_nano,json=atUnixNano,proto3" json:"at_unix_nano,omitempty"`
+	// What it is about; empty when not about one.
+	VolumeId   string `protobuf:"bytes,3,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	VolumeName string `protobuf:"bytes,4,opt,name=volume_name,json=volumeName,proto3" json:"volume_name,omitempty"`
+	ReplicaId  string `protobuf:"bytes,5,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	ServerId   string `protobuf:"bytes,6,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
+	// A CamelCase kind, e.g. ReplicaFaulty, RebuildStarted, Attached.
+	Reason        string `protobuf:"bytes,7,opt,name=reason,proto3" json:"reason,omitempty"`
+	Message       string `protobuf:"bytes,8,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Event) Reset() {
+	*x = Event{}
+	mi := &file_control_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Event) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Event) ProtoMessage() {}
+
+func (x *Event) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Event.ProtoReflect.Descriptor instead.
+func (*Event) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *Event) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *Event) GetAtUnixNano() int64 {
+	if x != nil {
+		return x.AtUnixNano
+	}
+	return 0
+}
+
+func (x *Event) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *Event) GetVolumeName() string {
+	if x != nil {
+		return x.VolumeName
+	}
+	return ""
+}
+
+func (x *Event) GetReplicaId() string {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return ""
+}
+
+func (x *Event) GetServerId() string {
+	if x != nil {
+		return x.ServerId
+	}
+	return ""
+}
+
+func (x *Event) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *Event) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+type ListEventsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only this volume's events; unset: every event.
+	Volume *VolumeRef `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	// Only events with seq above this (a follower's last seen).
+	AfterSeq uint64 `protobuf:"varint,2,opt,name=after_seq,json=afterSeq,proto3" json:"after_seq,omitempty"`
+	// At most this many, the oldest first (default and maximum 1000).
+	Limit         uint32 `protobuf:"varint,3,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListEventsRequest) Reset() {
+	*x = ListEventsRequest{}
+	mi := &file_control_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListEventsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListEventsRequest) ProtoMessage() {}
+
+func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListEventsRequest.ProtoReflect.Descriptor instead.
+func (*ListEventsRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *ListEventsRequest) GetVolume() *VolumeRef {
+	if x != nil {
+		return x.Volume
+	}
+	return nil
+}
+
+func (x *ListEventsRequest) GetAfterSeq() uint64 {
+	if x != nil {
+		return x.AfterSeq
+	}
+	return 0
+}
+
+func (x *ListEventsRequest) GetLimit() uint32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+type ListEventsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Events        []*Event               `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListEventsResponse) Reset() {
+	*x = ListEventsResponse{}
+	mi := &file_control_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListEventsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListEventsResponse) ProtoMessage() {}
+
+func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListEventsResponse.ProtoReflect.Descriptor instead.
+func (*ListEventsResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *ListEventsResponse) GetEvents() []*Event {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
 type GetClusterConfigRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2452,7 +2668,7 @@ type GetClusterConfigRequest struct {
 
 func (x *GetClusterConfigRequest) Reset() {
 	*x = GetClusterConfigRequest{}
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2464,7 +2680,7 @@ func (x *GetClusterConfigRequest) String() string {
 func (*GetClusterConfigRequest) ProtoMessage() {}
 
 func (x *GetClusterConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[30]
+	mi := &file_control_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2477,7 +2693,7 @@ func (x *GetClusterConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetClusterConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetClusterConfigRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{30}
+	return file_control_proto_rawDescGZIP(), []int{33}
 }
 
 type GetClusterConfigResponse struct {
@@ -2490,7 +2706,7 @@ type GetClusterConfigResponse struct {
 
 func (x *GetClusterConfigResponse) Reset() {
 	*x = GetClusterConfigResponse{}
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2502,7 +2718,7 @@ func (x *GetClusterConfigResponse) String() string {
 func (*GetClusterConfigResponse) ProtoMessage() {}
 
 func (x *GetClusterConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[31]
+	mi := &file_control_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2515,7 +2731,7 @@ func (x *GetClusterConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetClusterConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetClusterConfigResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{31}
+	return file_control_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *GetClusterConfigResponse) GetConfig() *ClusterConfig {
@@ -2536,7 +2752,7 @@ type SetClusterConfigRequest struct {
 
 func (x *SetClusterConfigRequest) Reset() {
 	*x = SetClusterConfigRequest{}
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2548,7 +2764,7 @@ func (x *SetClusterConfigRequest) String() string {
 func (*SetClusterConfigRequest) ProtoMessage() {}
 
 func (x *SetClusterConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[32]
+	mi := &file_control_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2561,7 +2777,7 @@ func (x *SetClusterConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterConfigRequest.ProtoReflect.Descriptor instead.
 func (*SetClusterConfigRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{32}
+	return file_control_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *SetClusterConfigRequest) GetConfig() *ClusterConfig {
@@ -2581,7 +2797,7 @@ type SetClusterConfigResponse struct {
 
 func (x *SetClusterConfigResponse) Reset() {
 	*x = SetClusterConfigResponse{}
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2593,7 +2809,7 @@ func (x *SetClusterConfigResponse) String() string {
 func (*SetClusterConfigResponse) ProtoMessage() {}
 
 func (x *SetClusterConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[33]
+	mi := &file_control_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2606,7 +2822,7 @@ func (x *SetClusterConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetClusterConfigResponse.ProtoReflect.Descriptor instead.
 func (*SetClusterConfigResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{33}
+	return file_control_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *SetClusterConfigResponse) GetConfig() *ClusterConfig {
@@ -2634,7 +2850,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2646,7 +2862,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2659,7 +2875,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{34}
+	return file_control_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -2713,7 +2929,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2725,7 +2941,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2738,7 +2954,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{35}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -2759,7 +2975,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2771,7 +2987,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2784,7 +3000,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -2810,7 +3026,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2822,7 +3038,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2835,7 +3051,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -2854,7 +3070,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2866,7 +3082,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2879,7 +3095,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -2905,7 +3121,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2917,7 +3133,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2930,7 +3146,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -2965,7 +3181,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2977,7 +3193,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2990,7 +3206,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -3016,7 +3232,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3028,7 +3244,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3041,7 +3257,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -3062,7 +3278,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3074,7 +3290,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3087,7 +3303,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *DeleteVolumeResponse) GetRetained() *Volume {
@@ -3109,7 +3325,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3121,7 +3337,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3134,7 +3350,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -3160,7 +3376,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3172,7 +3388,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3185,7 +3401,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -3216,7 +3432,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3228,7 +3444,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3241,7 +3457,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -3289,7 +3505,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3301,7 +3517,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3314,7 +3530,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -3342,7 +3558,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3354,7 +3570,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3367,7 +3583,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -3400,7 +3616,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3412,7 +3628,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3425,7 +3641,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -3470,7 +3686,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3482,7 +3698,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3495,7 +3711,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{49}
+	return file_control_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -3570,7 +3786,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3582,7 +3798,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3595,7 +3811,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{50}
+	return file_control_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -3626,7 +3842,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3638,7 +3854,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3651,7 +3867,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{51}
+	return file_control_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -3691,7 +3907,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3703,7 +3919,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3716,7 +3932,7 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{52}
+	return file_control_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
@@ -3738,7 +3954,7 @@ type RecordCloneCopiedRequest struct {
 
 func (x *RecordCloneCopiedRequest) Reset() {
 	*x = RecordCloneCopiedRequest{}
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3750,7 +3966,7 @@ func (x *RecordCloneCopiedRequest) String() string {
 func (*RecordCloneCopiedRequest) ProtoMessage() {}
 
 func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3763,7 +3979,7 @@ func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{53}
+	return file_control_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *RecordCloneCopiedRequest) GetVolumeId() string {
@@ -3789,7 +4005,7 @@ type RecordCloneCopiedResponse struct {
 
 func (x *RecordCloneCopiedResponse) Reset() {
 	*x = RecordCloneCopiedResponse{}
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3801,7 +4017,7 @@ func (x *RecordCloneCopiedResponse) String() string {
 func (*RecordCloneCopiedResponse) ProtoMessage() {}
 
 func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3814,7 +4030,7 @@ func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{54}
+	return file_control_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
@@ -3833,7 +4049,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3845,7 +4061,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3858,7 +4074,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{55}
+	return file_control_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -3884,7 +4100,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3896,7 +4112,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3909,7 +4125,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{56}
+	return file_control_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -3945,7 +4161,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3957,7 +4173,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3970,7 +4186,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{57}
+	return file_control_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -3996,7 +4212,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4008,7 +4224,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4021,7 +4237,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{58}
+	return file_control_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4041,7 +4257,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4053,7 +4269,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4066,7 +4282,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{59}
+	return file_control_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -4092,7 +4308,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4104,7 +4320,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4117,7 +4333,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{60}
+	return file_control_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4136,7 +4352,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4148,7 +4364,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4161,7 +4377,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{61}
+	return file_control_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4184,7 +4400,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4196,7 +4412,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4209,7 +4425,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{62}
+	return file_control_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -4243,7 +4459,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4255,7 +4471,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4268,7 +4484,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{63}
+	return file_control_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -4294,7 +4510,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4306,7 +4522,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4319,7 +4535,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{64}
+	return file_control_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4337,7 +4553,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4349,7 +4565,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4362,7 +4578,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{65}
+	return file_control_proto_rawDescGZIP(), []int{68}
 }
 
 // RecordSnapshotCut is how the data path reports cuts: the attached engine
@@ -4384,7 +4600,7 @@ type RecordSnapshotCutRequest struct {
 
 func (x *RecordSnapshotCutRequest) Reset() {
 	*x = RecordSnapshotCutRequest{}
-	mi := &file_control_proto_msgTypes[66]
+	mi := &file_control_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4396,7 +4612,7 @@ func (x *RecordSnapshotCutRequest) String() string {
 func (*RecordSnapshotCutRequest) ProtoMessage() {}
 
 func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[66]
+	mi := &file_control_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4409,7 +4625,7 @@ func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{66}
+	return file_control_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
@@ -4456,7 +4672,7 @@ type RecordSnapshotCutResponse struct {
 
 func (x *RecordSnapshotCutResponse) Reset() {
 	*x = RecordSnapshotCutResponse{}
-	mi := &file_control_proto_msgTypes[67]
+	mi := &file_control_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4468,7 +4684,7 @@ func (x *RecordSnapshotCutResponse) String() string {
 func (*RecordSnapshotCutResponse) ProtoMessage() {}
 
 func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[67]
+	mi := &file_control_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4481,7 +4697,7 @@ func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{67}
+	return file_control_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
@@ -4671,7 +4887,25 @@ const file_control_proto_rawDesc = "" +
 	"\bcordoned\x18\x02 \x01(\bR\bcordoned\x12\x14\n" +
 	"\x05drain\x18\x03 \x01(\bR\x05drain\"?\n" +
 	"\x14CordonServerResponse\x12'\n" +
-	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"\x19\n" +
+	"\x06server\x18\x01 \x01(\v2\x0f.stor.v1.ServerR\x06server\"\xe7\x01\n" +
+	"\x05Event\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12 \n" +
+	"\fat_unix_nano\x18\x02 \x01(\x03R\n" +
+	"atUnixNano\x12\x1b\n" +
+	"\tvolume_id\x18\x03 \x01(\tR\bvolumeId\x12\x1f\n" +
+	"\vvolume_name\x18\x04 \x01(\tR\n" +
+	"volumeName\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\x05 \x01(\tR\treplicaId\x12\x1b\n" +
+	"\tserver_id\x18\x06 \x01(\tR\bserverId\x12\x16\n" +
+	"\x06reason\x18\a \x01(\tR\x06reason\x12\x18\n" +
+	"\amessage\x18\b \x01(\tR\amessage\"r\n" +
+	"\x11ListEventsRequest\x12*\n" +
+	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x1b\n" +
+	"\tafter_seq\x18\x02 \x01(\x04R\bafterSeq\x12\x14\n" +
+	"\x05limit\x18\x03 \x01(\rR\x05limit\"<\n" +
+	"\x12ListEventsResponse\x12&\n" +
+	"\x06events\x18\x01 \x03(\v2\x0e.stor.v1.EventR\x06events\"\x19\n" +
 	"\x17GetClusterConfigRequest\"J\n" +
 	"\x18GetClusterConfigResponse\x12.\n" +
 	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"I\n" +
@@ -4830,7 +5064,7 @@ const file_control_proto_rawDesc = "" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
-	"\x11SUFFRAGE_NONVOTER\x10\x022\x94\x06\n" +
+	"\x11SUFFRAGE_NONVOTER\x10\x022\xdb\x06\n" +
 	"\x0eClusterService\x123\n" +
 	"\x04Join\x12\x14.stor.v1.JoinRequest\x1a\x15.stor.v1.JoinResponse\x126\n" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
@@ -4840,7 +5074,9 @@ const file_control_proto_rawDesc = "" +
 	"\fRegisterNode\x12\x1c.stor.v1.RegisterNodeRequest\x1a\x1d.stor.v1.RegisterNodeResponse\x12<\n" +
 	"\aGetNode\x12\x17.stor.v1.GetNodeRequest\x1a\x18.stor.v1.GetNodeResponse\x12B\n" +
 	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse\x12K\n" +
-	"\fCordonServer\x12\x1c.stor.v1.CordonServerRequest\x1a\x1d.stor.v1.CordonServerResponse\x12W\n" +
+	"\fCordonServer\x12\x1c.stor.v1.CordonServerRequest\x1a\x1d.stor.v1.CordonServerResponse\x12E\n" +
+	"\n" +
+	"ListEvents\x12\x1a.stor.v1.ListEventsRequest\x1a\x1b.stor.v1.ListEventsResponse\x12W\n" +
 	"\x10GetClusterConfig\x12 .stor.v1.GetClusterConfigRequest\x1a!.stor.v1.GetClusterConfigResponse\x12W\n" +
 	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
@@ -4875,7 +5111,7 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 76)
 var file_control_proto_goTypes = []any{
 	(ServerState)(0),                  // 0: stor.v1.ServerState
 	(VolumeState)(0),                  // 1: stor.v1.VolumeState
@@ -4913,60 +5149,63 @@ var file_control_proto_goTypes = []any{
 	(*ClusterConfig)(nil),             // 33: stor.v1.ClusterConfig
 	(*CordonServerRequest)(nil),       // 34: stor.v1.CordonServerRequest
 	(*CordonServerResponse)(nil),      // 35: stor.v1.CordonServerResponse
-	(*GetClusterConfigRequest)(nil),   // 36: stor.v1.GetClusterConfigRequest
-	(*GetClusterConfigResponse)(nil),  // 37: stor.v1.GetClusterConfigResponse
-	(*SetClusterConfigRequest)(nil),   // 38: stor.v1.SetClusterConfigRequest
-	(*SetClusterConfigResponse)(nil),  // 39: stor.v1.SetClusterConfigResponse
-	(*CreateVolumeRequest)(nil),       // 40: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),      // 41: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),                 // 42: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),          // 43: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),         // 44: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),        // 45: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),       // 46: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),       // 47: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),      // 48: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),       // 49: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),      // 50: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),       // 51: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),      // 52: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),       // 53: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),      // 54: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),    // 55: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil),   // 56: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),     // 57: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),    // 58: stor.v1.ReplaceReplicaResponse
-	(*RecordCloneCopiedRequest)(nil),  // 59: stor.v1.RecordCloneCopiedRequest
-	(*RecordCloneCopiedResponse)(nil), // 60: stor.v1.RecordCloneCopiedResponse
-	(*WatchVolumeRequest)(nil),        // 61: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),               // 62: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),     // 63: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),    // 64: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),               // 65: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),        // 66: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),       // 67: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),      // 68: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),     // 69: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),     // 70: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),    // 71: stor.v1.DeleteSnapshotResponse
-	(*RecordSnapshotCutRequest)(nil),  // 72: stor.v1.RecordSnapshotCutRequest
-	(*RecordSnapshotCutResponse)(nil), // 73: stor.v1.RecordSnapshotCutResponse
-	nil,                               // 74: stor.v1.Server.LabelsEntry
-	nil,                               // 75: stor.v1.Node.LabelsEntry
-	nil,                               // 76: stor.v1.Topology.SegmentsEntry
-	nil,                               // 77: stor.v1.Volume.ParametersEntry
-	nil,                               // 78: stor.v1.CreateVolumeRequest.ParametersEntry
+	(*Event)(nil),                     // 36: stor.v1.Event
+	(*ListEventsRequest)(nil),         // 37: stor.v1.ListEventsRequest
+	(*ListEventsResponse)(nil),        // 38: stor.v1.ListEventsResponse
+	(*GetClusterConfigRequest)(nil),   // 39: stor.v1.GetClusterConfigRequest
+	(*GetClusterConfigResponse)(nil),  // 40: stor.v1.GetClusterConfigResponse
+	(*SetClusterConfigRequest)(nil),   // 41: stor.v1.SetClusterConfigRequest
+	(*SetClusterConfigResponse)(nil),  // 42: stor.v1.SetClusterConfigResponse
+	(*CreateVolumeRequest)(nil),       // 43: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),      // 44: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                 // 45: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),          // 46: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),         // 47: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),        // 48: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),       // 49: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),       // 50: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),      // 51: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),       // 52: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),      // 53: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),       // 54: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),      // 55: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),       // 56: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),      // 57: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),    // 58: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),   // 59: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),     // 60: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),    // 61: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),  // 62: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil), // 63: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),        // 64: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),               // 65: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),     // 66: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),    // 67: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),               // 68: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),        // 69: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),       // 70: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),      // 71: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),     // 72: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),     // 73: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),    // 74: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),  // 75: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil), // 76: stor.v1.RecordSnapshotCutResponse
+	nil,                               // 77: stor.v1.Server.LabelsEntry
+	nil,                               // 78: stor.v1.Node.LabelsEntry
+	nil,                               // 79: stor.v1.Topology.SegmentsEntry
+	nil,                               // 80: stor.v1.Volume.ParametersEntry
+	nil,                               // 81: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	74, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	77, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
-	75, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
+	78, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
 	2,  // 3: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 4: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	76, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	79, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
 	11, // 6: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
 	11, // 7: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	77, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	80, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
 	10, // 9: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 10: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
 	9,  // 11: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
@@ -4985,97 +5224,101 @@ var file_control_proto_depIdxs = []int32{
 	7,  // 24: stor.v1.GetNodeResponse.node:type_name -> stor.v1.Node
 	7,  // 25: stor.v1.ListNodesResponse.nodes:type_name -> stor.v1.Node
 	6,  // 26: stor.v1.CordonServerResponse.server:type_name -> stor.v1.Server
-	33, // 27: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
-	33, // 28: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
-	33, // 29: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
-	78, // 30: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
-	10, // 31: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
-	12, // 32: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
-	13, // 33: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	42, // 34: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 35: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
-	13, // 36: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	42, // 37: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 38: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
-	42, // 39: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 40: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	42, // 41: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	3,  // 42: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
-	13, // 43: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	42, // 44: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 45: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
-	2,  // 46: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
-	13, // 47: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	42, // 48: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 49: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
-	13, // 50: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	42, // 51: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
-	13, // 52: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
-	15, // 53: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	65, // 54: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 55: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	15, // 56: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	65, // 57: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
-	15, // 58: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
-	16, // 59: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
-	18, // 60: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
-	20, // 61: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
-	23, // 62: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
-	25, // 63: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
-	27, // 64: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
-	29, // 65: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
-	31, // 66: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
-	34, // 67: stor.v1.ClusterService.CordonServer:input_type -> stor.v1.CordonServerRequest
-	36, // 68: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
-	38, // 69: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
-	40, // 70: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	43, // 71: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	45, // 72: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	47, // 73: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	49, // 74: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	51, // 75: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	53, // 76: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	61, // 77: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	55, // 78: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	57, // 79: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	59, // 80: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	63, // 81: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	66, // 82: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	68, // 83: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	70, // 84: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	72, // 85: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	17, // 86: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	19, // 87: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	22, // 88: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	24, // 89: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	26, // 90: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	28, // 91: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
-	30, // 92: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
-	32, // 93: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
-	35, // 94: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
-	37, // 95: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
-	39, // 96: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
-	41, // 97: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	44, // 98: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	46, // 99: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	48, // 100: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	50, // 101: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	52, // 102: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	54, // 103: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	62, // 104: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	56, // 105: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	58, // 106: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	60, // 107: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	64, // 108: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	67, // 109: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	69, // 110: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	71, // 111: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	73, // 112: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	86, // [86:113] is the sub-list for method output_type
-	59, // [59:86] is the sub-list for method input_type
-	59, // [59:59] is the sub-list for extension type_name
-	59, // [59:59] is the sub-list for extension extendee
-	0,  // [0:59] is the sub-list for field type_name
+	45, // 27: stor.v1.ListEventsRequest.volume:type_name -> stor.v1.VolumeRef
+	36, // 28: stor.v1.ListEventsResponse.events:type_name -> stor.v1.Event
+	33, // 29: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
+	33, // 30: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
+	33, // 31: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
+	81, // 32: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	10, // 33: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
+	12, // 34: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
+	13, // 35: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
+	45, // 36: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 37: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
+	13, // 38: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
+	45, // 39: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 40: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
+	45, // 41: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 42: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
+	45, // 43: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	3,  // 44: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
+	13, // 45: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
+	45, // 46: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 47: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
+	2,  // 48: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
+	13, // 49: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
+	45, // 50: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 51: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
+	13, // 52: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
+	45, // 53: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	13, // 54: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
+	15, // 55: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	68, // 56: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 57: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
+	15, // 58: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
+	68, // 59: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	15, // 60: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
+	16, // 61: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
+	18, // 62: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
+	20, // 63: stor.v1.ClusterService.Status:input_type -> stor.v1.StatusRequest
+	23, // 64: stor.v1.ClusterService.ListServers:input_type -> stor.v1.ListServersRequest
+	25, // 65: stor.v1.ClusterService.Heartbeat:input_type -> stor.v1.HeartbeatRequest
+	27, // 66: stor.v1.ClusterService.RegisterNode:input_type -> stor.v1.RegisterNodeRequest
+	29, // 67: stor.v1.ClusterService.GetNode:input_type -> stor.v1.GetNodeRequest
+	31, // 68: stor.v1.ClusterService.ListNodes:input_type -> stor.v1.ListNodesRequest
+	34, // 69: stor.v1.ClusterService.CordonServer:input_type -> stor.v1.CordonServerRequest
+	37, // 70: stor.v1.ClusterService.ListEvents:input_type -> stor.v1.ListEventsRequest
+	39, // 71: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
+	41, // 72: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
+	43, // 73: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	46, // 74: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	48, // 75: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	50, // 76: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	52, // 77: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	54, // 78: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	56, // 79: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	64, // 80: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	58, // 81: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	60, // 82: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	62, // 83: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	66, // 84: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	69, // 85: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	71, // 86: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	73, // 87: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	75, // 88: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 89: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 90: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 91: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 92: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 93: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 94: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 95: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 96: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	35, // 97: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
+	38, // 98: stor.v1.ClusterService.ListEvents:output_type -> stor.v1.ListEventsResponse
+	40, // 99: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
+	42, // 100: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
+	44, // 101: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	47, // 102: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	49, // 103: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	51, // 104: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	53, // 105: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	55, // 106: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	57, // 107: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	65, // 108: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	59, // 109: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	61, // 110: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	63, // 111: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	67, // 112: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	70, // 113: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	72, // 114: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	74, // 115: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	76, // 116: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	89, // [89:117] is the sub-list for method output_type
+	61, // [61:89] is the sub-list for method input_type
+	61, // [61:61] is the sub-list for extension type_name
+	61, // [61:61] is the sub-list for extension extendee
+	0,  // [0:61] is the sub-list for field type_name
 }
 
 func init() { file_control_proto_init() }
@@ -5093,7 +5336,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   73,
+			NumMessages:   76,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

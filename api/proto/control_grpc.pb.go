@@ -42,6 +42,7 @@ const (
 	ClusterService_GetNode_FullMethodName          = "/stor.v1.ClusterService/GetNode"
 	ClusterService_ListNodes_FullMethodName        = "/stor.v1.ClusterService/ListNodes"
 	ClusterService_CordonServer_FullMethodName     = "/stor.v1.ClusterService/CordonServer"
+	ClusterService_ListEvents_FullMethodName       = "/stor.v1.ClusterService/ListEvents"
 	ClusterService_GetClusterConfig_FullMethodName = "/stor.v1.ClusterService/GetClusterConfig"
 	ClusterService_SetClusterConfig_FullMethodName = "/stor.v1.ClusterService/SetClusterConfig"
 )
@@ -62,6 +63,8 @@ type ClusterServiceClient interface {
 	// CordonServer stops (or resumes) new placements on a server (operator
 	// only); NOT_FOUND for an unknown server.
 	CordonServer(ctx context.Context, in *CordonServerRequest, opts ...grpc.CallOption) (*CordonServerResponse, error)
+	// ListEvents returns what the cluster did and why, oldest first.
+	ListEvents(ctx context.Context, in *ListEventsRequest, opts ...grpc.CallOption) (*ListEventsResponse, error)
 	GetClusterConfig(ctx context.Context, in *GetClusterConfigRequest, opts ...grpc.CallOption) (*GetClusterConfigResponse, error)
 	// SetClusterConfig changes cluster-wide policy (operator only); it takes
 	// effect at the next placement or repair decision, without restarts.
@@ -166,6 +169,16 @@ func (c *clusterServiceClient) CordonServer(ctx context.Context, in *CordonServe
 	return out, nil
 }
 
+func (c *clusterServiceClient) ListEvents(ctx context.Context, in *ListEventsRequest, opts ...grpc.CallOption) (*ListEventsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListEventsResponse)
+	err := c.cc.Invoke(ctx, ClusterService_ListEvents_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *clusterServiceClient) GetClusterConfig(ctx context.Context, in *GetClusterConfigRequest, opts ...grpc.CallOption) (*GetClusterConfigResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(GetClusterConfigResponse)
@@ -202,6 +215,8 @@ type ClusterServiceServer interface {
 	// CordonServer stops (or resumes) new placements on a server (operator
 	// only); NOT_FOUND for an unknown server.
 	CordonServer(context.Context, *CordonServerRequest) (*CordonServerResponse, error)
+	// ListEvents returns what the cluster did and why, oldest first.
+	ListEvents(context.Context, *ListEventsRequest) (*ListEventsResponse, error)
 	GetClusterConfig(context.Context, *GetClusterConfigRequest) (*GetClusterConfigResponse, error)
 	// SetClusterConfig changes cluster-wide policy (operator only); it takes
 	// effect at the next placement or repair decision, without restarts.
@@ -242,6 +257,9 @@ func (UnimplementedClusterServiceServer) ListNodes(context.Context, *ListNodesRe
 }
 func (UnimplementedClusterServiceServer) CordonServer(context.Context, *CordonServerRequest) (*CordonServerResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CordonServer not implemented")
+}
+func (UnimplementedClusterServiceServer) ListEvents(context.Context, *ListEventsRequest) (*ListEventsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListEvents not implemented")
 }
 func (UnimplementedClusterServiceServer) GetClusterConfig(context.Context, *GetClusterConfigRequest) (*GetClusterConfigResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetClusterConfig not implemented")
@@ -432,6 +450,24 @@ func _ClusterService_CordonServer_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_ListEvents_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListEventsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).ListEvents(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_ListEvents_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).ListEvents(ctx, req.(*ListEventsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _ClusterService_GetClusterConfig_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetClusterConfigRequest)
 	if err := dec(in); err != nil {
@@ -510,6 +546,10 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CordonServer",
 			Handler:    _ClusterService_CordonServer_Handler,
+		},
+		{
+			MethodName: "ListEvents",
+			Handler:    _ClusterService_ListEvents_Handler,
 		},
 		{
 			MethodName: "GetClusterConfig",

@@ -165,6 +165,7 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		newVolumeCommand(a),
 		newReplicaCommand(a),
 		newSnapshotCommand(a),
+		newEventsCommand(a),
 		newNBDCommand(a),
 		newCertsCommand(a),
 	)

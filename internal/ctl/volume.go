@@ -32,6 +32,7 @@ func newVolumeCommand(a *app) *cobra.Command {
 	return group("volume", "Volumes",
 		newVolumeCreateCommand(a),
 		newVolumeGetCommand(a),
+		newVolumeDescribeCommand(a),
 		newVolumeListCommand(a),
 		newVolumeDeleteCommand(a),
 		newVolumeExpandCommand(a),

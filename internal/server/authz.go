@@ -150,6 +150,7 @@ var accessTable = map[string]access{
 	storpb.ClusterService_GetNode_FullMethodName:          {roles: roles(server, any_, controller, any_, node, any_)},
 	storpb.ClusterService_ListNodes_FullMethodName:        {roles: roles(server, any_, controller, any_)},
 	storpb.ClusterService_GetClusterConfig_FullMethodName: {roles: roles(server, any_, controller, any_, node, any_)},
+	storpb.ClusterService_ListEvents_FullMethodName:       {roles: roles(server, any_, controller, any_)},
 	storpb.ClusterService_Join_FullMethodName:             {roles: roles(server, selfServer), mutates: true},
 	storpb.ClusterService_Heartbeat_FullMethodName:        {roles: roles(server, selfServer), mutates: true},
 	storpb.ClusterService_RegisterNode_FullMethodName:     {roles: roles(node, selfNode), mutates: true},

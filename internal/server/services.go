@@ -110,6 +110,39 @@ func (c *clusterService) GetClusterConfig(ctx context.Context, _ *storpb.GetClus
 	return &storpb.GetClusterConfigResponse{Config: cfg}, nil
 }
 
+// ListEvents returns the cluster's events (raftstore events.go), the
+// oldest first, from a consistent read.
+func (c *clusterService) ListEvents(ctx context.Context, req *storpb.ListEventsRequest) (*storpb.ListEventsResponse, error) {
+	if err := c.s.store.ConsistentRead(ctx); err != nil {
+		return nil, err
+	}
+	limit := int(req.GetLimit())
+	if limit <= 0 || limit > maxEventsPage {
+		limit = maxEventsPage
+	}
+	var out []*storpb.Event
+	err := c.s.store.View(func(r *raftstore.Reader) error {
+		id := ""
+		if ref := req.GetVolume(); ref != nil {
+			v, err := r.VolumeByRef(ref)
+			if err != nil {
+				return err
+			}
+			id = v.Id
+		}
+		var err error
+		out, err = r.Events(id, req.GetAfterSeq(), limit)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &storpb.ListEventsResponse{Events: out}, nil
+}
+
+// maxEventsPage bounds a ListEvents answer.
+const maxEventsPage = 1000
+
 // SetClusterConfig changes the cluster-wide policy (the operator's only).
 func (c *clusterService) SetClusterConfig(ctx context.Context, req *storpb.SetClusterConfigRequest) (*storpb.SetClusterConfigResponse, error) {
 	cfg, err := c.s.store.SetClusterConfig(ctx, req.GetConfig())
