@@ -2593,6 +2593,138 @@ func (x *SetClusterConfigResponse) GetConfig() *ClusterConfig {
 	return nil
 }
 
+// The server verifies token with the Kubernetes TokenReview API (audience
+// "stor"), requires its user to be the node plugin's ServiceAccount
+// (stor-server --node-service-account), and takes the node name only from
+// the review's user extra "authentication.kubernetes.io/node-name" (set for
+// pod-bound tokens, Kubernetes 1.32 and later): never from the request.
+// UNAUTHENTICATED: the token does not authenticate (or not for "stor");
+// PERMISSION_DENIED: another ServiceAccount, a token not bound to a node,
+// or a csi-node certificate renewing for another node; FAILED_PRECONDITION:
+// this server has no issuing CA (--node-issuer-cert, --node-issuer-key);
+// INVALID_ARGUMENT: a malformed CSR; UNAVAILABLE: the Kubernetes API could
+// not be asked.
+type IssueNodeCertificateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A projected ServiceAccount token of the node plugin's pod, audience
+	// "stor".
+	Token string `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`
+	// A PKCS#10 certificate request, PEM ("CERTIFICATE REQUEST"). Only its
+	// public key is used (after checking the request is signed with it):
+	// ECDSA P-256/P-384/P-521, Ed25519 or RSA of at least 2048 bits.
+	Csr           []byte `protobuf:"bytes,2,opt,name=csr,proto3" json:"csr,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IssueNodeCertificateRequest) Reset() {
+	*x = IssueNodeCertificateRequest{}
+	mi := &file_control_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IssueNodeCertificateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IssueNodeCertificateRequest) ProtoMessage() {}
+
+func (x *IssueNodeCertificateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IssueNodeCertificateRequest.ProtoReflect.Descriptor instead.
+func (*IssueNodeCertificateRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *IssueNodeCertificateRequest) GetToken() string {
+	if x != nil {
+		return x.Token
+	}
+	return ""
+}
+
+func (x *IssueNodeCertificateRequest) GetCsr() []byte {
+	if x != nil {
+		return x.Csr
+	}
+	return nil
+}
+
+type IssueNodeCertificateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// PEM: the certificate (stor://csi-node/<node>, client authentication
+	// only, short-lived) then any intermediate CAs.
+	CertificateChain []byte `protobuf:"bytes,1,opt,name=certificate_chain,json=certificateChain,proto3" json:"certificate_chain,omitempty"`
+	// PEM: the CA bundle the servers' certificates chain to.
+	CaBundle []byte `protobuf:"bytes,2,opt,name=ca_bundle,json=caBundle,proto3" json:"ca_bundle,omitempty"`
+	// The node the certificate names (from the token review).
+	Node          string `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IssueNodeCertificateResponse) Reset() {
+	*x = IssueNodeCertificateResponse{}
+	mi := &file_control_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IssueNodeCertificateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IssueNodeCertificateResponse) ProtoMessage() {}
+
+func (x *IssueNodeCertificateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IssueNodeCertificateResponse.ProtoReflect.Descriptor instead.
+func (*IssueNodeCertificateResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *IssueNodeCertificateResponse) GetCertificateChain() []byte {
+	if x != nil {
+		return x.CertificateChain
+	}
+	return nil
+}
+
+func (x *IssueNodeCertificateResponse) GetCaBundle() []byte {
+	if x != nil {
+		return x.CaBundle
+	}
+	return nil
+}
+
+func (x *IssueNodeCertificateResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
 type CreateVolumeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Unique; creating an existing name with the same parameters returns the
@@ -2611,7 +2743,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2623,7 +2755,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[34]
+	mi := &file_control_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2636,7 +2768,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{34}
+	return file_control_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -2690,7 +2822,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2702,7 +2834,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[35]
+	mi := &file_control_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2715,7 +2847,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{35}
+	return file_control_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -2736,7 +2868,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2748,7 +2880,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[36]
+	mi := &file_control_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2761,7 +2893,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{36}
+	return file_control_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -2787,7 +2919,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2799,7 +2931,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2812,7 +2944,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -2831,7 +2963,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2843,7 +2975,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2856,7 +2988,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -2882,7 +3014,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2894,7 +3026,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2907,7 +3039,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -2942,7 +3074,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2954,7 +3086,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2967,7 +3099,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -2993,7 +3125,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3005,7 +3137,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3018,7 +3150,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -3039,7 +3171,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3051,7 +3183,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3064,7 +3196,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *DeleteVolumeResponse) GetRetained() *Volume {
@@ -3086,7 +3218,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3098,7 +3230,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3111,7 +3243,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -3137,7 +3269,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3149,7 +3281,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3162,7 +3294,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -3193,7 +3325,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3205,7 +3337,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3218,7 +3350,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -3266,7 +3398,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3278,7 +3410,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3291,7 +3423,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -3319,7 +3451,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3331,7 +3463,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3344,7 +3476,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -3377,7 +3509,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3389,7 +3521,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3402,7 +3534,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -3447,7 +3579,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3459,7 +3591,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3472,7 +3604,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{49}
+	return file_control_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -3547,7 +3679,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3559,7 +3691,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3572,7 +3704,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{50}
+	return file_control_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -3603,7 +3735,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3615,7 +3747,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3628,7 +3760,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{51}
+	return file_control_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -3668,7 +3800,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3680,7 +3812,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3693,7 +3825,7 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{52}
+	return file_control_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
@@ -3715,7 +3847,7 @@ type RecordCloneCopiedRequest struct {
 
 func (x *RecordCloneCopiedRequest) Reset() {
 	*x = RecordCloneCopiedRequest{}
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3727,7 +3859,7 @@ func (x *RecordCloneCopiedRequest) String() string {
 func (*RecordCloneCopiedRequest) ProtoMessage() {}
 
 func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3740,7 +3872,7 @@ func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{53}
+	return file_control_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *RecordCloneCopiedRequest) GetVolumeId() string {
@@ -3766,7 +3898,7 @@ type RecordCloneCopiedResponse struct {
 
 func (x *RecordCloneCopiedResponse) Reset() {
 	*x = RecordCloneCopiedResponse{}
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3778,7 +3910,7 @@ func (x *RecordCloneCopiedResponse) String() string {
 func (*RecordCloneCopiedResponse) ProtoMessage() {}
 
 func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3791,7 +3923,7 @@ func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{54}
+	return file_control_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
@@ -3810,7 +3942,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3822,7 +3954,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3835,7 +3967,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{55}
+	return file_control_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -3861,7 +3993,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3873,7 +4005,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3886,7 +4018,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{56}
+	return file_control_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -3922,7 +4054,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3934,7 +4066,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3947,7 +4079,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{57}
+	return file_control_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -3973,7 +4105,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3985,7 +4117,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3998,7 +4130,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{58}
+	return file_control_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4018,7 +4150,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4030,7 +4162,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4043,7 +4175,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{59}
+	return file_control_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -4069,7 +4201,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4081,7 +4213,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4094,7 +4226,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{60}
+	return file_control_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4113,7 +4245,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4125,7 +4257,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4138,7 +4270,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{61}
+	return file_control_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4161,7 +4293,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4173,7 +4305,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4186,7 +4318,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{62}
+	return file_control_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -4220,7 +4352,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4232,7 +4364,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4245,7 +4377,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{63}
+	return file_control_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -4271,7 +4403,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4283,7 +4415,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4296,7 +4428,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{64}
+	return file_control_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4314,7 +4446,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4326,7 +4458,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4339,7 +4471,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{65}
+	return file_control_proto_rawDescGZIP(), []int{67}
 }
 
 // RecordSnapshotCut is how the data path reports cuts: the attached engine
@@ -4361,7 +4493,7 @@ type RecordSnapshotCutRequest struct {
 
 func (x *RecordSnapshotCutRequest) Reset() {
 	*x = RecordSnapshotCutRequest{}
-	mi := &file_control_proto_msgTypes[66]
+	mi := &file_control_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4373,7 +4505,7 @@ func (x *RecordSnapshotCutRequest) String() string {
 func (*RecordSnapshotCutRequest) ProtoMessage() {}
 
 func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[66]
+	mi := &file_control_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4386,7 +4518,7 @@ func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{66}
+	return file_control_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
@@ -4433,7 +4565,7 @@ type RecordSnapshotCutResponse struct {
 
 func (x *RecordSnapshotCutResponse) Reset() {
 	*x = RecordSnapshotCutResponse{}
-	mi := &file_control_proto_msgTypes[67]
+	mi := &file_control_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4445,7 +4577,7 @@ func (x *RecordSnapshotCutResponse) String() string {
 func (*RecordSnapshotCutResponse) ProtoMessage() {}
 
 func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[67]
+	mi := &file_control_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4458,7 +4590,7 @@ func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{67}
+	return file_control_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
@@ -4653,7 +4785,14 @@ const file_control_proto_rawDesc = "" +
 	"\x17SetClusterConfigRequest\x12.\n" +
 	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"J\n" +
 	"\x18SetClusterConfigResponse\x12.\n" +
-	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"\xfd\x02\n" +
+	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"E\n" +
+	"\x1bIssueNodeCertificateRequest\x12\x14\n" +
+	"\x05token\x18\x01 \x01(\tR\x05token\x12\x10\n" +
+	"\x03csr\x18\x02 \x01(\fR\x03csr\"|\n" +
+	"\x1cIssueNodeCertificateResponse\x12+\n" +
+	"\x11certificate_chain\x18\x01 \x01(\fR\x10certificateChain\x12\x1b\n" +
+	"\tca_bundle\x18\x02 \x01(\fR\bcaBundle\x12\x12\n" +
+	"\x04node\x18\x03 \x01(\tR\x04node\"\xfd\x02\n" +
 	"\x13CreateVolumeRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
@@ -4805,7 +4944,7 @@ const file_control_proto_rawDesc = "" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
-	"\x11SUFFRAGE_NONVOTER\x10\x022\x94\x06\n" +
+	"\x11SUFFRAGE_NONVOTER\x10\x022\xf9\x06\n" +
 	"\x0eClusterService\x123\n" +
 	"\x04Join\x12\x14.stor.v1.JoinRequest\x1a\x15.stor.v1.JoinResponse\x126\n" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
@@ -4817,7 +4956,8 @@ const file_control_proto_rawDesc = "" +
 	"\tListNodes\x12\x19.stor.v1.ListNodesRequest\x1a\x1a.stor.v1.ListNodesResponse\x12K\n" +
 	"\fCordonServer\x12\x1c.stor.v1.CordonServerRequest\x1a\x1d.stor.v1.CordonServerResponse\x12W\n" +
 	"\x10GetClusterConfig\x12 .stor.v1.GetClusterConfigRequest\x1a!.stor.v1.GetClusterConfigResponse\x12W\n" +
-	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse2\xe7\x06\n" +
+	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse\x12c\n" +
+	"\x14IssueNodeCertificate\x12$.stor.v1.IssueNodeCertificateRequest\x1a%.stor.v1.IssueNodeCertificateResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
 	"\fCreateVolume\x12\x1c.stor.v1.CreateVolumeRequest\x1a\x1d.stor.v1.CreateVolumeResponse\x12B\n" +
 	"\tGetVolume\x12\x19.stor.v1.GetVolumeRequest\x1a\x1a.stor.v1.GetVolumeResponse\x12H\n" +
@@ -4850,98 +4990,100 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 75)
 var file_control_proto_goTypes = []any{
-	(ServerState)(0),                  // 0: stor.v1.ServerState
-	(VolumeState)(0),                  // 1: stor.v1.VolumeState
-	(ReplicaState)(0),                 // 2: stor.v1.ReplicaState
-	(AccessMode)(0),                   // 3: stor.v1.AccessMode
-	(SnapshotReplicaState)(0),         // 4: stor.v1.SnapshotReplicaState
-	(Suffrage)(0),                     // 5: stor.v1.Suffrage
-	(*Server)(nil),                    // 6: stor.v1.Server
-	(*Node)(nil),                      // 7: stor.v1.Node
-	(*Replica)(nil),                   // 8: stor.v1.Replica
-	(*Attachment)(nil),                // 9: stor.v1.Attachment
-	(*ContentSource)(nil),             // 10: stor.v1.ContentSource
-	(*Topology)(nil),                  // 11: stor.v1.Topology
-	(*TopologyRequirement)(nil),       // 12: stor.v1.TopologyRequirement
-	(*Volume)(nil),                    // 13: stor.v1.Volume
-	(*SnapshotReplica)(nil),           // 14: stor.v1.SnapshotReplica
-	(*Snapshot)(nil),                  // 15: stor.v1.Snapshot
-	(*JoinRequest)(nil),               // 16: stor.v1.JoinRequest
-	(*JoinResponse)(nil),              // 17: stor.v1.JoinResponse
-	(*LeaveRequest)(nil),              // 18: stor.v1.LeaveRequest
-	(*LeaveResponse)(nil),             // 19: stor.v1.LeaveResponse
-	(*StatusRequest)(nil),             // 20: stor.v1.StatusRequest
-	(*Member)(nil),                    // 21: stor.v1.Member
-	(*StatusResponse)(nil),            // 22: stor.v1.StatusResponse
-	(*ListServersRequest)(nil),        // 23: stor.v1.ListServersRequest
-	(*ListServersResponse)(nil),       // 24: stor.v1.ListServersResponse
-	(*HeartbeatRequest)(nil),          // 25: stor.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),         // 26: stor.v1.HeartbeatResponse
-	(*RegisterNodeRequest)(nil),       // 27: stor.v1.RegisterNodeRequest
-	(*RegisterNodeResponse)(nil),      // 28: stor.v1.RegisterNodeResponse
-	(*GetNodeRequest)(nil),            // 29: stor.v1.GetNodeRequest
-	(*GetNodeResponse)(nil),           // 30: stor.v1.GetNodeResponse
-	(*ListNodesRequest)(nil),          // 31: stor.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),         // 32: stor.v1.ListNodesResponse
-	(*ClusterConfig)(nil),             // 33: stor.v1.ClusterConfig
-	(*CordonServerRequest)(nil),       // 34: stor.v1.CordonServerRequest
-	(*CordonServerResponse)(nil),      // 35: stor.v1.CordonServerResponse
-	(*GetClusterConfigRequest)(nil),   // 36: stor.v1.GetClusterConfigRequest
-	(*GetClusterConfigResponse)(nil),  // 37: stor.v1.GetClusterConfigResponse
-	(*SetClusterConfigRequest)(nil),   // 38: stor.v1.SetClusterConfigRequest
-	(*SetClusterConfigResponse)(nil),  // 39: stor.v1.SetClusterConfigResponse
-	(*CreateVolumeRequest)(nil),       // 40: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),      // 41: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),                 // 42: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),          // 43: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),         // 44: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),        // 45: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),       // 46: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),       // 47: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),      // 48: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),       // 49: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),      // 50: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),       // 51: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),      // 52: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),       // 53: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),      // 54: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),    // 55: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil),   // 56: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),     // 57: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),    // 58: stor.v1.ReplaceReplicaResponse
-	(*RecordCloneCopiedRequest)(nil),  // 59: stor.v1.RecordCloneCopiedRequest
-	(*RecordCloneCopiedResponse)(nil), // 60: stor.v1.RecordCloneCopiedResponse
-	(*WatchVolumeRequest)(nil),        // 61: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),               // 62: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),     // 63: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),    // 64: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),               // 65: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),        // 66: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),       // 67: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),      // 68: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),     // 69: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),     // 70: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),    // 71: stor.v1.DeleteSnapshotResponse
-	(*RecordSnapshotCutRequest)(nil),  // 72: stor.v1.RecordSnapshotCutRequest
-	(*RecordSnapshotCutResponse)(nil), // 73: stor.v1.RecordSnapshotCutResponse
-	nil,                               // 74: stor.v1.Server.LabelsEntry
-	nil,                               // 75: stor.v1.Node.LabelsEntry
-	nil,                               // 76: stor.v1.Topology.SegmentsEntry
-	nil,                               // 77: stor.v1.Volume.ParametersEntry
-	nil,                               // 78: stor.v1.CreateVolumeRequest.ParametersEntry
+	(ServerState)(0),                     // 0: stor.v1.ServerState
+	(VolumeState)(0),                     // 1: stor.v1.VolumeState
+	(ReplicaState)(0),                    // 2: stor.v1.ReplicaState
+	(AccessMode)(0),                      // 3: stor.v1.AccessMode
+	(SnapshotReplicaState)(0),            // 4: stor.v1.SnapshotReplicaState
+	(Suffrage)(0),                        // 5: stor.v1.Suffrage
+	(*Server)(nil),                       // 6: stor.v1.Server
+	(*Node)(nil),                         // 7: stor.v1.Node
+	(*Replica)(nil),                      // 8: stor.v1.Replica
+	(*Attachment)(nil),                   // 9: stor.v1.Attachment
+	(*ContentSource)(nil),                // 10: stor.v1.ContentSource
+	(*Topology)(nil),                     // 11: stor.v1.Topology
+	(*TopologyRequirement)(nil),          // 12: stor.v1.TopologyRequirement
+	(*Volume)(nil),                       // 13: stor.v1.Volume
+	(*SnapshotReplica)(nil),              // 14: stor.v1.SnapshotReplica
+	(*Snapshot)(nil),                     // 15: stor.v1.Snapshot
+	(*JoinRequest)(nil),                  // 16: stor.v1.JoinRequest
+	(*JoinResponse)(nil),                 // 17: stor.v1.JoinResponse
+	(*LeaveRequest)(nil),                 // 18: stor.v1.LeaveRequest
+	(*LeaveResponse)(nil),                // 19: stor.v1.LeaveResponse
+	(*StatusRequest)(nil),                // 20: stor.v1.StatusRequest
+	(*Member)(nil),                       // 21: stor.v1.Member
+	(*StatusResponse)(nil),               // 22: stor.v1.StatusResponse
+	(*ListServersRequest)(nil),           // 23: stor.v1.ListServersRequest
+	(*ListServersResponse)(nil),          // 24: stor.v1.ListServersResponse
+	(*HeartbeatRequest)(nil),             // 25: stor.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),            // 26: stor.v1.HeartbeatResponse
+	(*RegisterNodeRequest)(nil),          // 27: stor.v1.RegisterNodeRequest
+	(*RegisterNodeResponse)(nil),         // 28: stor.v1.RegisterNodeResponse
+	(*GetNodeRequest)(nil),               // 29: stor.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),              // 30: stor.v1.GetNodeResponse
+	(*ListNodesRequest)(nil),             // 31: stor.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),            // 32: stor.v1.ListNodesResponse
+	(*ClusterConfig)(nil),                // 33: stor.v1.ClusterConfig
+	(*CordonServerRequest)(nil),          // 34: stor.v1.CordonServerRequest
+	(*CordonServerResponse)(nil),         // 35: stor.v1.CordonServerResponse
+	(*GetClusterConfigRequest)(nil),      // 36: stor.v1.GetClusterConfigRequest
+	(*GetClusterConfigResponse)(nil),     // 37: stor.v1.GetClusterConfigResponse
+	(*SetClusterConfigRequest)(nil),      // 38: stor.v1.SetClusterConfigRequest
+	(*SetClusterConfigResponse)(nil),     // 39: stor.v1.SetClusterConfigResponse
+	(*IssueNodeCertificateRequest)(nil),  // 40: stor.v1.IssueNodeCertificateRequest
+	(*IssueNodeCertificateResponse)(nil), // 41: stor.v1.IssueNodeCertificateResponse
+	(*CreateVolumeRequest)(nil),          // 42: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),         // 43: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                    // 44: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),             // 45: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),            // 46: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),           // 47: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),          // 48: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),          // 49: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),         // 50: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),          // 51: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),         // 52: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),          // 53: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),         // 54: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),          // 55: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),         // 56: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),       // 57: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),      // 58: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),        // 59: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),       // 60: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),     // 61: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil),    // 62: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),           // 63: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),                  // 64: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),        // 65: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),       // 66: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),                  // 67: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),           // 68: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),          // 69: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),         // 70: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),        // 71: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),        // 72: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),       // 73: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),     // 74: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil),    // 75: stor.v1.RecordSnapshotCutResponse
+	nil,                                  // 76: stor.v1.Server.LabelsEntry
+	nil,                                  // 77: stor.v1.Node.LabelsEntry
+	nil,                                  // 78: stor.v1.Topology.SegmentsEntry
+	nil,                                  // 79: stor.v1.Volume.ParametersEntry
+	nil,                                  // 80: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	74, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	76, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
-	75, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
+	77, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
 	2,  // 3: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 4: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	76, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	78, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
 	11, // 6: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
 	11, // 7: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	77, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	79, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
 	10, // 9: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 10: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
 	9,  // 11: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
@@ -4963,34 +5105,34 @@ var file_control_proto_depIdxs = []int32{
 	33, // 27: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
 	33, // 28: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
 	33, // 29: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
-	78, // 30: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	80, // 30: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
 	10, // 31: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
 	12, // 32: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
 	13, // 33: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	42, // 34: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 34: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 35: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
 	13, // 36: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	42, // 37: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 37: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 38: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
-	42, // 39: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 39: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 40: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	42, // 41: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 41: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	3,  // 42: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
 	13, // 43: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	42, // 44: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 44: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 45: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
 	2,  // 46: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
 	13, // 47: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	42, // 48: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 48: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 49: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
 	13, // 50: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	42, // 51: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	44, // 51: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 52: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
 	15, // 53: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	65, // 54: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	67, // 54: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
 	15, // 55: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
 	15, // 56: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	65, // 57: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	67, // 57: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
 	15, // 58: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
 	16, // 59: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
 	18, // 60: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
@@ -5003,51 +5145,53 @@ var file_control_proto_depIdxs = []int32{
 	34, // 67: stor.v1.ClusterService.CordonServer:input_type -> stor.v1.CordonServerRequest
 	36, // 68: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
 	38, // 69: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
-	40, // 70: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	43, // 71: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	45, // 72: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	47, // 73: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	49, // 74: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	51, // 75: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	53, // 76: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	61, // 77: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	55, // 78: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	57, // 79: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	59, // 80: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	63, // 81: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	66, // 82: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	68, // 83: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	70, // 84: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	72, // 85: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	17, // 86: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	19, // 87: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	22, // 88: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	24, // 89: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	26, // 90: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	28, // 91: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
-	30, // 92: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
-	32, // 93: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
-	35, // 94: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
-	37, // 95: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
-	39, // 96: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
-	41, // 97: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	44, // 98: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	46, // 99: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	48, // 100: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	50, // 101: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	52, // 102: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	54, // 103: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	62, // 104: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	56, // 105: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	58, // 106: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	60, // 107: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	64, // 108: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	67, // 109: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	69, // 110: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	71, // 111: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	73, // 112: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	86, // [86:113] is the sub-list for method output_type
-	59, // [59:86] is the sub-list for method input_type
+	40, // 70: stor.v1.ClusterService.IssueNodeCertificate:input_type -> stor.v1.IssueNodeCertificateRequest
+	42, // 71: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	45, // 72: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	47, // 73: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	49, // 74: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	51, // 75: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	53, // 76: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	55, // 77: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	63, // 78: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	57, // 79: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	59, // 80: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	61, // 81: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	65, // 82: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	68, // 83: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	70, // 84: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	72, // 85: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	74, // 86: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 87: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 88: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 89: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 90: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 91: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 92: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 93: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 94: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	35, // 95: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
+	37, // 96: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
+	39, // 97: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
+	41, // 98: stor.v1.ClusterService.IssueNodeCertificate:output_type -> stor.v1.IssueNodeCertificateResponse
+	43, // 99: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	46, // 100: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	48, // 101: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	50, // 102: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	52, // 103: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	54, // 104: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	56, // 105: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	64, // 106: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	58, // 107: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	60, // 108: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	62, // 109: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	66, // 110: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	69, // 111: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	71, // 112: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	73, // 113: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	75, // 114: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	87, // [87:115] is the sub-list for method output_type
+	59, // [59:87] is the sub-list for method input_type
 	59, // [59:59] is the sub-list for extension type_name
 	59, // [59:59] is the sub-list for extension extendee
 	0,  // [0:59] is the sub-list for field type_name
@@ -5068,7 +5212,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   73,
+			NumMessages:   75,
 			NumExtensions: 0,
 			NumServices:   3,
 		},
