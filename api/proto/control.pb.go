@@ -2832,6 +2832,138 @@ func (x *SetClusterConfigResponse) GetConfig() *ClusterConfig {
 	return nil
 }
 
+// The server verifies token with the Kubernetes TokenReview API (audience
+// "stor"), requires its user to be the node plugin's ServiceAccount
+// (stor-server --node-service-account), and takes the node name only from
+// the review's user extra "authentication.kubernetes.io/node-name" (set for
+// pod-bound tokens, Kubernetes 1.32 and later): never from the request.
+// UNAUTHENTICATED: the token does not authenticate (or not for "stor");
+// PERMISSION_DENIED: another ServiceAccount, a token not bound to a node,
+// or a csi-node certificate renewing for another node; FAILED_PRECONDITION:
+// this server has no issuing CA (--node-issuer-cert, --node-issuer-key);
+// INVALID_ARGUMENT: a malformed CSR; UNAVAILABLE: the Kubernetes API could
+// not be asked.
+type IssueNodeCertificateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A projected ServiceAccount token of the node plugin's pod, audience
+	// "stor".
+	Token string `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`
+	// A PKCS#10 certificate request, PEM ("CERTIFICATE REQUEST"). Only its
+	// public key is used (after checking the request is signed with it):
+	// ECDSA P-256/P-384/P-521, Ed25519 or RSA of at least 2048 bits.
+	Csr           []byte `protobuf:"bytes,2,opt,name=csr,proto3" json:"csr,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IssueNodeCertificateRequest) Reset() {
+	*x = IssueNodeCertificateRequest{}
+	mi := &file_control_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IssueNodeCertificateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IssueNodeCertificateRequest) ProtoMessage() {}
+
+func (x *IssueNodeCertificateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IssueNodeCertificateRequest.ProtoReflect.Descriptor instead.
+func (*IssueNodeCertificateRequest) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *IssueNodeCertificateRequest) GetToken() string {
+	if x != nil {
+		return x.Token
+	}
+	return ""
+}
+
+func (x *IssueNodeCertificateRequest) GetCsr() []byte {
+	if x != nil {
+		return x.Csr
+	}
+	return nil
+}
+
+type IssueNodeCertificateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// PEM: the certificate (stor://csi-node/<node>, client authentication
+	// only, short-lived) then any intermediate CAs.
+	CertificateChain []byte `protobuf:"bytes,1,opt,name=certificate_chain,json=certificateChain,proto3" json:"certificate_chain,omitempty"`
+	// PEM: the CA bundle the servers' certificates chain to.
+	CaBundle []byte `protobuf:"bytes,2,opt,name=ca_bundle,json=caBundle,proto3" json:"ca_bundle,omitempty"`
+	// The node the certificate names (from the token review).
+	Node          string `protobuf:"bytes,3,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *IssueNodeCertificateResponse) Reset() {
+	*x = IssueNodeCertificateResponse{}
+	mi := &file_control_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *IssueNodeCertificateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*IssueNodeCertificateResponse) ProtoMessage() {}
+
+func (x *IssueNodeCertificateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_control_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use IssueNodeCertificateResponse.ProtoReflect.Descriptor instead.
+func (*IssueNodeCertificateResponse) Descriptor() ([]byte, []int) {
+	return file_control_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *IssueNodeCertificateResponse) GetCertificateChain() []byte {
+	if x != nil {
+		return x.CertificateChain
+	}
+	return nil
+}
+
+func (x *IssueNodeCertificateResponse) GetCaBundle() []byte {
+	if x != nil {
+		return x.CaBundle
+	}
+	return nil
+}
+
+func (x *IssueNodeCertificateResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
 type CreateVolumeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Unique; creating an existing name with the same parameters returns the
@@ -2850,7 +2982,7 @@ type CreateVolumeRequest struct {
 
 func (x *CreateVolumeRequest) Reset() {
 	*x = CreateVolumeRequest{}
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2862,7 +2994,7 @@ func (x *CreateVolumeRequest) String() string {
 func (*CreateVolumeRequest) ProtoMessage() {}
 
 func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[37]
+	mi := &file_control_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2875,7 +3007,7 @@ func (x *CreateVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeRequest.ProtoReflect.Descriptor instead.
 func (*CreateVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{37}
+	return file_control_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *CreateVolumeRequest) GetName() string {
@@ -2929,7 +3061,7 @@ type CreateVolumeResponse struct {
 
 func (x *CreateVolumeResponse) Reset() {
 	*x = CreateVolumeResponse{}
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2941,7 +3073,7 @@ func (x *CreateVolumeResponse) String() string {
 func (*CreateVolumeResponse) ProtoMessage() {}
 
 func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[38]
+	mi := &file_control_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2954,7 +3086,7 @@ func (x *CreateVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVolumeResponse.ProtoReflect.Descriptor instead.
 func (*CreateVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{38}
+	return file_control_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *CreateVolumeResponse) GetVolume() *Volume {
@@ -2975,7 +3107,7 @@ type VolumeRef struct {
 
 func (x *VolumeRef) Reset() {
 	*x = VolumeRef{}
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2987,7 +3119,7 @@ func (x *VolumeRef) String() string {
 func (*VolumeRef) ProtoMessage() {}
 
 func (x *VolumeRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[39]
+	mi := &file_control_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3000,7 +3132,7 @@ func (x *VolumeRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeRef.ProtoReflect.Descriptor instead.
 func (*VolumeRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{39}
+	return file_control_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *VolumeRef) GetId() string {
@@ -3026,7 +3158,7 @@ type GetVolumeRequest struct {
 
 func (x *GetVolumeRequest) Reset() {
 	*x = GetVolumeRequest{}
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3038,7 +3170,7 @@ func (x *GetVolumeRequest) String() string {
 func (*GetVolumeRequest) ProtoMessage() {}
 
 func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[40]
+	mi := &file_control_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3051,7 +3183,7 @@ func (x *GetVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{40}
+	return file_control_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *GetVolumeRequest) GetVolume() *VolumeRef {
@@ -3070,7 +3202,7 @@ type GetVolumeResponse struct {
 
 func (x *GetVolumeResponse) Reset() {
 	*x = GetVolumeResponse{}
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3082,7 +3214,7 @@ func (x *GetVolumeResponse) String() string {
 func (*GetVolumeResponse) ProtoMessage() {}
 
 func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[41]
+	mi := &file_control_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3095,7 +3227,7 @@ func (x *GetVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeResponse.ProtoReflect.Descriptor instead.
 func (*GetVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{41}
+	return file_control_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *GetVolumeResponse) GetVolume() *Volume {
@@ -3121,7 +3253,7 @@ type ListVolumesRequest struct {
 
 func (x *ListVolumesRequest) Reset() {
 	*x = ListVolumesRequest{}
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3133,7 +3265,7 @@ func (x *ListVolumesRequest) String() string {
 func (*ListVolumesRequest) ProtoMessage() {}
 
 func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[42]
+	mi := &file_control_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3146,7 +3278,7 @@ func (x *ListVolumesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesRequest.ProtoReflect.Descriptor instead.
 func (*ListVolumesRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{42}
+	return file_control_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ListVolumesRequest) GetPageSize() uint32 {
@@ -3181,7 +3313,7 @@ type ListVolumesResponse struct {
 
 func (x *ListVolumesResponse) Reset() {
 	*x = ListVolumesResponse{}
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3193,7 +3325,7 @@ func (x *ListVolumesResponse) String() string {
 func (*ListVolumesResponse) ProtoMessage() {}
 
 func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[43]
+	mi := &file_control_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3206,7 +3338,7 @@ func (x *ListVolumesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVolumesResponse.ProtoReflect.Descriptor instead.
 func (*ListVolumesResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{43}
+	return file_control_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ListVolumesResponse) GetVolumes() []*Volume {
@@ -3232,7 +3364,7 @@ type DeleteVolumeRequest struct {
 
 func (x *DeleteVolumeRequest) Reset() {
 	*x = DeleteVolumeRequest{}
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3244,7 +3376,7 @@ func (x *DeleteVolumeRequest) String() string {
 func (*DeleteVolumeRequest) ProtoMessage() {}
 
 func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[44]
+	mi := &file_control_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3257,7 +3389,7 @@ func (x *DeleteVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{44}
+	return file_control_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *DeleteVolumeRequest) GetVolume() *VolumeRef {
@@ -3278,7 +3410,7 @@ type DeleteVolumeResponse struct {
 
 func (x *DeleteVolumeResponse) Reset() {
 	*x = DeleteVolumeResponse{}
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3290,7 +3422,7 @@ func (x *DeleteVolumeResponse) String() string {
 func (*DeleteVolumeResponse) ProtoMessage() {}
 
 func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[45]
+	mi := &file_control_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3303,7 +3435,7 @@ func (x *DeleteVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{45}
+	return file_control_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *DeleteVolumeResponse) GetRetained() *Volume {
@@ -3325,7 +3457,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3337,7 +3469,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[46]
+	mi := &file_control_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3350,7 +3482,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{46}
+	return file_control_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ExpandVolumeRequest) GetVolume() *VolumeRef {
@@ -3376,7 +3508,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3388,7 +3520,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[47]
+	mi := &file_control_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3401,7 +3533,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{47}
+	return file_control_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ExpandVolumeResponse) GetVolume() *Volume {
@@ -3432,7 +3564,7 @@ type AttachVolumeRequest struct {
 
 func (x *AttachVolumeRequest) Reset() {
 	*x = AttachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3444,7 +3576,7 @@ func (x *AttachVolumeRequest) String() string {
 func (*AttachVolumeRequest) ProtoMessage() {}
 
 func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[48]
+	mi := &file_control_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3457,7 +3589,7 @@ func (x *AttachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*AttachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{48}
+	return file_control_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *AttachVolumeRequest) GetVolume() *VolumeRef {
@@ -3505,7 +3637,7 @@ type AttachVolumeResponse struct {
 
 func (x *AttachVolumeResponse) Reset() {
 	*x = AttachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3517,7 +3649,7 @@ func (x *AttachVolumeResponse) String() string {
 func (*AttachVolumeResponse) ProtoMessage() {}
 
 func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[49]
+	mi := &file_control_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3530,7 +3662,7 @@ func (x *AttachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*AttachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{49}
+	return file_control_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *AttachVolumeResponse) GetVolume() *Volume {
@@ -3558,7 +3690,7 @@ type DetachVolumeRequest struct {
 
 func (x *DetachVolumeRequest) Reset() {
 	*x = DetachVolumeRequest{}
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3570,7 +3702,7 @@ func (x *DetachVolumeRequest) String() string {
 func (*DetachVolumeRequest) ProtoMessage() {}
 
 func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[50]
+	mi := &file_control_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3583,7 +3715,7 @@ func (x *DetachVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeRequest.ProtoReflect.Descriptor instead.
 func (*DetachVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{50}
+	return file_control_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *DetachVolumeRequest) GetVolume() *VolumeRef {
@@ -3616,7 +3748,7 @@ type DetachVolumeResponse struct {
 
 func (x *DetachVolumeResponse) Reset() {
 	*x = DetachVolumeResponse{}
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3628,7 +3760,7 @@ func (x *DetachVolumeResponse) String() string {
 func (*DetachVolumeResponse) ProtoMessage() {}
 
 func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[51]
+	mi := &file_control_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3641,7 +3773,7 @@ func (x *DetachVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetachVolumeResponse.ProtoReflect.Descriptor instead.
 func (*DetachVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{51}
+	return file_control_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *DetachVolumeResponse) GetVolume() *Volume {
@@ -3686,7 +3818,7 @@ type SetReplicaStateRequest struct {
 
 func (x *SetReplicaStateRequest) Reset() {
 	*x = SetReplicaStateRequest{}
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3698,7 +3830,7 @@ func (x *SetReplicaStateRequest) String() string {
 func (*SetReplicaStateRequest) ProtoMessage() {}
 
 func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[52]
+	mi := &file_control_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3711,7 +3843,7 @@ func (x *SetReplicaStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateRequest.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{52}
+	return file_control_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *SetReplicaStateRequest) GetVolumeId() string {
@@ -3786,7 +3918,7 @@ type SetReplicaStateResponse struct {
 
 func (x *SetReplicaStateResponse) Reset() {
 	*x = SetReplicaStateResponse{}
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3798,7 +3930,7 @@ func (x *SetReplicaStateResponse) String() string {
 func (*SetReplicaStateResponse) ProtoMessage() {}
 
 func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[53]
+	mi := &file_control_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3811,7 +3943,7 @@ func (x *SetReplicaStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetReplicaStateResponse.ProtoReflect.Descriptor instead.
 func (*SetReplicaStateResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{53}
+	return file_control_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *SetReplicaStateResponse) GetVolume() *Volume {
@@ -3842,7 +3974,7 @@ type ReplaceReplicaRequest struct {
 
 func (x *ReplaceReplicaRequest) Reset() {
 	*x = ReplaceReplicaRequest{}
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3854,7 +3986,7 @@ func (x *ReplaceReplicaRequest) String() string {
 func (*ReplaceReplicaRequest) ProtoMessage() {}
 
 func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[54]
+	mi := &file_control_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3867,7 +3999,7 @@ func (x *ReplaceReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaRequest.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{54}
+	return file_control_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *ReplaceReplicaRequest) GetVolume() *VolumeRef {
@@ -3907,7 +4039,7 @@ type ReplaceReplicaResponse struct {
 
 func (x *ReplaceReplicaResponse) Reset() {
 	*x = ReplaceReplicaResponse{}
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3919,7 +4051,7 @@ func (x *ReplaceReplicaResponse) String() string {
 func (*ReplaceReplicaResponse) ProtoMessage() {}
 
 func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[55]
+	mi := &file_control_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3932,7 +4064,7 @@ func (x *ReplaceReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplaceReplicaResponse.ProtoReflect.Descriptor instead.
 func (*ReplaceReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{55}
+	return file_control_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *ReplaceReplicaResponse) GetVolume() *Volume {
@@ -3954,7 +4086,7 @@ type RecordCloneCopiedRequest struct {
 
 func (x *RecordCloneCopiedRequest) Reset() {
 	*x = RecordCloneCopiedRequest{}
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3966,7 +4098,7 @@ func (x *RecordCloneCopiedRequest) String() string {
 func (*RecordCloneCopiedRequest) ProtoMessage() {}
 
 func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[56]
+	mi := &file_control_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3979,7 +4111,7 @@ func (x *RecordCloneCopiedRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedRequest.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{56}
+	return file_control_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *RecordCloneCopiedRequest) GetVolumeId() string {
@@ -4005,7 +4137,7 @@ type RecordCloneCopiedResponse struct {
 
 func (x *RecordCloneCopiedResponse) Reset() {
 	*x = RecordCloneCopiedResponse{}
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4017,7 +4149,7 @@ func (x *RecordCloneCopiedResponse) String() string {
 func (*RecordCloneCopiedResponse) ProtoMessage() {}
 
 func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[57]
+	mi := &file_control_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4030,7 +4162,7 @@ func (x *RecordCloneCopiedResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordCloneCopiedResponse.ProtoReflect.Descriptor instead.
 func (*RecordCloneCopiedResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{57}
+	return file_control_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *RecordCloneCopiedResponse) GetVolume() *Volume {
@@ -4049,7 +4181,7 @@ type WatchVolumeRequest struct {
 
 func (x *WatchVolumeRequest) Reset() {
 	*x = WatchVolumeRequest{}
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4061,7 +4193,7 @@ func (x *WatchVolumeRequest) String() string {
 func (*WatchVolumeRequest) ProtoMessage() {}
 
 func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[58]
+	mi := &file_control_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4074,7 +4206,7 @@ func (x *WatchVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVolumeRequest.ProtoReflect.Descriptor instead.
 func (*WatchVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{58}
+	return file_control_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *WatchVolumeRequest) GetVolume() *VolumeRef {
@@ -4100,7 +4232,7 @@ type VolumeEvent struct {
 
 func (x *VolumeEvent) Reset() {
 	*x = VolumeEvent{}
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4112,7 +4244,7 @@ func (x *VolumeEvent) String() string {
 func (*VolumeEvent) ProtoMessage() {}
 
 func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[59]
+	mi := &file_control_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4125,7 +4257,7 @@ func (x *VolumeEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeEvent.ProtoReflect.Descriptor instead.
 func (*VolumeEvent) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{59}
+	return file_control_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *VolumeEvent) GetVolume() *Volume {
@@ -4161,7 +4293,7 @@ type CreateSnapshotRequest struct {
 
 func (x *CreateSnapshotRequest) Reset() {
 	*x = CreateSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4173,7 +4305,7 @@ func (x *CreateSnapshotRequest) String() string {
 func (*CreateSnapshotRequest) ProtoMessage() {}
 
 func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[60]
+	mi := &file_control_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4186,7 +4318,7 @@ func (x *CreateSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{60}
+	return file_control_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *CreateSnapshotRequest) GetVolumeId() string {
@@ -4212,7 +4344,7 @@ type CreateSnapshotResponse struct {
 
 func (x *CreateSnapshotResponse) Reset() {
 	*x = CreateSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4224,7 +4356,7 @@ func (x *CreateSnapshotResponse) String() string {
 func (*CreateSnapshotResponse) ProtoMessage() {}
 
 func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[61]
+	mi := &file_control_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4237,7 +4369,7 @@ func (x *CreateSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*CreateSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{61}
+	return file_control_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *CreateSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4257,7 +4389,7 @@ type SnapshotRef struct {
 
 func (x *SnapshotRef) Reset() {
 	*x = SnapshotRef{}
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4269,7 +4401,7 @@ func (x *SnapshotRef) String() string {
 func (*SnapshotRef) ProtoMessage() {}
 
 func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[62]
+	mi := &file_control_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4282,7 +4414,7 @@ func (x *SnapshotRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRef.ProtoReflect.Descriptor instead.
 func (*SnapshotRef) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{62}
+	return file_control_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *SnapshotRef) GetId() string {
@@ -4308,7 +4440,7 @@ type GetSnapshotRequest struct {
 
 func (x *GetSnapshotRequest) Reset() {
 	*x = GetSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4320,7 +4452,7 @@ func (x *GetSnapshotRequest) String() string {
 func (*GetSnapshotRequest) ProtoMessage() {}
 
 func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[63]
+	mi := &file_control_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4333,7 +4465,7 @@ func (x *GetSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*GetSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{63}
+	return file_control_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *GetSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4352,7 +4484,7 @@ type GetSnapshotResponse struct {
 
 func (x *GetSnapshotResponse) Reset() {
 	*x = GetSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4364,7 +4496,7 @@ func (x *GetSnapshotResponse) String() string {
 func (*GetSnapshotResponse) ProtoMessage() {}
 
 func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[64]
+	mi := &file_control_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4377,7 +4509,7 @@ func (x *GetSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*GetSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{64}
+	return file_control_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *GetSnapshotResponse) GetSnapshot() *Snapshot {
@@ -4400,7 +4532,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4412,7 +4544,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[65]
+	mi := &file_control_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4425,7 +4557,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{65}
+	return file_control_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ListSnapshotsRequest) GetVolumeId() string {
@@ -4459,7 +4591,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_control_proto_msgTypes[66]
+	mi := &file_control_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4471,7 +4603,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[66]
+	mi := &file_control_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4484,7 +4616,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{66}
+	return file_control_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -4510,7 +4642,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_control_proto_msgTypes[67]
+	mi := &file_control_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4522,7 +4654,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[67]
+	mi := &file_control_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4535,7 +4667,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{67}
+	return file_control_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *DeleteSnapshotRequest) GetSnapshot() *SnapshotRef {
@@ -4553,7 +4685,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_control_proto_msgTypes[68]
+	mi := &file_control_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4565,7 +4697,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[68]
+	mi := &file_control_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4578,7 +4710,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{68}
+	return file_control_proto_rawDescGZIP(), []int{70}
 }
 
 // RecordSnapshotCut is how the data path reports cuts: the attached engine
@@ -4600,7 +4732,7 @@ type RecordSnapshotCutRequest struct {
 
 func (x *RecordSnapshotCutRequest) Reset() {
 	*x = RecordSnapshotCutRequest{}
-	mi := &file_control_proto_msgTypes[69]
+	mi := &file_control_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4612,7 +4744,7 @@ func (x *RecordSnapshotCutRequest) String() string {
 func (*RecordSnapshotCutRequest) ProtoMessage() {}
 
 func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[69]
+	mi := &file_control_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4625,7 +4757,7 @@ func (x *RecordSnapshotCutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutRequest.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutRequest) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{69}
+	return file_control_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *RecordSnapshotCutRequest) GetSnapshotId() string {
@@ -4672,7 +4804,7 @@ type RecordSnapshotCutResponse struct {
 
 func (x *RecordSnapshotCutResponse) Reset() {
 	*x = RecordSnapshotCutResponse{}
-	mi := &file_control_proto_msgTypes[70]
+	mi := &file_control_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4684,7 +4816,7 @@ func (x *RecordSnapshotCutResponse) String() string {
 func (*RecordSnapshotCutResponse) ProtoMessage() {}
 
 func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_control_proto_msgTypes[70]
+	mi := &file_control_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4697,7 +4829,7 @@ func (x *RecordSnapshotCutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecordSnapshotCutResponse.ProtoReflect.Descriptor instead.
 func (*RecordSnapshotCutResponse) Descriptor() ([]byte, []int) {
-	return file_control_proto_rawDescGZIP(), []int{70}
+	return file_control_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *RecordSnapshotCutResponse) GetSnapshot() *Snapshot {
@@ -4912,7 +5044,14 @@ const file_control_proto_rawDesc = "" +
 	"\x17SetClusterConfigRequest\x12.\n" +
 	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"J\n" +
 	"\x18SetClusterConfigResponse\x12.\n" +
-	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"\xfd\x02\n" +
+	"\x06config\x18\x01 \x01(\v2\x16.stor.v1.ClusterConfigR\x06config\"E\n" +
+	"\x1bIssueNodeCertificateRequest\x12\x14\n" +
+	"\x05token\x18\x01 \x01(\tR\x05token\x12\x10\n" +
+	"\x03csr\x18\x02 \x01(\fR\x03csr\"|\n" +
+	"\x1cIssueNodeCertificateResponse\x12+\n" +
+	"\x11certificate_chain\x18\x01 \x01(\fR\x10certificateChain\x12\x1b\n" +
+	"\tca_bundle\x18\x02 \x01(\fR\bcaBundle\x12\x12\n" +
+	"\x04node\x18\x03 \x01(\tR\x04node\"\xfd\x02\n" +
 	"\x13CreateVolumeRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
@@ -5064,7 +5203,7 @@ const file_control_proto_rawDesc = "" +
 	"\bSuffrage\x12\x18\n" +
 	"\x14SUFFRAGE_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eSUFFRAGE_VOTER\x10\x01\x12\x15\n" +
-	"\x11SUFFRAGE_NONVOTER\x10\x022\xdb\x06\n" +
+	"\x11SUFFRAGE_NONVOTER\x10\x022\xc0\a\n" +
 	"\x0eClusterService\x123\n" +
 	"\x04Join\x12\x14.stor.v1.JoinRequest\x1a\x15.stor.v1.JoinResponse\x126\n" +
 	"\x05Leave\x12\x15.stor.v1.LeaveRequest\x1a\x16.stor.v1.LeaveResponse\x129\n" +
@@ -5078,7 +5217,8 @@ const file_control_proto_rawDesc = "" +
 	"\n" +
 	"ListEvents\x12\x1a.stor.v1.ListEventsRequest\x1a\x1b.stor.v1.ListEventsResponse\x12W\n" +
 	"\x10GetClusterConfig\x12 .stor.v1.GetClusterConfigRequest\x1a!.stor.v1.GetClusterConfigResponse\x12W\n" +
-	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse2\xe7\x06\n" +
+	"\x10SetClusterConfig\x12 .stor.v1.SetClusterConfigRequest\x1a!.stor.v1.SetClusterConfigResponse\x12c\n" +
+	"\x14IssueNodeCertificate\x12$.stor.v1.IssueNodeCertificateRequest\x1a%.stor.v1.IssueNodeCertificateResponse2\xe7\x06\n" +
 	"\rVolumeService\x12K\n" +
 	"\fCreateVolume\x12\x1c.stor.v1.CreateVolumeRequest\x1a\x1d.stor.v1.CreateVolumeResponse\x12B\n" +
 	"\tGetVolume\x12\x19.stor.v1.GetVolumeRequest\x1a\x1a.stor.v1.GetVolumeResponse\x12H\n" +
@@ -5111,101 +5251,103 @@ func file_control_proto_rawDescGZIP() []byte {
 }
 
 var file_control_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 76)
+var file_control_proto_msgTypes = make([]protoimpl.MessageInfo, 78)
 var file_control_proto_goTypes = []any{
-	(ServerState)(0),                  // 0: stor.v1.ServerState
-	(VolumeState)(0),                  // 1: stor.v1.VolumeState
-	(ReplicaState)(0),                 // 2: stor.v1.ReplicaState
-	(AccessMode)(0),                   // 3: stor.v1.AccessMode
-	(SnapshotReplicaState)(0),         // 4: stor.v1.SnapshotReplicaState
-	(Suffrage)(0),                     // 5: stor.v1.Suffrage
-	(*Server)(nil),                    // 6: stor.v1.Server
-	(*Node)(nil),                      // 7: stor.v1.Node
-	(*Replica)(nil),                   // 8: stor.v1.Replica
-	(*Attachment)(nil),                // 9: stor.v1.Attachment
-	(*ContentSource)(nil),             // 10: stor.v1.ContentSource
-	(*Topology)(nil),                  // 11: stor.v1.Topology
-	(*TopologyRequirement)(nil),       // 12: stor.v1.TopologyRequirement
-	(*Volume)(nil),                    // 13: stor.v1.Volume
-	(*SnapshotReplica)(nil),           // 14: stor.v1.SnapshotReplica
-	(*Snapshot)(nil),                  // 15: stor.v1.Snapshot
-	(*JoinRequest)(nil),               // 16: stor.v1.JoinRequest
-	(*JoinResponse)(nil),              // 17: stor.v1.JoinResponse
-	(*LeaveRequest)(nil),              // 18: stor.v1.LeaveRequest
-	(*LeaveResponse)(nil),             // 19: stor.v1.LeaveResponse
-	(*StatusRequest)(nil),             // 20: stor.v1.StatusRequest
-	(*Member)(nil),                    // 21: stor.v1.Member
-	(*StatusResponse)(nil),            // 22: stor.v1.StatusResponse
-	(*ListServersRequest)(nil),        // 23: stor.v1.ListServersRequest
-	(*ListServersResponse)(nil),       // 24: stor.v1.ListServersResponse
-	(*HeartbeatRequest)(nil),          // 25: stor.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),         // 26: stor.v1.HeartbeatResponse
-	(*RegisterNodeRequest)(nil),       // 27: stor.v1.RegisterNodeRequest
-	(*RegisterNodeResponse)(nil),      // 28: stor.v1.RegisterNodeResponse
-	(*GetNodeRequest)(nil),            // 29: stor.v1.GetNodeRequest
-	(*GetNodeResponse)(nil),           // 30: stor.v1.GetNodeResponse
-	(*ListNodesRequest)(nil),          // 31: stor.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),         // 32: stor.v1.ListNodesResponse
-	(*ClusterConfig)(nil),             // 33: stor.v1.ClusterConfig
-	(*CordonServerRequest)(nil),       // 34: stor.v1.CordonServerRequest
-	(*CordonServerResponse)(nil),      // 35: stor.v1.CordonServerResponse
-	(*Event)(nil),                     // 36: stor.v1.Event
-	(*ListEventsRequest)(nil),         // 37: stor.v1.ListEventsRequest
-	(*ListEventsResponse)(nil),        // 38: stor.v1.ListEventsResponse
-	(*GetClusterConfigRequest)(nil),   // 39: stor.v1.GetClusterConfigRequest
-	(*GetClusterConfigResponse)(nil),  // 40: stor.v1.GetClusterConfigResponse
-	(*SetClusterConfigRequest)(nil),   // 41: stor.v1.SetClusterConfigRequest
-	(*SetClusterConfigResponse)(nil),  // 42: stor.v1.SetClusterConfigResponse
-	(*CreateVolumeRequest)(nil),       // 43: stor.v1.CreateVolumeRequest
-	(*CreateVolumeResponse)(nil),      // 44: stor.v1.CreateVolumeResponse
-	(*VolumeRef)(nil),                 // 45: stor.v1.VolumeRef
-	(*GetVolumeRequest)(nil),          // 46: stor.v1.GetVolumeRequest
-	(*GetVolumeResponse)(nil),         // 47: stor.v1.GetVolumeResponse
-	(*ListVolumesRequest)(nil),        // 48: stor.v1.ListVolumesRequest
-	(*ListVolumesResponse)(nil),       // 49: stor.v1.ListVolumesResponse
-	(*DeleteVolumeRequest)(nil),       // 50: stor.v1.DeleteVolumeRequest
-	(*DeleteVolumeResponse)(nil),      // 51: stor.v1.DeleteVolumeResponse
-	(*ExpandVolumeRequest)(nil),       // 52: stor.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),      // 53: stor.v1.ExpandVolumeResponse
-	(*AttachVolumeRequest)(nil),       // 54: stor.v1.AttachVolumeRequest
-	(*AttachVolumeResponse)(nil),      // 55: stor.v1.AttachVolumeResponse
-	(*DetachVolumeRequest)(nil),       // 56: stor.v1.DetachVolumeRequest
-	(*DetachVolumeResponse)(nil),      // 57: stor.v1.DetachVolumeResponse
-	(*SetReplicaStateRequest)(nil),    // 58: stor.v1.SetReplicaStateRequest
-	(*SetReplicaStateResponse)(nil),   // 59: stor.v1.SetReplicaStateResponse
-	(*ReplaceReplicaRequest)(nil),     // 60: stor.v1.ReplaceReplicaRequest
-	(*ReplaceReplicaResponse)(nil),    // 61: stor.v1.ReplaceReplicaResponse
-	(*RecordCloneCopiedRequest)(nil),  // 62: stor.v1.RecordCloneCopiedRequest
-	(*RecordCloneCopiedResponse)(nil), // 63: stor.v1.RecordCloneCopiedResponse
-	(*WatchVolumeRequest)(nil),        // 64: stor.v1.WatchVolumeRequest
-	(*VolumeEvent)(nil),               // 65: stor.v1.VolumeEvent
-	(*CreateSnapshotRequest)(nil),     // 66: stor.v1.CreateSnapshotRequest
-	(*CreateSnapshotResponse)(nil),    // 67: stor.v1.CreateSnapshotResponse
-	(*SnapshotRef)(nil),               // 68: stor.v1.SnapshotRef
-	(*GetSnapshotRequest)(nil),        // 69: stor.v1.GetSnapshotRequest
-	(*GetSnapshotResponse)(nil),       // 70: stor.v1.GetSnapshotResponse
-	(*ListSnapshotsRequest)(nil),      // 71: stor.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),     // 72: stor.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),     // 73: stor.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),    // 74: stor.v1.DeleteSnapshotResponse
-	(*RecordSnapshotCutRequest)(nil),  // 75: stor.v1.RecordSnapshotCutRequest
-	(*RecordSnapshotCutResponse)(nil), // 76: stor.v1.RecordSnapshotCutResponse
-	nil,                               // 77: stor.v1.Server.LabelsEntry
-	nil,                               // 78: stor.v1.Node.LabelsEntry
-	nil,                               // 79: stor.v1.Topology.SegmentsEntry
-	nil,                               // 80: stor.v1.Volume.ParametersEntry
-	nil,                               // 81: stor.v1.CreateVolumeRequest.ParametersEntry
+	(ServerState)(0),                     // 0: stor.v1.ServerState
+	(VolumeState)(0),                     // 1: stor.v1.VolumeState
+	(ReplicaState)(0),                    // 2: stor.v1.ReplicaState
+	(AccessMode)(0),                      // 3: stor.v1.AccessMode
+	(SnapshotReplicaState)(0),            // 4: stor.v1.SnapshotReplicaState
+	(Suffrage)(0),                        // 5: stor.v1.Suffrage
+	(*Server)(nil),                       // 6: stor.v1.Server
+	(*Node)(nil),                         // 7: stor.v1.Node
+	(*Replica)(nil),                      // 8: stor.v1.Replica
+	(*Attachment)(nil),                   // 9: stor.v1.Attachment
+	(*ContentSource)(nil),                // 10: stor.v1.ContentSource
+	(*Topology)(nil),                     // 11: stor.v1.Topology
+	(*TopologyRequirement)(nil),          // 12: stor.v1.TopologyRequirement
+	(*Volume)(nil),                       // 13: stor.v1.Volume
+	(*SnapshotReplica)(nil),              // 14: stor.v1.SnapshotReplica
+	(*Snapshot)(nil),                     // 15: stor.v1.Snapshot
+	(*JoinRequest)(nil),                  // 16: stor.v1.JoinRequest
+	(*JoinResponse)(nil),                 // 17: stor.v1.JoinResponse
+	(*LeaveRequest)(nil),                 // 18: stor.v1.LeaveRequest
+	(*LeaveResponse)(nil),                // 19: stor.v1.LeaveResponse
+	(*StatusRequest)(nil),                // 20: stor.v1.StatusRequest
+	(*Member)(nil),                       // 21: stor.v1.Member
+	(*StatusResponse)(nil),               // 22: stor.v1.StatusResponse
+	(*ListServersRequest)(nil),           // 23: stor.v1.ListServersRequest
+	(*ListServersResponse)(nil),          // 24: stor.v1.ListServersResponse
+	(*HeartbeatRequest)(nil),             // 25: stor.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),            // 26: stor.v1.HeartbeatResponse
+	(*RegisterNodeRequest)(nil),          // 27: stor.v1.RegisterNodeRequest
+	(*RegisterNodeResponse)(nil),         // 28: stor.v1.RegisterNodeResponse
+	(*GetNodeRequest)(nil),               // 29: stor.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),              // 30: stor.v1.GetNodeResponse
+	(*ListNodesRequest)(nil),             // 31: stor.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),            // 32: stor.v1.ListNodesResponse
+	(*ClusterConfig)(nil),                // 33: stor.v1.ClusterConfig
+	(*CordonServerRequest)(nil),          // 34: stor.v1.CordonServerRequest
+	(*CordonServerResponse)(nil),         // 35: stor.v1.CordonServerResponse
+	(*Event)(nil),                        // 36: stor.v1.Event
+	(*ListEventsRequest)(nil),            // 37: stor.v1.ListEventsRequest
+	(*ListEventsResponse)(nil),           // 38: stor.v1.ListEventsResponse
+	(*GetClusterConfigRequest)(nil),      // 39: stor.v1.GetClusterConfigRequest
+	(*GetClusterConfigResponse)(nil),     // 40: stor.v1.GetClusterConfigResponse
+	(*SetClusterConfigRequest)(nil),      // 41: stor.v1.SetClusterConfigRequest
+	(*SetClusterConfigResponse)(nil),     // 42: stor.v1.SetClusterConfigResponse
+	(*IssueNodeCertificateRequest)(nil),  // 43: stor.v1.IssueNodeCertificateRequest
+	(*IssueNodeCertificateResponse)(nil), // 44: stor.v1.IssueNodeCertificateResponse
+	(*CreateVolumeRequest)(nil),          // 45: stor.v1.CreateVolumeRequest
+	(*CreateVolumeResponse)(nil),         // 46: stor.v1.CreateVolumeResponse
+	(*VolumeRef)(nil),                    // 47: stor.v1.VolumeRef
+	(*GetVolumeRequest)(nil),             // 48: stor.v1.GetVolumeRequest
+	(*GetVolumeResponse)(nil),            // 49: stor.v1.GetVolumeResponse
+	(*ListVolumesRequest)(nil),           // 50: stor.v1.ListVolumesRequest
+	(*ListVolumesResponse)(nil),          // 51: stor.v1.ListVolumesResponse
+	(*DeleteVolumeRequest)(nil),          // 52: stor.v1.DeleteVolumeRequest
+	(*DeleteVolumeResponse)(nil),         // 53: stor.v1.DeleteVolumeResponse
+	(*ExpandVolumeRequest)(nil),          // 54: stor.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),         // 55: stor.v1.ExpandVolumeResponse
+	(*AttachVolumeRequest)(nil),          // 56: stor.v1.AttachVolumeRequest
+	(*AttachVolumeResponse)(nil),         // 57: stor.v1.AttachVolumeResponse
+	(*DetachVolumeRequest)(nil),          // 58: stor.v1.DetachVolumeRequest
+	(*DetachVolumeResponse)(nil),         // 59: stor.v1.DetachVolumeResponse
+	(*SetReplicaStateRequest)(nil),       // 60: stor.v1.SetReplicaStateRequest
+	(*SetReplicaStateResponse)(nil),      // 61: stor.v1.SetReplicaStateResponse
+	(*ReplaceReplicaRequest)(nil),        // 62: stor.v1.ReplaceReplicaRequest
+	(*ReplaceReplicaResponse)(nil),       // 63: stor.v1.ReplaceReplicaResponse
+	(*RecordCloneCopiedRequest)(nil),     // 64: stor.v1.RecordCloneCopiedRequest
+	(*RecordCloneCopiedResponse)(nil),    // 65: stor.v1.RecordCloneCopiedResponse
+	(*WatchVolumeRequest)(nil),           // 66: stor.v1.WatchVolumeRequest
+	(*VolumeEvent)(nil),                  // 67: stor.v1.VolumeEvent
+	(*CreateSnapshotRequest)(nil),        // 68: stor.v1.CreateSnapshotRequest
+	(*CreateSnapshotResponse)(nil),       // 69: stor.v1.CreateSnapshotResponse
+	(*SnapshotRef)(nil),                  // 70: stor.v1.SnapshotRef
+	(*GetSnapshotRequest)(nil),           // 71: stor.v1.GetSnapshotRequest
+	(*GetSnapshotResponse)(nil),          // 72: stor.v1.GetSnapshotResponse
+	(*ListSnapshotsRequest)(nil),         // 73: stor.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),        // 74: stor.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),        // 75: stor.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),       // 76: stor.v1.DeleteSnapshotResponse
+	(*RecordSnapshotCutRequest)(nil),     // 77: stor.v1.RecordSnapshotCutRequest
+	(*RecordSnapshotCutResponse)(nil),    // 78: stor.v1.RecordSnapshotCutResponse
+	nil,                                  // 79: stor.v1.Server.LabelsEntry
+	nil,                                  // 80: stor.v1.Node.LabelsEntry
+	nil,                                  // 81: stor.v1.Topology.SegmentsEntry
+	nil,                                  // 82: stor.v1.Volume.ParametersEntry
+	nil,                                  // 83: stor.v1.CreateVolumeRequest.ParametersEntry
 }
 var file_control_proto_depIdxs = []int32{
-	77, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
+	79, // 0: stor.v1.Server.labels:type_name -> stor.v1.Server.LabelsEntry
 	0,  // 1: stor.v1.Server.state:type_name -> stor.v1.ServerState
-	78, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
+	80, // 2: stor.v1.Node.labels:type_name -> stor.v1.Node.LabelsEntry
 	2,  // 3: stor.v1.Replica.state:type_name -> stor.v1.ReplicaState
 	3,  // 4: stor.v1.Attachment.mode:type_name -> stor.v1.AccessMode
-	79, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
+	81, // 5: stor.v1.Topology.segments:type_name -> stor.v1.Topology.SegmentsEntry
 	11, // 6: stor.v1.TopologyRequirement.requisite:type_name -> stor.v1.Topology
 	11, // 7: stor.v1.TopologyRequirement.preferred:type_name -> stor.v1.Topology
-	80, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
+	82, // 8: stor.v1.Volume.parameters:type_name -> stor.v1.Volume.ParametersEntry
 	10, // 9: stor.v1.Volume.content_source:type_name -> stor.v1.ContentSource
 	1,  // 10: stor.v1.Volume.state:type_name -> stor.v1.VolumeState
 	9,  // 11: stor.v1.Volume.attachment:type_name -> stor.v1.Attachment
@@ -5224,39 +5366,39 @@ var file_control_proto_depIdxs = []int32{
 	7,  // 24: stor.v1.GetNodeResponse.node:type_name -> stor.v1.Node
 	7,  // 25: stor.v1.ListNodesResponse.nodes:type_name -> stor.v1.Node
 	6,  // 26: stor.v1.CordonServerResponse.server:type_name -> stor.v1.Server
-	45, // 27: stor.v1.ListEventsRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 27: stor.v1.ListEventsRequest.volume:type_name -> stor.v1.VolumeRef
 	36, // 28: stor.v1.ListEventsResponse.events:type_name -> stor.v1.Event
 	33, // 29: stor.v1.GetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
 	33, // 30: stor.v1.SetClusterConfigRequest.config:type_name -> stor.v1.ClusterConfig
 	33, // 31: stor.v1.SetClusterConfigResponse.config:type_name -> stor.v1.ClusterConfig
-	81, // 32: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
+	83, // 32: stor.v1.CreateVolumeRequest.parameters:type_name -> stor.v1.CreateVolumeRequest.ParametersEntry
 	10, // 33: stor.v1.CreateVolumeRequest.content_source:type_name -> stor.v1.ContentSource
 	12, // 34: stor.v1.CreateVolumeRequest.accessibility:type_name -> stor.v1.TopologyRequirement
 	13, // 35: stor.v1.CreateVolumeResponse.volume:type_name -> stor.v1.Volume
-	45, // 36: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 36: stor.v1.GetVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 37: stor.v1.GetVolumeResponse.volume:type_name -> stor.v1.Volume
 	13, // 38: stor.v1.ListVolumesResponse.volumes:type_name -> stor.v1.Volume
-	45, // 39: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 39: stor.v1.DeleteVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 40: stor.v1.DeleteVolumeResponse.retained:type_name -> stor.v1.Volume
-	45, // 41: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 41: stor.v1.ExpandVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 42: stor.v1.ExpandVolumeResponse.volume:type_name -> stor.v1.Volume
-	45, // 43: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 43: stor.v1.AttachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	3,  // 44: stor.v1.AttachVolumeRequest.mode:type_name -> stor.v1.AccessMode
 	13, // 45: stor.v1.AttachVolumeResponse.volume:type_name -> stor.v1.Volume
-	45, // 46: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 46: stor.v1.DetachVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 47: stor.v1.DetachVolumeResponse.volume:type_name -> stor.v1.Volume
 	2,  // 48: stor.v1.SetReplicaStateRequest.state:type_name -> stor.v1.ReplicaState
 	13, // 49: stor.v1.SetReplicaStateResponse.volume:type_name -> stor.v1.Volume
-	45, // 50: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 50: stor.v1.ReplaceReplicaRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 51: stor.v1.ReplaceReplicaResponse.volume:type_name -> stor.v1.Volume
 	13, // 52: stor.v1.RecordCloneCopiedResponse.volume:type_name -> stor.v1.Volume
-	45, // 53: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
+	47, // 53: stor.v1.WatchVolumeRequest.volume:type_name -> stor.v1.VolumeRef
 	13, // 54: stor.v1.VolumeEvent.volume:type_name -> stor.v1.Volume
 	15, // 55: stor.v1.CreateSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
-	68, // 56: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	70, // 56: stor.v1.GetSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
 	15, // 57: stor.v1.GetSnapshotResponse.snapshot:type_name -> stor.v1.Snapshot
 	15, // 58: stor.v1.ListSnapshotsResponse.snapshots:type_name -> stor.v1.Snapshot
-	68, // 59: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
+	70, // 59: stor.v1.DeleteSnapshotRequest.snapshot:type_name -> stor.v1.SnapshotRef
 	15, // 60: stor.v1.RecordSnapshotCutResponse.snapshot:type_name -> stor.v1.Snapshot
 	16, // 61: stor.v1.ClusterService.Join:input_type -> stor.v1.JoinRequest
 	18, // 62: stor.v1.ClusterService.Leave:input_type -> stor.v1.LeaveRequest
@@ -5270,52 +5412,54 @@ var file_control_proto_depIdxs = []int32{
 	37, // 70: stor.v1.ClusterService.ListEvents:input_type -> stor.v1.ListEventsRequest
 	39, // 71: stor.v1.ClusterService.GetClusterConfig:input_type -> stor.v1.GetClusterConfigRequest
 	41, // 72: stor.v1.ClusterService.SetClusterConfig:input_type -> stor.v1.SetClusterConfigRequest
-	43, // 73: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
-	46, // 74: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
-	48, // 75: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
-	50, // 76: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
-	52, // 77: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
-	54, // 78: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
-	56, // 79: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
-	64, // 80: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
-	58, // 81: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
-	60, // 82: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
-	62, // 83: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
-	66, // 84: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
-	69, // 85: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
-	71, // 86: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
-	73, // 87: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
-	75, // 88: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
-	17, // 89: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
-	19, // 90: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
-	22, // 91: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
-	24, // 92: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
-	26, // 93: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
-	28, // 94: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
-	30, // 95: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
-	32, // 96: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
-	35, // 97: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
-	38, // 98: stor.v1.ClusterService.ListEvents:output_type -> stor.v1.ListEventsResponse
-	40, // 99: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
-	42, // 100: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
-	44, // 101: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
-	47, // 102: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
-	49, // 103: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
-	51, // 104: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
-	53, // 105: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
-	55, // 106: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
-	57, // 107: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
-	65, // 108: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
-	59, // 109: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
-	61, // 110: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
-	63, // 111: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
-	67, // 112: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
-	70, // 113: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
-	72, // 114: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
-	74, // 115: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
-	76, // 116: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
-	89, // [89:117] is the sub-list for method output_type
-	61, // [61:89] is the sub-list for method input_type
+	43, // 73: stor.v1.ClusterService.IssueNodeCertificate:input_type -> stor.v1.IssueNodeCertificateRequest
+	45, // 74: stor.v1.VolumeService.CreateVolume:input_type -> stor.v1.CreateVolumeRequest
+	48, // 75: stor.v1.VolumeService.GetVolume:input_type -> stor.v1.GetVolumeRequest
+	50, // 76: stor.v1.VolumeService.ListVolumes:input_type -> stor.v1.ListVolumesRequest
+	52, // 77: stor.v1.VolumeService.DeleteVolume:input_type -> stor.v1.DeleteVolumeRequest
+	54, // 78: stor.v1.VolumeService.ExpandVolume:input_type -> stor.v1.ExpandVolumeRequest
+	56, // 79: stor.v1.VolumeService.AttachVolume:input_type -> stor.v1.AttachVolumeRequest
+	58, // 80: stor.v1.VolumeService.DetachVolume:input_type -> stor.v1.DetachVolumeRequest
+	66, // 81: stor.v1.VolumeService.WatchVolume:input_type -> stor.v1.WatchVolumeRequest
+	60, // 82: stor.v1.VolumeService.SetReplicaState:input_type -> stor.v1.SetReplicaStateRequest
+	62, // 83: stor.v1.VolumeService.ReplaceReplica:input_type -> stor.v1.ReplaceReplicaRequest
+	64, // 84: stor.v1.VolumeService.RecordCloneCopied:input_type -> stor.v1.RecordCloneCopiedRequest
+	68, // 85: stor.v1.SnapshotService.CreateSnapshot:input_type -> stor.v1.CreateSnapshotRequest
+	71, // 86: stor.v1.SnapshotService.GetSnapshot:input_type -> stor.v1.GetSnapshotRequest
+	73, // 87: stor.v1.SnapshotService.ListSnapshots:input_type -> stor.v1.ListSnapshotsRequest
+	75, // 88: stor.v1.SnapshotService.DeleteSnapshot:input_type -> stor.v1.DeleteSnapshotRequest
+	77, // 89: stor.v1.SnapshotService.RecordSnapshotCut:input_type -> stor.v1.RecordSnapshotCutRequest
+	17, // 90: stor.v1.ClusterService.Join:output_type -> stor.v1.JoinResponse
+	19, // 91: stor.v1.ClusterService.Leave:output_type -> stor.v1.LeaveResponse
+	22, // 92: stor.v1.ClusterService.Status:output_type -> stor.v1.StatusResponse
+	24, // 93: stor.v1.ClusterService.ListServers:output_type -> stor.v1.ListServersResponse
+	26, // 94: stor.v1.ClusterService.Heartbeat:output_type -> stor.v1.HeartbeatResponse
+	28, // 95: stor.v1.ClusterService.RegisterNode:output_type -> stor.v1.RegisterNodeResponse
+	30, // 96: stor.v1.ClusterService.GetNode:output_type -> stor.v1.GetNodeResponse
+	32, // 97: stor.v1.ClusterService.ListNodes:output_type -> stor.v1.ListNodesResponse
+	35, // 98: stor.v1.ClusterService.CordonServer:output_type -> stor.v1.CordonServerResponse
+	38, // 99: stor.v1.ClusterService.ListEvents:output_type -> stor.v1.ListEventsResponse
+	40, // 100: stor.v1.ClusterService.GetClusterConfig:output_type -> stor.v1.GetClusterConfigResponse
+	42, // 101: stor.v1.ClusterService.SetClusterConfig:output_type -> stor.v1.SetClusterConfigResponse
+	44, // 102: stor.v1.ClusterService.IssueNodeCertificate:output_type -> stor.v1.IssueNodeCertificateResponse
+	46, // 103: stor.v1.VolumeService.CreateVolume:output_type -> stor.v1.CreateVolumeResponse
+	49, // 104: stor.v1.VolumeService.GetVolume:output_type -> stor.v1.GetVolumeResponse
+	51, // 105: stor.v1.VolumeService.ListVolumes:output_type -> stor.v1.ListVolumesResponse
+	53, // 106: stor.v1.VolumeService.DeleteVolume:output_type -> stor.v1.DeleteVolumeResponse
+	55, // 107: stor.v1.VolumeService.ExpandVolume:output_type -> stor.v1.ExpandVolumeResponse
+	57, // 108: stor.v1.VolumeService.AttachVolume:output_type -> stor.v1.AttachVolumeResponse
+	59, // 109: stor.v1.VolumeService.DetachVolume:output_type -> stor.v1.DetachVolumeResponse
+	67, // 110: stor.v1.VolumeService.WatchVolume:output_type -> stor.v1.VolumeEvent
+	61, // 111: stor.v1.VolumeService.SetReplicaState:output_type -> stor.v1.SetReplicaStateResponse
+	63, // 112: stor.v1.VolumeService.ReplaceReplica:output_type -> stor.v1.ReplaceReplicaResponse
+	65, // 113: stor.v1.VolumeService.RecordCloneCopied:output_type -> stor.v1.RecordCloneCopiedResponse
+	69, // 114: stor.v1.SnapshotService.CreateSnapshot:output_type -> stor.v1.CreateSnapshotResponse
+	72, // 115: stor.v1.SnapshotService.GetSnapshot:output_type -> stor.v1.GetSnapshotResponse
+	74, // 116: stor.v1.SnapshotService.ListSnapshots:output_type -> stor.v1.ListSnapshotsResponse
+	76, // 117: stor.v1.SnapshotService.DeleteSnapshot:output_type -> stor.v1.DeleteSnapshotResponse
+	78, // 118: stor.v1.SnapshotService.RecordSnapshotCut:output_type -> stor.v1.RecordSnapshotCutResponse
+	90, // [90:119] is the sub-list for method output_type
+	61, // [61:90] is the sub-list for method input_type
 	61, // [61:61] is the sub-list for extension type_name
 	61, // [61:61] is the sub-list for extension extendee
 	0,  // [0:61] is the sub-list for field type_name
@@ -5336,7 +5480,7 @@ func file_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_control_proto_rawDesc), len(file_control_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   76,
+			NumMessages:   78,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

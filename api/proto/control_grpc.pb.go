@@ -33,18 +33,19 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ClusterService_Join_FullMethodName             = "/stor.v1.ClusterService/Join"
-	ClusterService_Leave_FullMethodName            = "/stor.v1.ClusterService/Leave"
-	ClusterService_Status_FullMethodName           = "/stor.v1.ClusterService/Status"
-	ClusterService_ListServers_FullMethodName      = "/stor.v1.ClusterService/ListServers"
-	ClusterService_Heartbeat_FullMethodName        = "/stor.v1.ClusterService/Heartbeat"
-	ClusterService_RegisterNode_FullMethodName     = "/stor.v1.ClusterService/RegisterNode"
-	ClusterService_GetNode_FullMethodName          = "/stor.v1.ClusterService/GetNode"
-	ClusterService_ListNodes_FullMethodName        = "/stor.v1.ClusterService/ListNodes"
-	ClusterService_CordonServer_FullMethodName     = "/stor.v1.ClusterService/CordonServer"
-	ClusterService_ListEvents_FullMethodName       = "/stor.v1.ClusterService/ListEvents"
-	ClusterService_GetClusterConfig_FullMethodName = "/stor.v1.ClusterService/GetClusterConfig"
-	ClusterService_SetClusterConfig_FullMethodName = "/stor.v1.ClusterService/SetClusterConfig"
+	ClusterService_Join_FullMethodName                 = "/stor.v1.ClusterService/Join"
+	ClusterService_Leave_FullMethodName                = "/stor.v1.ClusterService/Leave"
+	ClusterService_Status_FullMethodName               = "/stor.v1.ClusterService/Status"
+	ClusterService_ListServers_FullMethodName          = "/stor.v1.ClusterService/ListServers"
+	ClusterService_Heartbeat_FullMethodName            = "/stor.v1.ClusterService/Heartbeat"
+	ClusterService_RegisterNode_FullMethodName         = "/stor.v1.ClusterService/RegisterNode"
+	ClusterService_GetNode_FullMethodName              = "/stor.v1.ClusterService/GetNode"
+	ClusterService_ListNodes_FullMethodName            = "/stor.v1.ClusterService/ListNodes"
+	ClusterService_CordonServer_FullMethodName         = "/stor.v1.ClusterService/CordonServer"
+	ClusterService_ListEvents_FullMethodName           = "/stor.v1.ClusterService/ListEvents"
+	ClusterService_GetClusterConfig_FullMethodName     = "/stor.v1.ClusterService/GetClusterConfig"
+	ClusterService_SetClusterConfig_FullMethodName     = "/stor.v1.ClusterService/SetClusterConfig"
+	ClusterService_IssueNodeCertificate_FullMethodName = "/stor.v1.ClusterService/IssueNodeCertificate"
 )
 
 // ClusterServiceClient is the client API for ClusterService service.
@@ -69,6 +70,13 @@ type ClusterServiceClient interface {
 	// SetClusterConfig changes cluster-wide policy (operator only); it takes
 	// effect at the next placement or repair decision, without restarts.
 	SetClusterConfig(ctx context.Context, in *SetClusterConfigRequest, opts ...grpc.CallOption) (*SetClusterConfigResponse, error)
+	// IssueNodeCertificate gives a CSI node plugin pod a certificate naming
+	// its own Kubernetes node (stor://csi-node/<node>), the way kubelet TLS
+	// bootstrap does: the caller (a csi-node-bootstrap certificate, or a
+	// csi-node renewing) presents its pod's ServiceAccount token and a CSR
+	// for a key it keeps. The server that receives the call answers it (it
+	// is not Raft state). See IssueNodeCertificateRequest for the rules.
+	IssueNodeCertificate(ctx context.Context, in *IssueNodeCertificateRequest, opts ...grpc.CallOption) (*IssueNodeCertificateResponse, error)
 }
 
 type clusterServiceClient struct {
@@ -199,6 +207,16 @@ func (c *clusterServiceClient) SetClusterConfig(ctx context.Context, in *SetClus
 	return out, nil
 }
 
+func (c *clusterServiceClient) IssueNodeCertificate(ctx context.Context, in *IssueNodeCertificateRequest, opts ...grpc.CallOption) (*IssueNodeCertificateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(IssueNodeCertificateResponse)
+	err := c.cc.Invoke(ctx, ClusterService_IssueNodeCertificate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ClusterServiceServer is the server API for ClusterService service.
 // All implementations must embed UnimplementedClusterServiceServer
 // for forward compatibility.
@@ -221,6 +239,13 @@ type ClusterServiceServer interface {
 	// SetClusterConfig changes cluster-wide policy (operator only); it takes
 	// effect at the next placement or repair decision, without restarts.
 	SetClusterConfig(context.Context, *SetClusterConfigRequest) (*SetClusterConfigResponse, error)
+	// IssueNodeCertificate gives a CSI node plugin pod a certificate naming
+	// its own Kubernetes node (stor://csi-node/<node>), the way kubelet TLS
+	// bootstrap does: the caller (a csi-node-bootstrap certificate, or a
+	// csi-node renewing) presents its pod's ServiceAccount token and a CSR
+	// for a key it keeps. The server that receives the call answers it (it
+	// is not Raft state). See IssueNodeCertificateRequest for the rules.
+	IssueNodeCertificate(context.Context, *IssueNodeCertificateRequest) (*IssueNodeCertificateResponse, error)
 	mustEmbedUnimplementedClusterServiceServer()
 }
 
@@ -266,6 +291,9 @@ func (UnimplementedClusterServiceServer) GetClusterConfig(context.Context, *GetC
 }
 func (UnimplementedClusterServiceServer) SetClusterConfig(context.Context, *SetClusterConfigRequest) (*SetClusterConfigResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SetClusterConfig not implemented")
+}
+func (UnimplementedClusterServiceServer) IssueNodeCertificate(context.Context, *IssueNodeCertificateRequest) (*IssueNodeCertificateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method IssueNodeCertificate not implemented")
 }
 func (UnimplementedClusterServiceServer) mustEmbedUnimplementedClusterServiceServer() {}
 func (UnimplementedClusterServiceServer) testEmbeddedByValue()                        {}
@@ -504,6 +532,24 @@ func _ClusterService_SetClusterConfig_Handler(srv interface{}, ctx context.Conte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ClusterService_IssueNodeCertificate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(IssueNodeCertificateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ClusterServiceServer).IssueNodeCertificate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ClusterService_IssueNodeCertificate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ClusterServiceServer).IssueNodeCertificate(ctx, req.(*IssueNodeCertificateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ClusterService_ServiceDesc is the grpc.ServiceDesc for ClusterService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -558,6 +604,10 @@ var ClusterService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SetClusterConfig",
 			Handler:    _ClusterService_SetClusterConfig_Handler,
+		},
+		{
+			MethodName: "IssueNodeCertificate",
+			Handler:    _ClusterService_IssueNodeCertificate_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

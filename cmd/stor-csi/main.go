@@ -7,6 +7,16 @@
 // --node-id, --zone, --state-dir and --max-volumes are the node's: the
 // controller refuses them (they would do nothing there).
 //
+// Under TLS the node plugin's certificate must name its node
+// (stor://csi-node/<node-id>). A DaemonSet cannot template that, so the
+// node plugin can obtain its own from the cluster instead of --tls-cert:
+//
+//	stor-csi --mode=node --node-id $(NODE_NAME) --tls-ca /tls/ca.crt \
+//	  --tls-bootstrap-cert /bootstrap/tls.crt --tls-bootstrap-key /bootstrap/tls.key \
+//	  --token-file /var/run/secrets/stor/token --tls-dir /run/stor-tls ...
+//
+// It keeps and renews the certificate in --tls-dir (package nodecert).
+//
 // The node id is the Kubernetes node name; the node plugin registers it
 // with the cluster, then resumes every volume it had staged (recorded in
 // --state-dir), before Probe reports ready; on SIGTERM it stops serving
@@ -22,12 +32,15 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"google.golang.org/grpc"
 
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/nodecert"
 	"github.com/stor-io/stor/internal/pki"
 )
 
@@ -56,6 +69,11 @@ func run(args []string) error {
 	fs.StringVar(&files.Key, "tls-key", "", "PEM key of --tls-cert")
 	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle the servers' certificates must chain to")
 	insecure := fs.Bool("insecure", false, "connect without TLS; every --servers address must then be on loopback")
+	var boot bootstrapFlags
+	fs.StringVar(&boot.cert, "tls-bootstrap-cert", "", "node: PEM bootstrap certificate (stor://"+string(pki.RoleCSINodeBootstrap)+"/<any>), used only to obtain this node's own certificate from the cluster into --tls-dir (instead of --tls-cert); re-read when it changes")
+	fs.StringVar(&boot.key, "tls-bootstrap-key", "", "node: PEM key of --tls-bootstrap-cert")
+	fs.StringVar(&boot.tokenFile, "token-file", "", "node, with --tls-bootstrap-cert: the pod's projected ServiceAccount token, audience \"stor\" (re-read at every renewal)")
+	fs.StringVar(&boot.dir, "tls-dir", "", "node, with --tls-bootstrap-cert: directory (an emptyDir) that keeps the obtained certificate: "+nodecert.CertFile+", "+nodecert.KeyFile+", "+nodecert.CAFile)
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -80,6 +98,17 @@ func run(args []string) error {
 		cfg.NodeID = host
 	}
 	addrs := strings.Split(*servers, ",")
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var renew *nodecert.Bootstrapper
+	if boot.set() {
+		b, closeBoot, err := boot.start(ctx, cfg, addrs, files, *insecure)
+		if err != nil {
+			return err
+		}
+		defer closeBoot()
+		renew, files = b, b.Files()
+	}
 	var opts []grpc.DialOption
 	switch {
 	case files.Set() && *insecure:
@@ -111,9 +140,70 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	if renew != nil {
+		rctx, cancel := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			renew.Run(rctx) // returns when rctx ends
+		}()
+		defer func() { cancel(); wg.Wait() }()
+	}
 	return d.Run(ctx)
+}
+
+// bootstrapFlags are the node plugin's flags for obtaining its
+// certificate from the cluster (package nodecert).
+type bootstrapFlags struct {
+	cert, key, tokenFile, dir string
+}
+
+func (b bootstrapFlags) set() bool {
+	return b.cert != "" || b.key != "" || b.tokenFile != "" || b.dir != ""
+}
+
+// bootstrapTimeout bounds obtaining the first certificate at start.
+const bootstrapTimeout = 5 * time.Minute
+
+// start checks the flags, then makes --tls-dir hold a certificate for
+// --node-id, obtained with the bootstrap certificate (files.CA is the
+// servers' bundle). The returned func closes the bootstrap connection,
+// which the Bootstrapper's renewals use.
+func (b bootstrapFlags) start(ctx context.Context, cfg csi.Config, addrs []string, files pki.Files, insecure bool) (*nodecert.Bootstrapper, func(), error) {
+	switch {
+	case cfg.Mode != csi.ModeNode:
+		return nil, nil, fmt.Errorf("--tls-bootstrap-cert, --token-file and --tls-dir are for --mode=node")
+	case insecure:
+		return nil, nil, fmt.Errorf("--insecure with --tls-bootstrap-cert")
+	case files.Cert != "" || files.Key != "":
+		return nil, nil, fmt.Errorf("--tls-bootstrap-cert replaces --tls-cert and --tls-key: the node's certificate is obtained into --tls-dir")
+	case b.cert == "" || b.key == "" || b.tokenFile == "" || b.dir == "" || files.CA == "":
+		return nil, nil, fmt.Errorf("a node certificate from the cluster needs --tls-bootstrap-cert, --tls-bootstrap-key, --token-file, --tls-dir and --tls-ca (have %q, %q, %q, %q, %q)", b.cert, b.key, b.tokenFile, b.dir, files.CA)
+	}
+	src, err := pki.Load(pki.Files{Cert: b.cert, Key: b.key, CA: files.CA}, cfg.Logger)
+	if err != nil {
+		return nil, nil, err
+	}
+	if id := src.Identity(); id.Role != pki.RoleCSINodeBootstrap {
+		return nil, nil, fmt.Errorf("--tls-bootstrap-cert is %s; want a stor://%s/<any> certificate", id, pki.RoleCSINodeBootstrap)
+	}
+	c, err := client.Dial(addrs, src.GRPCDialCredentials())
+	if err != nil {
+		return nil, nil, err
+	}
+	bs, err := nodecert.New(nodecert.Config{NodeID: cfg.NodeID, Dir: b.dir, TokenFile: b.tokenFile, Issuer: c.Cluster, Logger: cfg.Logger})
+	if err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	ectx, cancel := context.WithTimeout(ctx, bootstrapTimeout)
+	defer cancel()
+	if err := bs.Ensure(ectx); err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	return bs, func() { c.Close() }, nil
 }
 
 // checkRole refuses a certificate that is not the mode's: a controller is

@@ -1,12 +1,19 @@
 package main
 
 import (
+	"context"
 	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/pki"
+	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/internal/servertest"
 )
 
 // The controller refuses each node flag with an error naming it, before
@@ -61,5 +68,79 @@ func TestCheckRole(t *testing.T) {
 	err := run([]string{"--mode=controller", "--servers=10.0.0.1:7400", "--endpoint=tcp://127.0.0.1:1", "--insecure"})
 	if err == nil || !strings.Contains(err.Error(), "loopback") {
 		t.Errorf("--insecure with a remote server: %v", err)
+	}
+}
+
+// The bootstrap flags are the node's, replace --tls-cert, and come
+// together; each wrong combination is refused with an error naming it,
+// before anything is dialled.
+func TestBootstrapFlagsRefused(t *testing.T) {
+	boot := []string{"--tls-bootstrap-cert=/b/tls.crt", "--tls-bootstrap-key=/b/tls.key", "--token-file=/t/token", "--tls-dir=/run/tls", "--tls-ca=/b/ca.crt"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{append([]string{"--mode=controller"}, boot...), "are for --mode=node"},
+		{append([]string{"--mode=node", "--node-id=w1", "--tls-cert=/c", "--tls-key=/k"}, boot...), "replaces --tls-cert"},
+		{append([]string{"--mode=node", "--node-id=w1", "--insecure"}, boot...), "--insecure with --tls-bootstrap-cert"},
+		{append([]string{"--mode=node", "--node-id=w1"}, boot[:3]...), "needs --tls-bootstrap-cert, --tls-bootstrap-key, --token-file, --tls-dir and --tls-ca"},
+	} {
+		err := run(append([]string{"--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1"}, tc.args...))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("stor-csi %s: %v, want an error containing %q", strings.Join(tc.args, " "), err, tc.want)
+		}
+	}
+}
+
+// reviewer is the Kubernetes TokenReview API of a node plugin pod on
+// worker-1.
+type reviewer struct{}
+
+func (reviewer) Review(_ context.Context, token string) (server.TokenReview, error) {
+	if token != "pod-token" {
+		return server.TokenReview{Error: "invalid bearer token"}, nil
+	}
+	return server.TokenReview{
+		Authenticated: true, Username: server.DefaultNodeServiceAccount, Audiences: []string{server.TokenAudience},
+		Extra: map[string][]string{server.NodeNameExtra: {"worker-1"}},
+	}, nil
+}
+
+// The node plugin's start with a bootstrap certificate leaves in --tls-dir
+// a certificate for --node-id that the mode's check accepts; a csi-node
+// certificate given as the bootstrap one is refused.
+func TestBootstrapStart(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 1, TLS: true, Configure: func(_ int, cfg *server.Config) {
+		dir := servertest.TLSDirOf(*cfg)
+		cfg.NodeCerts = server.NodeCertConfig{IssuerCert: filepath.Join(dir, "ca.crt"), IssuerKey: filepath.Join(dir, "ca.key"), Reviewer: reviewer{}}
+	}})
+	token := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(token, []byte("pod-token"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bootFiles := c.TLSFiles(pki.Identity{Role: pki.RoleCSINodeBootstrap, Name: "stor-csi-node"})
+	cfg := csi.DefaultConfig()
+	cfg.Mode, cfg.NodeID = csi.ModeNode, "worker-1"
+	cfg.Logger = slog.New(slog.DiscardHandler)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	flags := bootstrapFlags{cert: bootFiles.Cert, key: bootFiles.Key, tokenFile: token, dir: filepath.Join(t.TempDir(), "tls")}
+	b, closeBoot, err := flags.start(ctx, cfg, []string{c.Nodes[0].Addr}, pki.Files{CA: bootFiles.CA}, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeBoot()
+	src, err := pki.Load(b.Files(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := checkRole(src.Identity(), cfg.Mode, cfg.NodeID); err != nil {
+		t.Errorf("the obtained certificate: %v", err)
+	}
+
+	nodeFiles := c.TLSFiles(pki.Identity{Role: pki.RoleCSINode, Name: "worker-1"})
+	flags.cert, flags.key = nodeFiles.Cert, nodeFiles.Key
+	if _, _, err := flags.start(ctx, cfg, []string{c.Nodes[0].Addr}, pki.Files{CA: bootFiles.CA}, false); err == nil || !strings.Contains(err.Error(), "csi-node-bootstrap") {
+		t.Errorf("a csi-node certificate as the bootstrap one: %v, want refused", err)
 	}
 }

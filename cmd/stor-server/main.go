@@ -8,6 +8,11 @@
 // DNS names: the pod whose id (host name) ends in -0 bootstraps the cluster
 // the first time, every other pod joins it, and a restarted pod resumes
 // with its state.
+//
+// With --node-issuer-cert and --node-issuer-key the server also issues CSI
+// node plugins their certificates (stor://csi-node/<node>), having the
+// Kubernetes TokenReview API vouch for the node their pod runs on; see
+// package server (nodecert.go).
 package main
 
 import (
@@ -20,6 +25,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/stor-io/stor/internal/bytesize"
 	"github.com/stor-io/stor/internal/pki"
@@ -63,6 +69,11 @@ func run(args []string) error {
 	issuerKey := fs.String("tls-issuer-key", "", "PEM key of --tls-issuer-cert")
 	tlsDir := fs.String("tls-dir", "", "where a certificate issued from --tls-issuer-cert is written (a directory of its own, not under --data-dir)")
 	fs.BoolVar(&cfg.Insecure, "insecure", false, "run without TLS; every address must then be on loopback")
+	fs.StringVar(&cfg.NodeCerts.IssuerCert, "node-issuer-cert", "", "PEM certificate of the CA that signs CSI node plugins' certificates (IssueNodeCertificate; --tls-ca must trust it, e.g. the cluster CA); empty: issue none")
+	fs.StringVar(&cfg.NodeCerts.IssuerKey, "node-issuer-key", "", "PEM key of --node-issuer-cert")
+	fs.StringVar(&cfg.NodeCerts.ServiceAccount, "node-service-account", server.DefaultNodeServiceAccount, "the Kubernetes user whose pod-bound token (audience \""+server.TokenAudience+"\") may obtain a node certificate")
+	fs.DurationVar(&cfg.NodeCerts.Validity, "node-cert-validity", 24*time.Hour, "how long an issued node certificate lasts (node plugins renew at 2/3 of it)")
+	fs.StringVar(&cfg.NodeCerts.Kubeconfig, "kubeconfig", "", "kubeconfig of the Kubernetes API that reviews node plugin tokens (default: in-cluster; needs create on tokenreviews)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
 	if err := fs.Parse(args); err != nil {

@@ -8,8 +8,10 @@
 //
 //	stor://<role>/<name>
 //
-// with role one of server, csi-controller, csi-node or operator, and name
-// the server id, the Kubernetes node name, or any label for the others.
+// with role one of server, csi-controller, csi-node, operator or
+// csi-node-bootstrap, and name the server id, the Kubernetes node name, or
+// any label for the others. A csi-node-bootstrap certificate may only ask
+// for a csi-node certificate (see Node certificates).
 // A URI SAN rather than O=role, CN=name: the subject is free text that CAs
 // and tools rewrite, and a CN is ignored for verification by Go since 1.15;
 // a URI SAN is a typed field that cert-manager sets directly (spec.uris),
@@ -46,6 +48,21 @@
 // reload that fails — a half-written pair, a key that does not match — keeps
 // the previous set and logs. Connections already established keep the
 // certificate they were made with.
+//
+// # Node certificates
+//
+// A DaemonSet's pods cannot be given certificates naming each one's node
+// by a template (cert-manager has no such field), so a node plugin obtains
+// its own, as kubelet TLS bootstrap does: it makes a key, sends a CSR
+// with its pod's ServiceAccount token over a connection authenticated by
+// the shared csi-node-bootstrap certificate, and a server that has the
+// token reviewed by Kubernetes signs the CSR's key (Issuer.SignCSR) as
+// stor://csi-node/<the node Kubernetes binds the token to>. SignCSR uses
+// only the request's key (after checking the request is signed with it):
+// the identity is the caller's decision, never the requester's. Its
+// certificates are for client authentication only, short-lived, and
+// start a little before now for clock skew. The server side is package
+// server (nodecert.go), the node side package nodecert.
 //
 // # Insecure
 //

@@ -17,10 +17,14 @@ const (
 	RoleCSIController Role = "csi-controller" // stor-csi --mode=controller
 	RoleCSINode       Role = "csi-node"       // stor-csi --mode=node; Name is the Kubernetes node
 	RoleOperator      Role = "operator"       // stor-ctl
+	// RoleCSINodeBootstrap may only ask for a csi-node certificate
+	// (ClusterService.IssueNodeCertificate); Name is any label. One such
+	// certificate is shared by every node plugin pod.
+	RoleCSINodeBootstrap Role = "csi-node-bootstrap"
 )
 
 // Roles lists every role.
-var Roles = []Role{RoleServer, RoleCSIController, RoleCSINode, RoleOperator}
+var Roles = []Role{RoleServer, RoleCSIController, RoleCSINode, RoleOperator, RoleCSINodeBootstrap}
 
 // Valid reports whether r is one of Roles.
 func (r Role) Valid() bool {
@@ -108,4 +112,10 @@ var (
 	ErrNotLoopback = errors.New("pki: --insecure needs loopback addresses")
 	// ErrNoPeer: a connection or context carries no verified certificate.
 	ErrNoPeer = errors.New("pki: no verified peer")
+	// ErrCSR: a certificate request is malformed, not signed by its key,
+	// or for a key too weak (Issuer.SignCSR).
+	ErrCSR = errors.New("pki: bad certificate request")
+	// ErrIssuer: an issuing CA's files are not a usable CA, or it has
+	// expired.
+	ErrIssuer = errors.New("pki: unusable issuing CA")
 )

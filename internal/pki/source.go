@@ -45,6 +45,7 @@ type Source struct {
 	stamps  [3]stamp
 	cert    *tls.Certificate
 	pool    *x509.CertPool
+	caPEM   []byte // the bundle pool was made from
 	self    Identity
 }
 
@@ -108,8 +109,16 @@ func (s *Source) loadLocked(st [3]stamp) error {
 	if !pool.AppendCertsFromPEM(caPEM) {
 		return fmt.Errorf("pki: %s holds no PEM certificate", s.files.CA)
 	}
-	s.cert, s.pool, s.self, s.stamps = &cert, pool, self, st
+	s.cert, s.pool, s.caPEM, s.self, s.stamps = &cert, pool, caPEM, self, st
 	return nil
+}
+
+// CABundle is the CA bundle in use, PEM (re-read if its file changed).
+func (s *Source) CABundle() []byte {
+	s.current()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.caPEM)
 }
 
 // current returns the certificate and pool, first re-reading the files if

@@ -138,6 +138,7 @@ const (
 	server     = pki.RoleServer
 	controller = pki.RoleCSIController
 	node       = pki.RoleCSINode
+	bootstrap  = pki.RoleCSINodeBootstrap
 )
 
 // accessTable: method -> who may call it. A method not listed is the
@@ -155,6 +156,9 @@ var accessTable = map[string]access{
 	storpb.ClusterService_Heartbeat_FullMethodName:        {roles: roles(server, selfServer), mutates: true},
 	storpb.ClusterService_RegisterNode_FullMethodName:     {roles: roles(node, selfNode), mutates: true},
 	storpb.ClusterService_Leave_FullMethodName:            {roles: roles(), mutates: true},
+	// The bootstrap role may make this call and no other (its only row);
+	// a node renews, for itself only (nodecert.go).
+	storpb.ClusterService_IssueNodeCertificate_FullMethodName: {roles: roles(bootstrap, any_, node, any_), mutates: true},
 
 	storpb.VolumeService_GetVolume_FullMethodName:         {roles: roles(server, any_, controller, any_, node, any_)},
 	storpb.VolumeService_ListVolumes_FullMethodName:       {roles: roles(server, any_, controller, any_)},

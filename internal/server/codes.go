@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/raftstore"
 )
 
@@ -19,6 +20,10 @@ var codeTable = []struct {
 }{
 	{ErrUnauthenticated, codes.Unauthenticated},
 	{ErrPermissionDenied, codes.PermissionDenied},
+	{ErrNoNodeIssuer, codes.FailedPrecondition},
+	{pki.ErrIssuer, codes.FailedPrecondition},
+	{pki.ErrCSR, codes.InvalidArgument},
+	{ErrTokenReview, codes.Unavailable},
 	{raftstore.ErrNotFound, codes.NotFound},
 	{raftstore.ErrAlreadyExists, codes.AlreadyExists},
 	{raftstore.ErrInvalidArgument, codes.InvalidArgument},

@@ -110,6 +110,10 @@ type Config struct {
 	// its certificate and wants a server's. Its identity must be
 	// stor://server/<ID>. A server needs TLS or Insecure.
 	TLS *pki.Source
+	// NodeCerts lets this server issue CSI node plugins their certificates
+	// (ClusterService.IssueNodeCertificate, nodecert.go); it needs TLS.
+	// Default: no issuing CA, and the call answers FailedPrecondition.
+	NodeCerts NodeCertConfig
 	// Insecure states that the server runs without TLS on purpose; then
 	// every address (listen, advertise, join) must be on loopback. With
 	// neither TLS nor Insecure the server does not start
@@ -232,6 +236,7 @@ func (c *Config) withDefaults() {
 		c.Logger = slog.Default()
 	}
 	c.API.withDefaults()
+	c.NodeCerts.withDefaults()
 	if c.ReplicaFS == nil && jepsenReplicaFS != nil {
 		c.ReplicaFS = jepsenReplicaFS(c.Logger)
 	}
@@ -285,6 +290,9 @@ func (c *Config) Validate() error {
 		if err := pki.CheckLoopback(append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise}, c.Join...)...); err != nil {
 			return fmt.Errorf("server: %w", err)
 		}
+	}
+	if err := c.NodeCerts.validate(c.TLS); err != nil {
+		return err
 	}
 	if c.Raft.ServerDownTimeout > 0 && c.Raft.ServerDownTimeout <= c.HeartbeatInterval {
 		return fmt.Errorf("server: the server-down timeout %v must exceed the heartbeat interval %v", c.Raft.ServerDownTimeout, c.HeartbeatInterval)

@@ -27,6 +27,8 @@ const forwardedKey = "stor-forwarded-by"
 var localMethods = map[string]bool{
 	storpb.ClusterService_Status_FullMethodName: true,
 	healthpb.Health_Check_FullMethodName:        true,
+	// Issuing is not Raft state: any server with the issuing CA answers.
+	storpb.ClusterService_IssueNodeCertificate_FullMethodName: true,
 }
 
 // forwarder sends unary calls that reach a follower to the leader. Writes

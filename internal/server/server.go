@@ -1,7 +1,9 @@
 // Package server assembles a stor-server: the Raft metadata store, the
 // control gRPC API (with leader forwarding), bootstrap or join, and the
-// heartbeat that keeps the leader's liveness view current. cmd/stor-server
-// is a thin main over it, and tests start the same Server in-process.
+// heartbeat that keeps the leader's liveness view current, and, given an
+// issuing CA, the certificates of CSI node plugins (nodecert.go).
+// cmd/stor-server is a thin main over it, and tests start the same Server
+// in-process.
 package server
 
 import (
@@ -85,6 +87,11 @@ func (s *Server) start() error {
 		s.dialData = cfg.TLS.Dialer(cfg.Dial, pki.RoleServer)
 	} else {
 		s.logger.Warn("no TLS: every port of this server is unauthenticated and unencrypted", "insecure", cfg.Insecure)
+	}
+	if cfg.NodeCerts.Enabled() && cfg.NodeCerts.Reviewer == nil {
+		if cfg.NodeCerts.Reviewer, err = NewKubeTokenReviewer(cfg.NodeCerts.Kubeconfig); err != nil {
+			return err
+		}
 	}
 	s.lis = cfg.Listener
 	if s.lis == nil {

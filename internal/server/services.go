@@ -33,6 +33,11 @@ func (c *clusterService) Leave(ctx context.Context, req *storpb.LeaveRequest) (*
 	return &storpb.LeaveResponse{}, c.s.store.Leave(ctx, req.ServerId)
 }
 
+// IssueNodeCertificate: see nodecert.go.
+func (c *clusterService) IssueNodeCertificate(ctx context.Context, req *storpb.IssueNodeCertificateRequest) (*storpb.IssueNodeCertificateResponse, error) {
+	return c.s.issueNodeCertificate(ctx, req)
+}
+
 func (c *clusterService) Status(ctx context.Context, _ *storpb.StatusRequest) (*storpb.StatusResponse, error) {
 	st := c.s.store.Status()
 	resp := &storpb.StatusResponse{

@@ -374,6 +374,11 @@ var Operator = pki.Identity{Role: pki.RoleOperator, Name: "servertest"}
 // cluster.
 func (c *Cluster) TLSDir() string { return filepath.Join(c.base, "tls") }
 
+// TLSDirOf is the TLSDir of the cluster a server with cfg belongs to: for
+// Options.Configure, which runs before NewCluster returns (the cluster CA's
+// ca.crt and ca.key are there by then).
+func TLSDirOf(cfg server.Config) string { return filepath.Join(filepath.Dir(cfg.DataDir), "tls") }
+
 // TLSFiles returns the certificate files of id, issued by the cluster's CA
 // if they do not exist yet.
 func (c *Cluster) TLSFiles(id pki.Identity) pki.Files {
