@@ -120,7 +120,8 @@ func TestKustomizationsRenderStrictlyAndCrossCheck(t *testing.T) {
 			for kind, want := range map[string]int{
 				"Namespace": 1, "StatefulSet": 1, "Deployment": 1, "DaemonSet": 1, "CSIDriver": 1,
 				"StorageClass": 1, "VolumeSnapshotClass": 1, "ServiceAccount": 3, "Service": 2,
-				"PodDisruptionBudget": 1, "ClusterRole": 5, "ClusterRoleBinding": 5, "Role": 4, "RoleBinding": 4,
+				"PodDisruptionBudget": 1, "ClusterRole": 6, "ClusterRoleBinding": 6, "Role": 4, "RoleBinding": 4,
+				"Issuer": 2, "Certificate": 4, "NetworkPolicy": 1,
 			} {
 				if n[kind] != want {
 					t.Errorf("%d %s objects, want %d", n[kind], kind, want)

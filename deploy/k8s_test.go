@@ -9,14 +9,23 @@ package deploy
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/pem"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -95,6 +104,71 @@ func TestK8s(t *testing.T) {
 	if t.Failed() {
 		return
 	}
+
+	t.Run("NodeCertificatesFromTheTokenReview", func(t *testing.T) {
+		k.t = t
+		ctx, cancel := context.WithTimeout(context.Background(), k8sWait)
+		defer cancel()
+		podA, err := s.NodePluginPod(ctx, "node-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		boot, err := s.BootstrapClient(ctx, podA, filepath.Join(t.TempDir(), "bootstrap"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		issue := func(token string) (*storpb.IssueNodeCertificateResponse, error) {
+			key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+			if err != nil {
+				t.Fatal(err)
+			}
+			der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{}, key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return boot.Cluster.IssueNodeCertificate(ctx, &storpb.IssueNodeCertificateRequest{
+				Token: token, Csr: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})})
+		}
+		// node-a's pod's token (audience stor): a certificate for node-a,
+		// the node the API server's review names.
+		tok, err := s.PodToken(ctx, podA, "stor")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := issue(tok)
+		if err != nil {
+			t.Fatalf("IssueNodeCertificate with node-a's pod's token: %v", err)
+		}
+		blk, _ := pem.Decode(resp.CertificateChain)
+		if blk == nil {
+			t.Fatalf("no certificate in %q", resp.CertificateChain)
+		}
+		cert, err := x509.ParseCertificate(blk.Bytes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(cert.URIs) != 1 || cert.URIs[0].String() != "stor://csi-node/node-a" || resp.Node != "node-a" {
+			t.Fatalf("node-a's pod got a certificate for %v (node %q)", cert.URIs, resp.Node)
+		}
+		// Another audience, or another ServiceAccount's pod: refused.
+		if tok, err = s.PodToken(ctx, podA); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := issue(tok); status.Code(err) != codes.Unauthenticated {
+			t.Errorf("a token for the API server's audience: %v, want Unauthenticated", err)
+		}
+		ctrl := s.Controllers[slices.Sorted(maps.Keys(s.Controllers))[0]].Pod
+		if tok, err = s.PodToken(ctx, ctrl, "stor"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := issue(tok); status.Code(err) != codes.PermissionDenied {
+			t.Errorf("a csi-controller pod's token: %v, want PermissionDenied", err)
+		}
+		// The bootstrap certificate is good for nothing else.
+		if _, err := boot.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{}); status.Code(err) != codes.PermissionDenied {
+			t.Errorf("ListVolumes with the bootstrap certificate: %v, want PermissionDenied", err)
+		}
+	})
 
 	t.Run("PodMovesToANodeAddedAfterThePV", func(t *testing.T) {
 		k.t = t

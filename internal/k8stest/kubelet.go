@@ -59,6 +59,10 @@ type KubeletConfig struct {
 	// Client has the node's credentials (ControlPlane.NodeConfig).
 	Client *rest.Config
 	Logger *slog.Logger
+	// Registered, if set, runs once the Node is registered and before the
+	// driver is asked anything: the node plugin may start there (its pod
+	// exists only once the node does).
+	Registered func(ctx context.Context) error
 }
 
 // Kubelet is a fake kubelet: what the real one does for stor's volumes
@@ -117,14 +121,19 @@ func StartKubelet(t testing.TB, cfg KubeletConfig) *Kubelet {
 		pods: map[types.UID]*podState{}, done: make(chan struct{})}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	if err := k.register(ctx); err != nil {
+		t.Fatalf("kubelet %s: register: %v", cfg.Name, err)
+	}
+	if cfg.Registered != nil {
+		if err := cfg.Registered(ctx); err != nil {
+			t.Fatalf("kubelet %s: %v", cfg.Name, err)
+		}
+	}
 	info, err := csipb.NewIdentityClient(conn).GetPluginInfo(ctx, &csipb.GetPluginInfoRequest{})
 	if err != nil {
 		t.Fatalf("kubelet %s: GetPluginInfo: %v", cfg.Name, err)
 	}
 	k.driver = info.GetName()
-	if err := k.register(ctx); err != nil {
-		t.Fatalf("kubelet %s: register: %v", cfg.Name, err)
-	}
 	if err := k.registerDriver(ctx); err != nil {
 		t.Fatalf("kubelet %s: %v", cfg.Name, err)
 	}

@@ -127,7 +127,9 @@ func Start(t testing.TB, opts Options) *Stack {
 			serverNodes = append(serverNodes, n)
 		}
 	}
-	s.Stor = servertest.NewCluster(t, servertest.Options{Servers: len(serverNodes), TLS: true, Configure: func(i int, cfg *server.Config) {
+	reviewer := &lazyReviewer{s: s}
+	s.Stor = servertest.NewCluster(t, servertest.Options{Servers: len(serverNodes), TLS: true, NodeIssuer: true, Configure: func(i int, cfg *server.Config) {
+		cfg.NodeCerts.Reviewer, cfg.NodeCerts.ServiceAccount = reviewer, nodeServiceAccount
 		cfg.KubernetesNode, cfg.Zone = serverNodes[i].Name, serverNodes[i].Zone
 		s.serverNode[cfg.ID] = cfg.KubernetesNode
 		cfg.Logger = s.log.With("server", cfg.ID)
@@ -179,18 +181,27 @@ func (s *Stack) AddNode(n NodeSpec) *Node {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		s.t.Fatal(err)
 	}
-	// The node plugin speaks to stor as csi-node/<node>: what it may
-	// attach and open is what ControllerPublish attached to its node.
-	src := s.Stor.TLSSource(storpki.Identity{Role: storpki.RoleCSINode, Name: n.Name})
-	cl, err := client.Dial(strings.Split(s.ServerAddrs(), ","), src.GRPCDialCredentials())
-	if err != nil {
-		s.t.Fatal(err)
+	// The node plugin speaks to stor as csi-node/<node> (what it may
+	// attach and open is what ControllerPublish attached to its node),
+	// with a certificate it obtains as deploy/'s pod does (nodecerts.go)
+	// once the node is registered and its DaemonSet pod exists.
+	var np *NodePlugin
+	registered := func(ctx context.Context) error {
+		src, err := s.nodeCredentials(ctx, n.Name, dir)
+		if err != nil {
+			return fmt.Errorf("node plugin certificate: %w", err)
+		}
+		cl, err := client.Dial(strings.Split(s.ServerAddrs(), ","), src.GRPCDialCredentials())
+		if err != nil {
+			return err
+		}
+		s.t.Cleanup(func() { cl.Close() })
+		np = StartNodePlugin(s.t, dir, n.Name, n.Zone, csi.Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
+			src.Dialer(nil, storpki.RoleServer), s.log.With("node", n.Name))
+		return nil
 	}
-	s.t.Cleanup(func() { cl.Close() })
-	np := StartNodePlugin(s.t, dir, n.Name, n.Zone, csi.Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: cl.Snapshots},
-		src.Dialer(nil, storpki.RoleServer), s.log.With("node", n.Name))
-	kl := StartKubelet(s.t, KubeletConfig{Name: n.Name, Zone: n.Zone, Driver: np.Endpoint, Root: filepath.Join(dir, "kubelet"),
-		Client: s.CP.NodeConfig(n.Name), Logger: s.log})
+	kl := StartKubelet(s.t, KubeletConfig{Name: n.Name, Zone: n.Zone, Driver: "unix://" + filepath.Join(dir, "csi.sock"), Root: filepath.Join(dir, "kubelet"),
+		Client: s.CP.NodeConfig(n.Name), Logger: s.log, Registered: registered})
 	node := &Node{Spec: n, Kubelet: kl, Plugin: np}
 	s.Nodes[n.Name] = node
 	return node

@@ -36,6 +36,10 @@ type Options struct {
 	// the cluster's directory (TLSFiles), and the clients of Node.Client,
 	// Dial and EngineConfig present an operator certificate. Default off.
 	TLS bool
+	// NodeIssuer (with TLS) lets every server issue CSI node certificates
+	// from the cluster's CA (server.NodeCertConfig's issuer files; the
+	// caller's Configure sets the Reviewer).
+	NodeIssuer bool
 }
 
 // Node is one server of a Cluster. Its addresses and data dir survive
@@ -136,6 +140,9 @@ func (c *Cluster) AddNode() *Node {
 	cfg.Logger = c.log.logger.With("node", n.ID)
 	if c.opts.TLS {
 		cfg.TLS, cfg.Insecure = c.TLSSource(pki.Identity{Role: pki.RoleServer, Name: n.ID}), false
+		if c.opts.NodeIssuer {
+			cfg.NodeCerts.IssuerCert, cfg.NodeCerts.IssuerKey = filepath.Join(c.TLSDir(), "ca.crt"), filepath.Join(c.TLSDir(), "ca.key")
+		}
 	}
 	if c.opts.Configure != nil {
 		c.opts.Configure(i, &cfg)
