@@ -52,6 +52,7 @@ func run(args []string) error {
 	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")
 	downAfter := fs.Duration("server-down-timeout", cfg.Raft.ServerDownTimeout, "the leader marks a server down after this long without a heartbeat")
 	replaceAfter := fs.Duration("replace-after", cfg.Raft.ReplaceAfter, "while this server leads, a replica faulty this long is replaced elsewhere; stor-ctl cluster config set --replace-after overrides it cluster-wide")
+	fs.StringVar(&cfg.MetricsListen, "metrics-listen", "", "host:port for plain HTTP /metrics (Prometheus), /healthz and /readyz (a Raft member that knows its leader); empty: none")
 	fs.IntVar(&cfg.API.MaxConns, "api-max-conns", cfg.API.MaxConns, "control API connections served at once (more wait to be accepted)")
 	fs.IntVar(&cfg.Data.MaxConns, "data-max-conns", cfg.Data.MaxConns, "replica data connections served at once (more are refused)")
 	fs.Int64Var(&cfg.Data.MaxMemory, "data-max-memory", cfg.Data.MaxMemory, "bytes of payload buffers all replica data connections together may hold")
