@@ -18,7 +18,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
+	"io"
 	"os"
 	"os/signal"
 	"strings"
@@ -28,17 +28,22 @@ import (
 
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/pki"
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stderr)
+	stop()
+	if err != nil {
 		fmt.Fprintf(os.Stderr, "stor-csi: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run runs the binary with args until ctx ends; logs go to stderr.
+func run(ctx context.Context, args []string, stderr io.Writer) error {
 	cfg := csi.DefaultConfig()
 	fs := flag.NewFlagSet("stor-csi", flag.ContinueOnError)
 	mode := fs.String("mode", "all", "controller, node or all")
@@ -58,6 +63,7 @@ func run(args []string) error {
 	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle the servers' certificates must chain to")
 	insecure := fs.Bool("insecure", false, "connect without TLS; every --servers address must then be on loopback")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	logFormat := fs.String("log-format", logging.FormatText, logging.FormatUsage)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -67,11 +73,10 @@ func run(args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+	var err error
+	if cfg.Logger, err = logging.New(stderr, *logFormat, *logLevel); err != nil {
+		return err
 	}
-	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	cfg.Mode = csi.Mode(*mode)
 	if cfg.NodeID == "" && cfg.Mode != csi.ModeController {
 		host, err := os.Hostname()
@@ -112,8 +117,6 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	return d.Run(ctx)
 }
 

@@ -15,25 +15,30 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
+	"io"
 	"os"
 	"os/signal"
 	"strings"
 	"syscall"
 
 	"github.com/stor-io/stor/internal/bytesize"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stderr)
+	stop()
+	if err != nil {
 		fmt.Fprintf(os.Stderr, "stor-server: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run runs the binary with args until ctx ends; logs go to stderr.
+func run(ctx context.Context, args []string, stderr io.Writer) error {
 	cfg := server.DefaultConfig()
 	fs := flag.NewFlagSet("stor-server", flag.ContinueOnError)
 	fs.StringVar(&cfg.ID, "id", cfg.ID, "server id, stable across restarts (default: the host name)")
@@ -62,6 +67,7 @@ func run(args []string) error {
 	fs.StringVar(&files.CA, "tls-ca", "", "PEM CA bundle every peer's certificate must chain to")
 	fs.BoolVar(&cfg.Insecure, "insecure", false, "run without TLS; every address must then be on loopback")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	logFormat := fs.String("log-format", logging.FormatText, logging.FormatUsage)
 	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -87,19 +93,15 @@ func run(args []string) error {
 		return fmt.Errorf("--replace-after %v: want a positive duration", *replaceAfter)
 	}
 	cfg.Raft.ReplaceAfter = *replaceAfter
-	var lvl slog.Level
-	if err := lvl.UnmarshalText([]byte(*logLevel)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+	if cfg.Logger, err = logging.New(stderr, *logFormat, *logLevel); err != nil {
+		return err
 	}
-	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
 	if files.Set() {
 		if cfg.TLS, err = pki.Load(files, cfg.Logger); err != nil {
 			return err
 		}
 	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	return server.Run(ctx, cfg)
 }
 

@@ -7,11 +7,11 @@ package ctl
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -154,22 +154,29 @@ func (c *nbdConn) do(typ uint16, off uint64, length uint32, data []byte) []byte 
 	return out
 }
 
-// serveMetricsAddr waits for the log line of "nbd serve" that names its
-// metrics address.
+// serveMetricsAddr waits for the JSON log line of "nbd serve" that names
+// its metrics address.
 func serveMetricsAddr(t *testing.T, s *nbdServe) string {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
-		if m := metricsLine.FindStringSubmatch(s.stderr.String()); m != nil {
-			return m[1]
+		for _, l := range strings.Split(s.stderr.String(), "\n") {
+			if l == "" {
+				continue
+			}
+			var m map[string]any
+			if err := json.Unmarshal([]byte(l), &m); err != nil {
+				t.Fatalf("nbd serve --log-format json wrote a line that is not JSON: %q", l)
+			}
+			if m["msg"] == "serving metrics and health" {
+				return m["address"].(string)
+			}
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	t.Fatalf("nbd serve logged no metrics address:\n%s", s.stderr)
 	return ""
 }
-
-var metricsLine = regexp.MustCompile(`msg="serving metrics and health" address=(\S+)`)
 
 // TestMetricsUnderIO scrapes a 3-server cluster and an "nbd serve" over
 // HTTP around I/O: the engine's per-volume series count what was written,
@@ -224,7 +231,7 @@ func TestMetricsUnderIO(t *testing.T) {
 	}
 
 	sock := filepath.Join(t.TempDir(), "met.sock")
-	s := startNBDServe(t, c, "met", "--listen", "unix:"+sock, "--node", "test-node", "--metrics-listen", "127.0.0.1:0")
+	s := startNBDServe(t, c, "met", "--listen", "unix:"+sock, "--node", "test-node", "--metrics-listen", "127.0.0.1:0", "--log-format", "json")
 	addr := serveMetricsAddr(t, s)
 	if code, body := getHTTP(t, addr, "/readyz"); code != http.StatusOK {
 		t.Fatalf("nbd serve /readyz while serving: %d %s", code, body)
@@ -348,4 +355,15 @@ func getHTTP(t *testing.T, addr, path string) (int, string) {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, strings.TrimSpace(string(b))
+}
+
+// --log-format other than text or json is a usage error (exit 2) naming
+// the value, before anything is dialled.
+func TestLogFormatRefused(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	a := &app{stdout: &stdout, stderr: &stderr, now: time.Now}
+	code := executeContext(t.Context(), a, []string{"--server", "127.0.0.1:1", "--log-format", "yaml", "nbd", "serve", "v"})
+	if code != 2 || !strings.Contains(stderr.String(), `"yaml"`) || !strings.Contains(stderr.String(), "json") {
+		t.Fatalf("--log-format yaml: exit %d, stderr %q; want 2 naming yaml and the formats", code, stderr.String())
+	}
 }

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/nbd"
 	"github.com/stor-io/stor/replica/engine"
@@ -59,7 +60,10 @@ func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, 
 		}
 		*nodeID = host
 	}
-	logger := slog.New(slog.NewTextHandler(a.stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	logger, err := logging.New(a.stderr, a.logFormat, "info")
+	if err != nil {
+		return usageError{err}
+	}
 	c, addrs, err := a.dial(cmd)
 	if err != nil {
 		return err
