@@ -94,7 +94,10 @@ func (v *Volumes) Collect(ch chan<- prometheus.Metric) {
 // Add starts the series of volume name and returns dev instrumented (what
 // the NBD server should serve) and the function that removes the series
 // (call it once the volume is detached). A nil *Volumes returns dev as it
-// is. Call SetConns once the NBD server exists.
+// is. Call SetConns once the NBD server exists. A process serves a volume
+// once at a time (attach's lock, the CSI node's served map), so a name is
+// added again only after its remove function ran: the series are per
+// name, and a second Add of a served name would share them.
 func (v *Volumes) Add(name string, dev nbd.Device) (nbd.Device, func()) {
 	if v == nil {
 		return dev, func() {}
