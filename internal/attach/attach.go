@@ -288,7 +288,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		return nil, err
 	}
 
-	cfg.Metrics.SetConns(eng.Name(), srv.Conns)
+	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress})
 	at := &Attachment{
 		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(), removeMetrics: removeMetrics,
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,

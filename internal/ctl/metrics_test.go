@@ -286,6 +286,12 @@ func TestMetricsUnderIO(t *testing.T) {
 	if v := must(t, m1, "stor_nbd_connections", "volume", "met"); v != 1 {
 		t.Errorf("NBD connections with one client: %v, want 1", v)
 	}
+	if v := must(t, m1, "stor_volume_rebuild_remaining_bytes", "volume", "met"); v != 0 {
+		t.Errorf("rebuild bytes left with every replica healthy: %v", v)
+	}
+	if v := must(t, m1, "stor_volume_rebuild_copied_bytes_total", "volume", "met"); v != 0 {
+		t.Errorf("rebuild bytes copied with no rebuild: %v", v)
+	}
 	if v := must(t, m1, "stor_volume_inflight_ops", "volume", "met"); v != 0 {
 		t.Errorf("in-flight ops with none outstanding: %v", v)
 	}

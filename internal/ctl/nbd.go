@@ -250,7 +250,7 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 		closeEngine(cfg, eng)
 		return err
 	}
-	cfg.Metrics.SetConns(eng.Name(), srv.Conns)
+	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress})
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 

@@ -49,6 +49,8 @@
 //	stor_volume_errors_total{volume,op}
 //	stor_volume_op_duration_seconds{volume,op}   read, write and flush latency
 //	stor_volume_inflight_ops{volume}
+//	stor_volume_rebuild_copied_bytes_total{volume}   bytes the engine copied into rebuilding replicas; rate() is the rebuild rate
+//	stor_volume_rebuild_remaining_bytes{volume}      bytes its running rebuilds have left
 //	stor_nbd_connections{volume}             NBD connections to the volume's export
 //
 // # Cardinality at 10k volumes

@@ -24,7 +24,22 @@ var volumeOps = []string{OpRead, OpWrite, OpFlush, OpTrim, OpWriteZeroes}
 // timedOps have a latency histogram; trim and write-zeroes only counts.
 var timedOps = []string{OpRead, OpWrite, OpFlush}
 
-var nbdConnsDesc = prometheus.NewDesc("stor_nbd_connections", "NBD connections to the volume's export.", []string{"volume"}, nil)
+var (
+	nbdConnsDesc            = prometheus.NewDesc("stor_nbd_connections", "NBD connections to the volume's export.", []string{"volume"}, nil)
+	volumeRebuildCopiedDesc = prometheus.NewDesc("stor_volume_rebuild_copied_bytes_total", "Bytes the volume's engine copied into rebuilding replicas; rate() is the rebuild rate.", []string{"volume"}, nil)
+	volumeRebuildLeftDesc   = prometheus.NewDesc("stor_volume_rebuild_remaining_bytes", "Bytes the volume's running rebuilds have left to copy.", []string{"volume"}, nil)
+)
+
+// Sources are what Volumes reads of a served volume at each scrape; a nil
+// field publishes nothing.
+type Sources struct {
+	// NBDConns counts the NBD connections to the volume's export
+	// (nbd.Server.Conns).
+	NBDConns func() int
+	// Rebuild reports the bytes the engine's rebuilds copied and have
+	// left (engine.Engine.RebuildProgress).
+	Rebuild func() (copied, remaining int64)
+}
 
 // Volumes holds the per-volume I/O series of the volumes this process has
 // attached. A volume's series exist from Add until the remove function it
@@ -37,8 +52,8 @@ type Volumes struct {
 	duration *prometheus.HistogramVec
 	inflight *prometheus.GaugeVec
 
-	mu    sync.Mutex
-	conns map[string]func() int // guarded by mu; volume name -> its NBD server's Conns
+	mu      sync.Mutex
+	sources map[string]Sources // guarded by mu; volume name -> what to read of it
 }
 
 // NewVolumes returns an empty Volumes; register it.
@@ -61,7 +76,7 @@ func NewVolumes() *Volumes {
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "stor_volume_inflight_ops", Help: "I/O requests of the volume in the engine now.",
 		}, []string{"volume"}),
-		conns: map[string]func() int{},
+		sources: map[string]Sources{},
 	}
 }
 
@@ -73,6 +88,8 @@ func (v *Volumes) Describe(ch chan<- *prometheus.Desc) {
 	v.duration.Describe(ch)
 	v.inflight.Describe(ch)
 	ch <- nbdConnsDesc
+	ch <- volumeRebuildCopiedDesc
+	ch <- volumeRebuildLeftDesc
 }
 
 // Collect implements prometheus.Collector.
@@ -84,9 +101,14 @@ func (v *Volumes) Collect(ch chan<- prometheus.Metric) {
 	v.inflight.Collect(ch)
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	for name, conns := range v.conns {
-		if conns != nil {
-			ch <- prometheus.MustNewConstMetric(nbdConnsDesc, prometheus.GaugeValue, float64(conns()), name)
+	for name, src := range v.sources {
+		if src.NBDConns != nil {
+			ch <- prometheus.MustNewConstMetric(nbdConnsDesc, prometheus.GaugeValue, float64(src.NBDConns()), name)
+		}
+		if src.Rebuild != nil {
+			copied, left := src.Rebuild()
+			ch <- prometheus.MustNewConstMetric(volumeRebuildCopiedDesc, prometheus.CounterValue, float64(copied), name)
+			ch <- prometheus.MustNewConstMetric(volumeRebuildLeftDesc, prometheus.GaugeValue, float64(left), name)
 		}
 	}
 }
@@ -94,7 +116,7 @@ func (v *Volumes) Collect(ch chan<- prometheus.Metric) {
 // Add starts the series of volume name and returns dev instrumented (what
 // the NBD server should serve) and the function that removes the series
 // (call it once the volume is detached). A nil *Volumes returns dev as it
-// is. Call SetConns once the NBD server exists. A process serves a volume
+// is. Call SetSources once the NBD server exists. A process serves a volume
 // once at a time (attach's lock, the CSI node's served map), so a name is
 // added again only after its remove function ran: the series are per
 // name, and a second Add of a served name would share them.
@@ -103,7 +125,7 @@ func (v *Volumes) Add(name string, dev nbd.Device) (nbd.Device, func()) {
 		return dev, func() {}
 	}
 	v.mu.Lock()
-	v.conns[name] = nil
+	v.sources[name] = Sources{}
 	v.mu.Unlock()
 	d := &volumeDevice{Device: dev, inflight: v.inflight.WithLabelValues(name)}
 	for i, op := range volumeOps {
@@ -118,7 +140,7 @@ func (v *Volumes) Add(name string, dev nbd.Device) (nbd.Device, func()) {
 	return d, func() {
 		once.Do(func() {
 			v.mu.Lock()
-			delete(v.conns, name)
+			delete(v.sources, name)
 			v.mu.Unlock()
 			for _, op := range volumeOps {
 				v.ops.DeleteLabelValues(name, op)
@@ -137,19 +159,19 @@ func (v *Volumes) Add(name string, dev nbd.Device) (nbd.Device, func()) {
 func (v *Volumes) Count() int {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return len(v.conns)
+	return len(v.sources)
 }
 
-// SetConns names the function that counts the NBD connections to volume
-// name's export (nbd.Server.Conns). A volume not added is ignored.
-func (v *Volumes) SetConns(name string, conns func() int) {
+// SetSources names what to read of volume name at each scrape. A volume
+// not added is ignored.
+func (v *Volumes) SetSources(name string, src Sources) {
 	if v == nil {
 		return
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	if _, ok := v.conns[name]; ok {
-		v.conns[name] = conns
+	if _, ok := v.sources[name]; ok {
+		v.sources[name] = src
 	}
 }
 
