@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -77,11 +78,9 @@ func (s *Server) raftStatus() metrics.RaftStatus {
 
 // stateName is an enum value's name without its prefix, lower case:
 // REPLICA_STATE_HEALTHY -> healthy.
-func stateName(enum fmtStringer, prefix string) string {
+func stateName(enum fmt.Stringer, prefix string) string {
 	return strings.ToLower(strings.TrimPrefix(enum.String(), prefix))
 }
-
-type fmtStringer interface{ String() string }
 
 // clusterView summarises the FSM for the cluster collector, on the leader
 // only: one pass over the servers and a paged pass over the volumes,
