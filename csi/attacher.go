@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/stor-io/stor/internal/attach"
+	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
 )
@@ -49,6 +50,9 @@ type KernelAttacherConfig struct {
 	// net.Dialer; under TLS a pki Dialer.
 	DataDial func(ctx context.Context, network, addr string) (net.Conn, error)
 	Logger   *slog.Logger
+	// Metrics gets each served volume's I/O series while it is served.
+	// Default nil: none.
+	Metrics *metrics.Volumes
 }
 
 // NewKernelAttacher serves volumes with package internal/attach.
@@ -87,7 +91,7 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	k.mu.Unlock()
 	at, err := attach.Open(ctx, attach.Config{
 		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true, RequireAttached: true,
-		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger,
+		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger, Metrics: k.cfg.Metrics,
 		Control: engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
 		Connect: engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
 	})

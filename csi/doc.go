@@ -146,8 +146,11 @@
 //     call, no wait for recovery. The livenessprobe sidecar calls it with a
 //     one-second timeout and restarts the container on an error and on
 //     ready=false alike, so Probe answers ready=true whenever it answers.
-//   - /healthz (Config.HealthListen, stor-csi --health-listen): the same,
-//     over HTTP, for a kubelet livenessProbe without the sidecar.
+//   - /healthz (Config.HealthListen, stor-csi --health-listen, also named
+//     --metrics-listen): the same, over HTTP, for a kubelet livenessProbe
+//     without the sidecar. The listener also serves /metrics (package
+//     internal/metrics): CSI calls by method and code with their latency,
+//     and on a node each staged volume's I/O while it is served.
 //   - /readyz (Ready): the controller's cluster answers and has a leader;
 //     the node is registered and its staged volumes' recovery has run.
 //     deploy/ uses it as the readinessProbe (holds rollouts) and as the

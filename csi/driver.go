@@ -15,11 +15,13 @@ import (
 	"time"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
+	"github.com/stor-io/stor/internal/metrics"
 )
 
 // Defaults of Config.
@@ -72,7 +74,8 @@ type Config struct {
 	// plain path (a unix socket); required by Run.
 	Endpoint string
 	// HealthListen is the TCP address (host:port) where Run serves Health:
-	// /healthz (liveness) and /readyz (readiness). "" serves none.
+	// /metrics (Prometheus), /healthz (liveness) and /readyz (readiness).
+	// "" serves none.
 	HealthListen string
 	// DriverName is GetPluginInfo's name and the topology keys' suffix.
 	// Default DefaultDriverName.
@@ -219,6 +222,13 @@ type Driver struct {
 	serving atomic.Bool     // Run's gRPC server is serving (Health's /healthz)
 	process *attach.Process // what Start prepares; nil: nothing (Config.Process)
 
+	// registry holds the driver's series (Health's /metrics): rpcs, the
+	// CSI calls; volumes, the I/O of the volumes this node serves (node
+	// mode, with the default Attacher).
+	registry *prometheus.Registry
+	rpcs     *metrics.RPCs
+	volumes  *metrics.Volumes
+
 	csipb.UnimplementedIdentityServer
 }
 
@@ -229,7 +239,8 @@ func New(cfg Config) (*Driver, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	d := &Driver{cfg: cfg, log: cfg.Logger}
+	d := &Driver{cfg: cfg, log: cfg.Logger, registry: metrics.NewRegistry(), rpcs: metrics.NewRPCs("csi"), volumes: metrics.NewVolumes()}
+	d.registry.MustRegister(d.rpcs, d.volumes)
 	d.locks.held = map[string]bool{}
 	if cfg.Mode.node() {
 		d.process = cfg.Process
@@ -289,10 +300,14 @@ func (d *Driver) Close() {
 	}
 }
 
-// NewGRPCServer is a gRPC server with the driver's logging interceptor.
+// NewGRPCServer is a gRPC server with the driver's metrics and logging
+// interceptors.
 func (d *Driver) NewGRPCServer() *grpc.Server {
-	return grpc.NewServer(grpc.ChainUnaryInterceptor(d.logCalls))
+	return grpc.NewServer(grpc.ChainUnaryInterceptor(d.rpcs.Unary, d.logCalls))
 }
+
+// Metrics is the driver's registry, served as /metrics by Health.
+func (d *Driver) Metrics() *prometheus.Registry { return d.registry }
 
 // Run listens on the endpoint (and on HealthListen, if set), Starts (node
 // mode: registers the node, recovers staged volumes) and serves until ctx

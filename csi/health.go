@@ -8,6 +8,7 @@ import (
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/metrics"
 )
 
 // ReadyTimeout bounds Ready's cluster call: a readiness probe that waits
@@ -45,30 +46,26 @@ func (d *Driver) Ready(ctx context.Context) error {
 	return nil
 }
 
-// Health is the HTTP handler Run serves on Config.HealthListen:
+// Health is the HTTP handler Run serves on Config.HealthListen
+// (metrics.Handler):
 //
+//	/metrics  the driver's series: CSI calls by method and code with their
+//	          latency, and (node) each served volume's I/O;
 //	/healthz  200 while the process runs and its CSI gRPC server serves
 //	          (liveness; never consults the cluster);
 //	/readyz   200 when Ready is nil, 503 with the reason otherwise
 //	          (readiness, and the node plugin's startupProbe: the budget
 //	          recovery gets before the kubelet restarts it).
 func (d *Driver) Health() http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
-		if !d.serving.Load() {
-			http.Error(w, "the CSI endpoint is not served", http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ok")
+	return metrics.Handler(d.registry, metrics.Health{
+		Live: func() error {
+			if !d.serving.Load() {
+				return errors.New("the CSI endpoint is not served")
+			}
+			return nil
+		},
+		Ready: d.Ready,
 	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		if err := d.Ready(r.Context()); err != nil {
-			http.Error(w, err.Error(), http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ok")
-	})
-	return mux
 }
 
 // serveHealth serves Health on Config.HealthListen until stop is called; a

@@ -13,6 +13,9 @@ import (
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
 )
@@ -164,4 +167,64 @@ func TestHealthEndpoints(t *testing.T) {
 	wait("/readyz", http.StatusOK, "ok")
 	fc.set("")
 	wait("/readyz", http.StatusServiceUnavailable, "the cluster does not answer")
+}
+
+// /metrics on HealthListen counts CSI calls by method and code, with
+// their latency: a Probe and a failing ControllerGetVolume (no volume id)
+// each show up once.
+func TestMetricsEndpoint(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+	d := newStatusDriver(t, &fakeStatusCluster{leader: "s1"}, ModeController, addr)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	defer func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			t.Error("Run did not return within 30s of cancel")
+		}
+	}()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if code, _ := get(t, addr, "/healthz"); code == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("/healthz not 200 within 30s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	conn, err := grpc.NewClient(d.cfg.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	cctx, ccancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer ccancel()
+	if _, err := csipb.NewIdentityClient(conn).Probe(cctx, &csipb.ProbeRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := csipb.NewControllerClient(conn).ControllerGetVolume(cctx, &csipb.ControllerGetVolumeRequest{}); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("ControllerGetVolume without an id: %v, want InvalidArgument", err)
+	}
+	code, body := get(t, addr, "/metrics")
+	if code != http.StatusOK {
+		t.Fatalf("/metrics: %d %s", code, body)
+	}
+	for _, want := range []string{
+		`stor_csi_rpcs_total{code="OK",method="Probe"} 1`,
+		`stor_csi_rpcs_total{code="InvalidArgument",method="ControllerGetVolume"} 1`,
+		`stor_csi_rpc_duration_seconds_count{method="Probe"} 1`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
 }

@@ -69,6 +69,7 @@ func newNodeServer(d *Driver) (*nodeServer, error) {
 		n.attacher = NewKernelAttacher(KernelAttacherConfig{
 			StateDir: filepath.Join(d.cfg.StateDir, "nbd"), NodeID: d.cfg.NodeID,
 			Cluster: d.cfg.Cluster, Kernel: k, Logger: d.log, DataDial: d.cfg.DataDial,
+			Metrics: d.volumes,
 		})
 	}
 	if n.host == nil {

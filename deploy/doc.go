@@ -15,6 +15,9 @@
 //	images/                          Dockerfiles over the static binaries of
 //	                                 make image-binaries; node-zone (the init
 //	                                 container that reads a node's zone)
+//	monitoring/                      a PrometheusRule (no leader, server down,
+//	                                 replicas faulty, capacity, disk full) and a
+//	                                 Grafana dashboard on stor's metrics
 //
 // The tests render the base and every overlay with kustomize's krusty (no
 // kubectl needed), decode every object strictly into the Kubernetes types
@@ -31,5 +34,7 @@
 // pod's spec.nodeName (data locality), and the flags passed to
 // stor-server against its flag set. Another test feeds deliberately broken copies through the
 // same checks and asserts each is caught with the expected message; another
-// runs node-zone against a fake API server.
+// runs node-zone against a fake API server; another checks that the
+// alerts and the dashboard in monitoring/ query only series stor's
+// collectors (internal/metrics) publish.
 package deploy

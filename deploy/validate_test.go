@@ -29,7 +29,6 @@ import (
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 
 	"github.com/stor-io/stor/internal/k8stest"
-	"github.com/stor-io/stor/internal/server"
 )
 
 // The names the manifests must agree on.
@@ -542,9 +541,10 @@ func checkCSIPod(p podTemplate, fail func(string, ...any)) {
 	}
 }
 
-// checkServerPod checks the stor-server StatefulSet: probes on the control
-// port with the health services stor-server answers, and a --join list
-// naming exactly the StatefulSet's pods.
+// checkServerPod checks the stor-server StatefulSet: HTTP probes on the
+// port of --metrics-listen, where stor-server serves /healthz and /readyz
+// (liveness and startup never ask /readyz: a server without a leader is
+// not restarted), and a --join list naming exactly the StatefulSet's pods.
 func checkServerPod(p podTemplate, objs []object, fail func(string, ...any)) {
 	var c *corev1.Container
 	for i := range p.spec.Containers {
@@ -562,20 +562,33 @@ func checkServerPod(p podTemplate, objs []object, fail func(string, ...any)) {
 		fail("%s: stor-server --listen %q: %v", p.owner, listen, err)
 		return
 	}
-	probe := func(what string, pr *corev1.Probe, service string) {
+	metricsListen, ok := flagValue(args, "metrics-listen")
+	if !ok {
+		fail("%s: stor-server has no --metrics-listen: nothing serves /healthz and /readyz", p.owner)
+		return
+	}
+	_, metricsPort, err := netSplit(metricsListen)
+	if err != nil {
+		fail("%s: stor-server --metrics-listen %q: %v", p.owner, metricsListen, err)
+		return
+	}
+	probe := func(what string, pr *corev1.Probe, path string) {
 		switch {
 		case pr == nil:
 			fail("%s: stor-server has no %s probe", p.owner, what)
-		case pr.GRPC == nil:
-			fail("%s: stor-server %s probe is not a gRPC health probe", p.owner, what)
-		case strconv.Itoa(int(pr.GRPC.Port)) != port:
-			fail("%s: stor-server %s probe on port %d, the control API listens on %s", p.owner, what, pr.GRPC.Port, port)
-		case deref(pr.GRPC.Service) != service:
-			fail("%s: stor-server %s probe asks for health service %q, want %q", p.owner, what, deref(pr.GRPC.Service), service)
+		case pr.HTTPGet == nil:
+			fail("%s: stor-server %s probe is not an HTTP probe of --metrics-listen", p.owner, what)
+		case strconv.Itoa(int(probePort(*c, pr.HTTPGet.Port))) != metricsPort:
+			fail("%s: stor-server %s probe on port %d, --metrics-listen is on %s", p.owner, what, probePort(*c, pr.HTTPGet.Port), metricsPort)
+		case pr.HTTPGet.Path != path:
+			fail("%s: stor-server %s probe asks %s, want %s", p.owner, what, pr.HTTPGet.Path, path)
 		}
 	}
-	probe("readiness", c.ReadinessProbe, server.HealthReadiness)
-	probe("liveness", c.LivenessProbe, server.HealthLiveness)
+	probe("readiness", c.ReadinessProbe, "/readyz")
+	probe("liveness", c.LivenessProbe, "/healthz")
+	if c.StartupProbe != nil {
+		probe("startup", c.StartupProbe, "/healthz")
+	}
 
 	// Data locality: CSI's selected node is a Kubernetes node, which
 	// placement matches against the server's --k8s-node; only the pod's

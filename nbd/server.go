@@ -379,6 +379,14 @@ func (s *Server) track(nc net.Conn, accepted bool) (*conn, bool) {
 	return c, true
 }
 
+// Conns is the number of connections served now (accepted from a
+// listener or given to ServeConn), for metrics.
+func (s *Server) Conns() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
+}
+
 func (s *Server) untrack(c *conn) {
 	s.mu.Lock()
 	delete(s.conns, c)

@@ -73,6 +73,11 @@ type Config struct {
 
 	// Logger receives structured logs; default slog.Default().
 	Logger *slog.Logger
+	// ObserveApply, if set, is called after each proposal this server
+	// made as leader was committed and applied, with the time from
+	// proposing to the FSM's answer (the apply latency a client of the
+	// control API waits for). It must not block. Default nil.
+	ObserveApply func(time.Duration)
 	// Now is the clock used to stamp proposals and track liveness; default
 	// time.Now. The FSM itself never reads a clock.
 	Now func() time.Time

@@ -40,6 +40,10 @@ type Store struct {
 	identMu sync.Mutex
 	ident   identity
 
+	// leaderChanges counts the leader changes this server observed (a new
+	// leader, or none, as Raft reports them); see LeaderChanges.
+	leaderChanges atomic.Uint64
+
 	// leaderReady is set once this server, as leader, has applied every
 	// entry of earlier terms; ConsistentRead requires it.
 	leaderReady atomic.Bool
@@ -168,8 +172,38 @@ func (s *Store) open() error {
 		defer s.wg.Done()
 		s.leadershipLoop(notify)
 	}()
+	s.observeLeaders()
 	return nil
 }
+
+// observeLeaders counts the leader changes Raft reports (LeaderChanges)
+// until the store closes. Observations are dropped rather than block Raft
+// when the counter's goroutine lags, which only delays the count.
+func (s *Store) observeLeaders() {
+	ch := make(chan raft.Observation, 16)
+	obs := raft.NewObserver(ch, false, func(o *raft.Observation) bool {
+		_, ok := o.Data.(raft.LeaderObservation)
+		return ok
+	})
+	s.raft.RegisterObserver(obs)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer s.raft.DeregisterObserver(obs)
+		for {
+			select {
+			case <-s.ctx.Done():
+				return
+			case <-ch:
+				s.leaderChanges.Add(1)
+			}
+		}
+	}()
+}
+
+// LeaderChanges is how many times this server saw the leader change
+// (including to no leader) since it started.
+func (s *Store) LeaderChanges() uint64 { return s.leaderChanges.Load() }
 
 // resolveAdvertise accepts host:port with a host name or an IP.
 func resolveAdvertise(addr string) (net.Addr, error) {
@@ -379,9 +413,13 @@ func (s *Store) propose(ctx context.Context, c command) (proto.Message, error) {
 			return nil, context.DeadlineExceeded
 		}
 	}
+	start := time.Now()
 	f := s.raft.Apply(data, timeout)
 	if err := waitFuture(ctx, f); err != nil {
 		return nil, s.raftErr(err)
+	}
+	if s.cfg.ObserveApply != nil {
+		s.cfg.ObserveApply(time.Since(start))
 	}
 	res, ok := f.Response().(result)
 	if !ok {

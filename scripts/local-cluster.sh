@@ -6,6 +6,9 @@
 #   s2  control 7410, raft 7411, data 7412 (joins s1)
 #   s3  control 7420, raft 7421, data 7422 (joins s1)
 #
+# Each also serves /metrics, /healthz and /readyz on control+3 (7403, 7413,
+# 7423): curl http://127.0.0.1:7403/metrics.
+#
 # Data and logs go to ./stor-data/s1 ... (or $STOR_DATA/s1 ...). Run it again
 # and the servers resume with their state; remove the directory to start
 # afresh. The binaries are built into ./bin first (make build).
@@ -42,12 +45,13 @@ trap 'stop; exit 143' TERM
 trap stop EXIT
 
 # start ID PORT [JOIN]: starts one server on PORT (control), PORT+1 (raft),
-# PORT+2 (data), logging to $data/ID.log.
+# PORT+2 (data), PORT+3 (metrics), logging to $data/ID.log.
 start() {
 	local id=$1 port=$2 join=${3:-}
 	mkdir -p "$data"
 	local args=(--id "$id" --data-dir "$data/$id"
 		--listen "127.0.0.1:$port" --raft-listen "127.0.0.1:$((port + 1))" --data-listen "127.0.0.1:$((port + 2))"
+		--metrics-listen "127.0.0.1:$((port + 3))"
 		--tls-cert "$data/tls/server-$id.crt" --tls-key "$data/tls/server-$id.key" --tls-ca "$data/tls/ca.crt")
 	if [[ -n $join ]]; then
 		args+=(--join "$join")

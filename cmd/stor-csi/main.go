@@ -28,7 +28,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
+	"io"
 	"os"
 	"os/signal"
 	"strings"
@@ -40,23 +40,29 @@ import (
 
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/nodecert"
 	"github.com/stor-io/stor/internal/pki"
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stderr)
+	stop()
+	if err != nil {
 		fmt.Fprintf(os.Stderr, "stor-csi: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run runs the binary with args until ctx ends; logs go to stderr.
+func run(ctx context.Context, args []string, stderr io.Writer) error {
 	cfg := csi.DefaultConfig()
 	fs := flag.NewFlagSet("stor-csi", flag.ContinueOnError)
 	mode := fs.String("mode", "all", "controller, node or all")
 	fs.StringVar(&cfg.Endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (a unix socket)")
-	fs.StringVar(&cfg.HealthListen, "health-listen", "", "host:port for HTTP /healthz (liveness: the process serves CSI) and /readyz (controller: the cluster has a leader; node: registered and staged volumes recovered); empty: none")
+	fs.StringVar(&cfg.HealthListen, "health-listen", "", "host:port for plain HTTP /metrics (Prometheus), /healthz (liveness: the process serves CSI) and /readyz (controller: the cluster has a leader; node: registered and staged volumes recovered); empty: none")
+	fs.StringVar(&cfg.HealthListen, "metrics-listen", "", "the same listener as --health-listen (either name; the last given wins)")
 	servers := fs.String("servers", "127.0.0.1:7400", "comma-separated stor-server control addresses")
 	fs.StringVar(&cfg.NodeID, "node-id", "", "this node's id, the Kubernetes node name; registered with the cluster at start (node mode; default: the host name)")
 	fs.StringVar(&cfg.DriverName, "driver-name", cfg.DriverName, "CSI driver name (and topology key suffix)")
@@ -75,6 +81,7 @@ func run(args []string) error {
 	fs.StringVar(&boot.tokenFile, "token-file", "", "node, with --tls-bootstrap-cert: the pod's projected ServiceAccount token, audience \"stor\" (re-read at every renewal)")
 	fs.StringVar(&boot.dir, "tls-dir", "", "node, with --tls-bootstrap-cert: directory (an emptyDir) that keeps the obtained certificate: "+nodecert.CertFile+", "+nodecert.KeyFile+", "+nodecert.CAFile)
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	logFormat := fs.String("log-format", logging.FormatText, logging.FormatUsage)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -84,11 +91,10 @@ func run(args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+	var err error
+	if cfg.Logger, err = logging.New(stderr, *logFormat, *logLevel); err != nil {
+		return err
 	}
-	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	cfg.Mode = csi.Mode(*mode)
 	if cfg.NodeID == "" && cfg.Mode != csi.ModeController {
 		host, err := os.Hostname()
@@ -127,6 +133,7 @@ func run(args []string) error {
 		if err := pki.CheckLoopback(addrs...); err != nil {
 			return err
 		}
+		cfg.Logger.Warn("--insecure: no TLS; the connections to the cluster are unauthenticated and unencrypted")
 	default:
 		return errNoCertificates
 	}

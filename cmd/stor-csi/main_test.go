@@ -1,8 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -11,6 +14,7 @@ import (
 	"time"
 
 	"github.com/stor-io/stor/csi"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 	"github.com/stor-io/stor/internal/servertest"
@@ -22,7 +26,7 @@ import (
 func TestControllerRefusesNodeFlags(t *testing.T) {
 	for _, flag := range []string{"--node-id=worker-1", "--zone=a", "--state-dir=/var/lib/stor-csi", "--max-volumes=8"} {
 		name, _, _ := strings.Cut(flag, "=")
-		err := run([]string{"--mode=controller", "--insecure", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1", flag})
+		err := run(context.Background(), []string{"--mode=controller", "--insecure", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1", flag}, io.Discard)
 		if err == nil || !strings.Contains(err.Error(), "("+name+") is for node mode") {
 			t.Errorf("stor-csi --mode=controller %s: %v, want an error naming %s", flag, err, name)
 		}
@@ -32,11 +36,11 @@ func TestControllerRefusesNodeFlags(t *testing.T) {
 // Without certificates stor-csi starts only with --insecure, and says how
 // to give it certificates.
 func TestNoCertificatesRefused(t *testing.T) {
-	err := run([]string{"--mode=controller", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1"})
+	err := run(context.Background(), []string{"--mode=controller", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1"}, io.Discard)
 	if !errors.Is(err, errNoCertificates) || !strings.Contains(err.Error(), "--tls-cert") {
 		t.Fatalf("no certificates, no --insecure: %v, want errNoCertificates naming --tls-cert", err)
 	}
-	if err := run([]string{"--mode=controller", "--insecure", "--servers=10.0.0.1:7400", "--endpoint=tcp://127.0.0.1:1"}); err == nil || !strings.Contains(err.Error(), "loopback") {
+	if err := run(context.Background(), []string{"--mode=controller", "--insecure", "--servers=10.0.0.1:7400", "--endpoint=tcp://127.0.0.1:1"}, io.Discard); err == nil || !strings.Contains(err.Error(), "loopback") {
 		t.Fatalf("--insecure with a remote server: %v, want an error naming loopback", err)
 	}
 }
@@ -65,7 +69,7 @@ func TestCheckRole(t *testing.T) {
 			t.Errorf("%s as %s on %q: %v, want ok=%v", tc.id, tc.mode, tc.nodeID, err, tc.ok)
 		}
 	}
-	err := run([]string{"--mode=controller", "--servers=10.0.0.1:7400", "--endpoint=tcp://127.0.0.1:1", "--insecure"})
+	err := run(context.Background(), []string{"--mode=controller", "--servers=10.0.0.1:7400", "--endpoint=tcp://127.0.0.1:1", "--insecure"}, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "loopback") {
 		t.Errorf("--insecure with a remote server: %v", err)
 	}
@@ -85,7 +89,7 @@ func TestBootstrapFlagsRefused(t *testing.T) {
 		{append([]string{"--mode=node", "--node-id=w1", "--insecure"}, boot...), "--insecure with --tls-bootstrap-cert"},
 		{append([]string{"--mode=node", "--node-id=w1"}, boot[:3]...), "needs --tls-bootstrap-cert, --tls-bootstrap-key, --token-file, --tls-dir and --tls-ca"},
 	} {
-		err := run(append([]string{"--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1"}, tc.args...))
+		err := run(context.Background(), append([]string{"--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1"}, tc.args...), io.Discard)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("stor-csi %s: %v, want an error containing %q", strings.Join(tc.args, " "), err, tc.want)
 		}
@@ -142,5 +146,37 @@ func TestBootstrapStart(t *testing.T) {
 	flags.cert, flags.key = nodeFiles.Cert, nodeFiles.Key
 	if _, _, err := flags.start(ctx, cfg, []string{c.Nodes[0].Addr}, pki.Files{CA: bootFiles.CA}, false); err == nil || !strings.Contains(err.Error(), "csi-node-bootstrap") {
 		t.Errorf("a csi-node certificate as the bootstrap one: %v, want refused", err)
+	}
+}
+
+// --log-format=json makes every log line a JSON object (here the warning
+// about running --insecure, before the endpoint is refused); another
+// value is refused before anything is logged.
+func TestLogFormat(t *testing.T) {
+	var out bytes.Buffer
+	err := run(context.Background(), []string{"--mode=controller", "--insecure", "--servers=127.0.0.1:1", "--endpoint=tcp://127.0.0.1:1", "--log-format=json"}, &out)
+	if err == nil {
+		t.Fatal("a tcp:// endpoint was accepted")
+	}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if out.Len() == 0 {
+		t.Fatal("nothing logged")
+	}
+	warned := false
+	for _, l := range lines {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("--log-format=json logged a line that is not JSON: %q", l)
+		}
+		msg, _ := m["msg"].(string)
+		warned = warned || (m["level"] == "WARN" && strings.Contains(msg, "no TLS"))
+	}
+	if !warned {
+		t.Fatalf("no JSON warning about TLS in %q", out.String())
+	}
+	out.Reset()
+	err = run(context.Background(), []string{"--mode=controller", "--servers=127.0.0.1:1", "--log-format=logfmt"}, &out)
+	if !errors.Is(err, logging.ErrFormat) || !strings.Contains(err.Error(), `"logfmt"`) || out.Len() != 0 {
+		t.Fatalf("--log-format=logfmt: %v (logged %q), want an error naming it and nothing logged", err, out.String())
 	}
 }

@@ -20,7 +20,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"log/slog"
+	"io"
 	"os"
 	"os/signal"
 	"strings"
@@ -28,18 +28,23 @@ import (
 	"time"
 
 	"github.com/stor-io/stor/internal/bytesize"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stderr)
+	stop()
+	if err != nil {
 		fmt.Fprintf(os.Stderr, "stor-server: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run runs the binary with args until ctx ends; logs go to stderr.
+func run(ctx context.Context, args []string, stderr io.Writer) error {
 	cfg := server.DefaultConfig()
 	fs := flag.NewFlagSet("stor-server", flag.ContinueOnError)
 	fs.StringVar(&cfg.ID, "id", cfg.ID, "server id, stable across restarts (default: the host name)")
@@ -58,6 +63,7 @@ func run(args []string) error {
 	voters := fs.Int("max-voters", cfg.Raft.MaxVoters, "the first N servers to join are Raft voters, the rest non-voters")
 	downAfter := fs.Duration("server-down-timeout", cfg.Raft.ServerDownTimeout, "the leader marks a server down after this long without a heartbeat")
 	replaceAfter := fs.Duration("replace-after", cfg.Raft.ReplaceAfter, "while this server leads, a replica faulty this long is replaced elsewhere; stor-ctl cluster config set --replace-after overrides it cluster-wide")
+	fs.StringVar(&cfg.MetricsListen, "metrics-listen", "", "host:port for plain HTTP /metrics (Prometheus), /healthz and /readyz (a Raft member that knows its leader); empty: none")
 	fs.IntVar(&cfg.API.MaxConns, "api-max-conns", cfg.API.MaxConns, "control API connections served at once (more wait to be accepted)")
 	fs.IntVar(&cfg.Data.MaxConns, "data-max-conns", cfg.Data.MaxConns, "replica data connections served at once (more are refused)")
 	fs.Int64Var(&cfg.Data.MaxMemory, "data-max-memory", cfg.Data.MaxMemory, "bytes of payload buffers all replica data connections together may hold")
@@ -75,6 +81,7 @@ func run(args []string) error {
 	fs.DurationVar(&cfg.NodeCerts.Validity, "node-cert-validity", 24*time.Hour, "how long an issued node certificate lasts (node plugins renew at 2/3 of it)")
 	fs.StringVar(&cfg.NodeCerts.Kubeconfig, "kubeconfig", "", "kubeconfig of the Kubernetes API that reviews node plugin tokens (default: in-cluster; needs create on tokenreviews)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	logFormat := fs.String("log-format", logging.FormatText, logging.FormatUsage)
 	fs.BoolVar(&cfg.InsecureDataInspect, "insecure-data-inspect", false, "let any peer of the data port read any replica at its committed epoch (test harnesses only; never in a deployment)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -100,13 +107,9 @@ func run(args []string) error {
 		return fmt.Errorf("--replace-after %v: want a positive duration", *replaceAfter)
 	}
 	cfg.Raft.ReplaceAfter = *replaceAfter
-	var lvl slog.Level
-	if err := lvl.UnmarshalText([]byte(*logLevel)); err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+	if cfg.Logger, err = logging.New(stderr, *logFormat, *logLevel); err != nil {
+		return err
 	}
-	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	if (*issuerCert == "") != (*issuerKey == "") {
 		return fmt.Errorf("--tls-issuer-cert and --tls-issuer-key go together")
 	}

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/nbd"
 	"github.com/stor-io/stor/nbd/kernel"
 	"github.com/stor-io/stor/replica/engine"
@@ -109,6 +110,10 @@ type Config struct {
 	Logger *slog.Logger
 	// Kernel is the kernel's side. Default RealKernel(); tests fake it.
 	Kernel *Kernel
+	// Metrics, if set, gets the volume's I/O and NBD connection series
+	// while it is served (metrics.Volumes.Add; removed when Run returns).
+	// Default nil: none.
+	Metrics *metrics.Volumes
 }
 
 // KernelConn is what an attachment needs of the kernel's nbd netlink
@@ -257,11 +262,17 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	if err != nil {
 		return nil, err
 	}
+	device, removeMetrics := cfg.Metrics.Add(eng.Name(), eng)
+	defer func() {
+		if err != nil {
+			removeMetrics()
+		}
+	}()
 	srv, err := nbd.NewServer(nbd.Config{
 		Exports: []nbd.Export{{
 			Name:        eng.Name(),
 			Description: fmt.Sprintf("stor volume %s (id %s, epoch %d)", eng.Name(), eng.ID(), eng.Epoch()),
-			Device:      eng,
+			Device:      device,
 			ReadOnly:    cfg.ReadOnly,
 		}},
 		Logger: log,
@@ -277,8 +288,9 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		return nil, err
 	}
 
+	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress})
 	at := &Attachment{
-		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(),
+		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(), removeMetrics: removeMetrics,
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,
 		abandon: make(chan struct{}), runDone: make(chan struct{}),
 		log: log.With("volume", eng.Name()),
@@ -390,6 +402,9 @@ type Attachment struct {
 	backend string
 	index   int
 	resumed bool
+	// removeMetrics ends the volume's series (Config.Metrics) when Run
+	// returns.
+	removeMetrics func()
 	// deviceSize is the device's size, as last given to the kernel.
 	deviceSize atomic.Uint64
 	log        *slog.Logger
@@ -506,6 +521,7 @@ const (
 // given to the kernel device.
 func (at *Attachment) Run(ctx context.Context) error {
 	defer close(at.runDone)
+	defer at.removeMetrics()
 	defer at.release()
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()

@@ -17,6 +17,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/logging"
+	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/nbd"
 	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
@@ -34,20 +36,33 @@ type volumeEnv struct {
 	Timeout time.Duration
 	Stdout  io.Writer
 	Logger  *slog.Logger
+	// Metrics gets the volume's series; nil without --metrics-listen.
+	Metrics *metrics.Volumes
+}
+
+// addMetricsFlag adds --metrics-listen to a command that serves a volume.
+func addMetricsFlag(cmd *cobra.Command, addr *string) {
+	cmd.Flags().StringVar(addr, "metrics-listen", "", `host:port for plain HTTP /metrics (the volume's I/O and NBD connections), /healthz and /readyz (200 once the volume is served); empty: none`)
 }
 
 // runVolumeCommand is the common part of "nbd serve" and "nbd attach": it
 // defaults *nodeID to the host name, dials the cluster, and runs run with a
 // context that SIGINT or SIGTERM cancels (after the first signal the
 // default action comes back, so a second one ends a stop that takes too
-// long). A gRPC error from run is described with the addresses tried.
-func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, run func(context.Context, volumeEnv) error) error {
+// long). With metricsListen it serves the volume's metrics there (package
+// metrics) while run runs. A gRPC error from run is described with the
+// addresses tried.
+func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, metricsListen string, run func(context.Context, volumeEnv) error) error {
 	if *nodeID == "" {
 		host, err := os.Hostname()
 		if err != nil {
 			return fmt.Errorf("%s: no --node given and the host name is unknown: %w", what, err)
 		}
 		*nodeID = host
+	}
+	logger, err := logging.New(a.stderr, a.logFormat, "info")
+	if err != nil {
+		return usageError{err}
 	}
 	c, addrs, err := a.dial(cmd)
 	if err != nil {
@@ -59,7 +74,23 @@ func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, 
 		Connect: engine.WireConnector(wire.ClientConfig{Dial: a.dataDial}),
 		Timeout: a.timeout,
 		Stdout:  a.stdout,
-		Logger:  slog.New(slog.NewTextHandler(a.stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		Logger:  logger,
+	}
+	if metricsListen != "" {
+		reg := metrics.NewRegistry()
+		env.Metrics = metrics.NewVolumes()
+		reg.MustRegister(env.Metrics)
+		vols := env.Metrics
+		srv, err := metrics.Listen(metricsListen, metrics.Handler(reg, metrics.Health{Ready: func(context.Context) error {
+			if vols.Count() == 0 {
+				return errors.New("the volume is not served yet")
+			}
+			return nil
+		}}), logger)
+		if err != nil {
+			return usageError{err}
+		}
+		defer srv.Close()
 	}
 	ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -84,6 +115,7 @@ func newNBDCommand(a *app) *cobra.Command {
 
 func newNBDServeCommand(a *app) *cobra.Command {
 	var cfg nbdServeConfig
+	var metricsListen string
 	cmd := &cobra.Command{
 		Use:   "serve VOLUME [--listen ADDR]",
 		Short: "Attach a volume here and serve it over NBD until interrupted",
@@ -115,8 +147,9 @@ needs --allow-remote.
 				}
 				fmt.Fprintf(a.stderr, "stor-ctl: warning: --listen %s is reachable from other hosts; NBD has no authentication or encryption: anyone who can connect can read and overwrite volume %q\n", cfg.Listen, cfg.Volume)
 			}
-			return a.runVolumeCommand(cmd, "nbd serve", &cfg.NodeID, func(ctx context.Context, env volumeEnv) error {
+			return a.runVolumeCommand(cmd, "nbd serve", &cfg.NodeID, metricsListen, func(ctx context.Context, env volumeEnv) error {
 				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
+				cfg.Metrics = env.Metrics
 				return runNBDServe(ctx, cfg)
 			})
 		},
@@ -130,6 +163,7 @@ needs --allow-remote.
 	f.IntVar(&cfg.MaxConns, "max-conns", nbd.DefaultMaxConns, "NBD connections served at once (more are closed)")
 	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", 0, "close an NBD connection that sends nothing for this long (0: never; NBD has no keepalive)")
 	addIDFlag(cmd, &cfg.VolumeIsID, "VOLUME")
+	addMetricsFlag(cmd, &metricsListen)
 	return cmd
 }
 
@@ -158,6 +192,8 @@ type nbdServeConfig struct {
 	// Stdout gets the one line saying what is served where.
 	Stdout io.Writer
 	Logger *slog.Logger
+	// Metrics, if set, gets the volume's series while it is served.
+	Metrics *metrics.Volumes
 	// ready, when set, is called with the listener's address once serving
 	// (tests).
 	ready func(net.Addr)
@@ -197,11 +233,13 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 		return attachError(ctx, cfg, err)
 	}
 
+	device, removeMetrics := cfg.Metrics.Add(eng.Name(), eng)
+	defer removeMetrics()
 	srv, err := nbd.NewServer(nbd.Config{
 		Exports: []nbd.Export{{
 			Name:        eng.Name(),
 			Description: fmt.Sprintf("stor volume %s (id %s, epoch %d)", eng.Name(), eng.ID(), eng.Epoch()),
-			Device:      eng,
+			Device:      device,
 			ReadOnly:    cfg.ReadOnly,
 		}},
 		MaxConns:    cfg.MaxConns,
@@ -212,6 +250,7 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 		closeEngine(cfg, eng)
 		return err
 	}
+	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress})
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 

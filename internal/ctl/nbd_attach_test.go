@@ -15,18 +15,23 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
+	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/internal/servertest"
 	"github.com/stor-io/stor/nbd/kernel"
 	"github.com/stor-io/stor/replica/engine"
@@ -366,7 +371,9 @@ func TestNBDAttachAndStop(t *testing.T) {
 	vol := createVolume(t, c, "kattach", 16*mib)
 	k := newFakeKernel(t)
 	dir := t.TempDir()
-	r := startAttach(t, attachConfig(t, c, k, dir, "kattach"))
+	cfg := attachConfig(t, c, k, dir, "kattach")
+	cfg.Metrics = metrics.NewVolumes() // what --metrics-listen serves
+	r := startAttach(t, cfg)
 	if r.dev != "/dev/nbd0" {
 		t.Fatalf("printed %q, want /dev/nbd0", r.dev)
 	}
@@ -394,6 +401,22 @@ func TestNBDAttachAndStop(t *testing.T) {
 	if got := kread(t, k.sock(0, 1), 4096, 8192); !bytes.Equal(got, p) {
 		t.Fatal("read on the second connection differs from the write on the first")
 	}
+	// The volume's series count the I/O and the kernel's two connections.
+	fams := gather(t, cfg.Metrics)
+	for _, tc := range []struct {
+		name, op string
+		want     float64
+	}{
+		{"stor_volume_ops_total", "write", 1}, {"stor_volume_bytes_total", "write", 8192},
+		{"stor_volume_ops_total", "read", 1}, {"stor_volume_ops_total", "flush", 1},
+	} {
+		if got := must(t, fams, tc.name, "volume", "kattach", "op", tc.op); got != tc.want {
+			t.Errorf("%s{op=%s} = %v, want %v", tc.name, tc.op, got, tc.want)
+		}
+	}
+	if got := must(t, fams, "stor_nbd_connections", "volume", "kattach"); got != 2 {
+		t.Errorf("NBD connections %v, want the kernel's 2", got)
+	}
 
 	// A second attach of the same volume is refused while this one lives.
 	cfg2 := attachConfig(t, c, k, dir, "kattach")
@@ -416,6 +439,25 @@ func TestNBDAttachAndStop(t *testing.T) {
 	if v := getVolume(t, c, vol.Id); v.Attachment != nil {
 		t.Fatalf("volume still attached after a clean stop: %v", v.Attachment)
 	}
+	if fams := gather(t, cfg.Metrics); len(fams) != 0 || cfg.Metrics.Count() != 0 {
+		t.Fatalf("series of the detached volume remain: %v", slices.Collect(maps.Keys(fams)))
+	}
+}
+
+// gather collects c into the form sample reads.
+func gather(t *testing.T, c prometheus.Collector) map[string]*dto.MetricFamily {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(c)
+	fams, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]*dto.MetricFamily{}
+	for _, f := range fams {
+		out[f.GetName()] = f
+	}
+	return out
 }
 
 // nbd attach serves the kernel's writeback to its device: before it

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/pki"
 )
 
@@ -55,9 +56,10 @@ type app struct {
 	// now is the clock for ages ("2s ago"); time.Now outside tests.
 	now func() time.Time
 
-	server  string
-	timeout time.Duration
-	output  string
+	server    string
+	timeout   time.Duration
+	output    string
+	logFormat string // --log-format of the commands that log (nbd serve, nbd attach)
 
 	tls      pki.Files // --tls-cert, --tls-key, --tls-ca; see tlsFiles
 	insecure bool
@@ -141,6 +143,9 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 			if a.timeout <= 0 {
 				return usageErrorf("invalid --timeout %v: must be positive", a.timeout)
 			}
+			if _, err := logging.New(io.Discard, a.logFormat, "info"); err != nil {
+				return usageError{err}
+			}
 			return nil
 		},
 	}
@@ -153,6 +158,7 @@ Exit status: 0 on success, 1 when the call failed, 2 for a bad command line.`,
 		"control address(es) of the cluster, comma-separated; $"+serverEnv+" when the flag is not given")
 	pf.DurationVar(&a.timeout, "timeout", defaultTimeout, "time limit for the whole command, retries included")
 	pf.StringVarP(&a.output, "output", "o", outputTable, "output format: table or json")
+	pf.StringVar(&a.logFormat, "log-format", logging.FormatText, "format of the log lines nbd serve and nbd attach write to stderr: text (key=value) or json (one JSON object per line)")
 	pf.StringVar(&a.tls.Cert, "tls-cert", "", "PEM operator certificate (stor://operator/<name>); $"+certEnv+" when not given, else make cluster's in $"+dataEnv+"/tls")
 	pf.StringVar(&a.tls.Key, "tls-key", "", "PEM key of --tls-cert; $"+keyEnv+" when not given")
 	pf.StringVar(&a.tls.CA, "tls-ca", "", "PEM CA bundle the servers' certificates must chain to; $"+caEnv+" when not given")

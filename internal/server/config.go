@@ -81,6 +81,15 @@ type Config struct {
 	// raftstore.DefaultConfig()'s values.
 	Raft raftstore.Config
 
+	// MetricsListen is the address of the HTTP listener serving /metrics
+	// (Prometheus), /healthz and /readyz (package metrics). Default "":
+	// none. It is plain HTTP without authentication, unlike every other
+	// port, so it is opt-in; deploy/ sets it for the kubelet's probes and
+	// Prometheus.
+	MetricsListen string
+	// MetricsListener, if set, is used instead of binding MetricsListen.
+	MetricsListener net.Listener
+
 	// Listener, RaftListener and DataListener, if set, are used instead of
 	// binding Listen, RaftListen and DataListen (tests pass pre-bound
 	// listeners).
@@ -271,7 +280,7 @@ func (c *Config) Validate() error {
 	if err := c.Data.Validate(); err != nil {
 		return fmt.Errorf("server: data service: %w", err)
 	}
-	for _, addr := range append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise}, c.Join...) {
+	for _, addr := range append([]string{c.Listen, c.RaftListen, c.DataListen, c.Advertise, c.RaftAdvertise, c.DataAdvertise, c.MetricsListen}, c.Join...) {
 		if addr == "" {
 			continue
 		}

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -24,6 +25,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/raftstore"
 )
@@ -37,6 +39,14 @@ type Server struct {
 	lis    net.Listener
 	fwd    *forwarder
 	data   *dataPlane
+
+	// metrics is the registry; raftMetrics and apiMetrics the collectors
+	// fed by events (apply latency, control API calls); metricsSrv the
+	// listener of Config.MetricsListen, nil when none (metrics.go).
+	metrics     *prometheus.Registry
+	raftMetrics *metrics.Raft
+	apiMetrics  *metrics.RPCs
+	metricsSrv  *metrics.Server
 	// dialData opens connections to other servers' Raft and data ports: cfg.Dial,
 	// under TLS when cfg.TLS is set.
 	dialData func(ctx context.Context, network, addr string) (net.Conn, error)
@@ -58,10 +68,16 @@ func Start(cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID)}
+	s := &Server{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), metrics: metrics.NewRegistry(), apiMetrics: metrics.NewRPCs("api")}
+	s.raftMetrics = metrics.NewRaft(s.raftStatus)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.start(); err != nil {
 		s.cancel()
+		if s.metricsSrv != nil {
+			s.metricsSrv.Close()
+		} else if cfg.MetricsListener != nil {
+			cfg.MetricsListener.Close()
+		}
 		if s.fwd != nil {
 			s.fwd.close()
 		}
@@ -129,6 +145,9 @@ func (s *Server) start() error {
 	rc.ID, rc.Dir = cfg.ID, cfg.DataDir
 	rc.RaftBind, rc.RaftListener, rc.RaftAdvertise = cfg.RaftListen, cfg.RaftListener, cfg.RaftAdvertise
 	rc.Dial, rc.Logger = cfg.Dial, cfg.Logger
+	if rc.ObserveApply == nil {
+		rc.ObserveApply = s.raftMetrics.ObserveApply
+	}
 	if cfg.TLS != nil {
 		// The Raft port admits servers only, and dials them under TLS.
 		if rc.RaftListener == nil {
@@ -150,8 +169,8 @@ func (s *Server) start() error {
 	}
 
 	opts := append(apiLimits(cfg.API),
-		grpc.ChainUnaryInterceptor(s.logCalls, s.authorize, s.fwd.intercept),
-		grpc.ChainStreamInterceptor(s.authorizeStream),
+		grpc.ChainUnaryInterceptor(s.apiMetrics.Unary, s.logCalls, s.authorize, s.fwd.intercept),
+		grpc.ChainStreamInterceptor(s.apiMetrics.Stream, s.authorizeStream),
 	)
 	if cfg.TLS != nil {
 		opts = append(opts, cfg.TLS.GRPCServerCredentials())
@@ -161,6 +180,10 @@ func (s *Server) start() error {
 	storpb.RegisterVolumeServiceServer(s.grpc, &volumeService{s: s})
 	storpb.RegisterSnapshotServiceServer(s.grpc, &snapshotService{s: s})
 	healthpb.RegisterHealthServer(s.grpc, &healthService{s: s})
+	s.registerMetrics()
+	if err := s.serveMetrics(); err != nil {
+		return err
+	}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -436,6 +459,9 @@ func (s *Server) Kill() {
 
 func (s *Server) shutdown() error {
 	var errs []error
+	if s.metricsSrv != nil {
+		errs = append(errs, s.metricsSrv.Close())
+	}
 	if s.data != nil {
 		errs = append(errs, s.data.close())
 	}

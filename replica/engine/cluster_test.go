@@ -408,6 +408,9 @@ func TestReplicaMovedWhileAttachedIsFullyRebuilt(t *testing.T) {
 	}})
 	v := createVol(t, c, "v", 16<<20, 3)
 	e := c.OpenEngine(c.EngineConfig("v", "client"))
+	if copied, left := e.RebuildProgress(); copied != 0 || left != 0 {
+		t.Fatalf("RebuildProgress before any rebuild: %d copied, %d left", copied, left)
+	}
 	l := &ledger{acked: map[int64]uint64{}}
 	stop := make(chan struct{})
 	done := writer(t, e, 16<<20/block, 40, l, stop, nil)
@@ -429,4 +432,9 @@ func TestReplicaMovedWhileAttachedIsFullyRebuilt(t *testing.T) {
 	}
 	l.verify(t, e)
 	requireIdentical(t, c, v.Id, 30*time.Second)
+	// The full rebuild copied the allocated blocks (every block written
+	// was allocated on the source) and has nothing left.
+	if copied, left := e.RebuildProgress(); copied < block || left != 0 {
+		t.Fatalf("RebuildProgress after the rebuild: %d copied, %d left; want the written blocks copied, none left", copied, left)
+	}
 }

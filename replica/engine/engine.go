@@ -144,6 +144,12 @@ type Engine struct {
 	closed atomic.Bool
 	broken atomic.Bool // a replica failure could not be committed: stop serving
 
+	// rebuildCopied counts the bytes this engine's rebuilds copied since
+	// it opened; rebuildLeft the bytes its running rebuilds have left to
+	// copy, as they last reported (RebuildProgress).
+	rebuildCopied atomic.Int64
+	rebuildLeft   atomic.Int64
+
 	// overlaps holds the writes, reads and rebuild copies under way: it
 	// keeps overlapping writes in one order on every replica, keeps reads
 	// and rebuild copies off blocks with a write in flight, and a flush
@@ -388,6 +394,14 @@ func (e *Engine) Epoch() uint64  { return e.epoch }
 func (e *Engine) Size() uint64   { return e.size.Load() }
 func (e *Engine) Fenced() bool   { return e.fenced.Load() }
 func (e *Engine) ReadOnly() bool { return e.cfg.ReadOnly }
+
+// RebuildProgress reports the bytes this engine's rebuilds have copied
+// since it opened (a counter: its rate is the rebuild rate) and the bytes
+// its running rebuilds have left to copy, as of their last progress
+// report (about once a second).
+func (e *Engine) RebuildProgress() (copied, remaining int64) {
+	return e.rebuildCopied.Load(), e.rebuildLeft.Load()
+}
 
 // Generation is the replica-set generation the engine writes under.
 func (e *Engine) Generation() uint64 {

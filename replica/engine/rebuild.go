@@ -396,15 +396,25 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	start := time.Now()
 	log.Info("rebuild started", "source", sources[0].info.Id)
 	lastReport := time.Time{}
+	// copied and left are this rebuild's shares of rebuildCopied and
+	// rebuildLeft (RebuildProgress).
+	var copied, left int64
+	defer func() { e.rebuildLeft.Add(-left) }()
 	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, History: history}, target.conn,
 		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset), Order: engineOrder{e}},
 		func(p Progress) {
+			e.rebuildCopied.Add(p.Done - copied)
+			copied = p.Done
+			l := max(p.Total-p.Done, 0)
+			e.rebuildLeft.Add(l - left)
+			left = l
 			if p.ResumeOffset == 0 && time.Since(lastReport) < 2*time.Second {
 				return // checkpoints are always recorded; plain progress now and then
 			}
 			lastReport = time.Now()
 			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, ProgressRequest(e.id, r, e.epoch, p))
 		})
+	e.rebuildCopied.Add(stats.Bytes - copied) // what the last report did not count
 	if err != nil {
 		if ctx.Err() != nil {
 			return

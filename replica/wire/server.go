@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/semaphore"
@@ -152,6 +153,40 @@ type Server struct {
 	listeners map[net.Listener]struct{}
 	conns     map[*serverConn]struct{}
 	wg        sync.WaitGroup // Serve loops and connections; Add under mu
+
+	// Counters for Stats.
+	accepted atomic.Uint64
+	refused  atomic.Uint64
+	failed   [256]atomic.Uint64 // requests answered with each error Status
+}
+
+// Stats is a snapshot of a Server's connections and failed requests, for
+// metrics.
+type Stats struct {
+	// Conns is the connections served now.
+	Conns int
+	// Accepted counts the connections served since the server started;
+	// Refused those closed at once because MaxConns were being served.
+	Accepted, Refused uint64
+	// Failed counts the requests answered with an error, by status
+	// (refused for a stale epoch, denied by the authorizer, invalid, I/O
+	// errors...). Statuses never seen are absent.
+	Failed map[Status]uint64
+}
+
+// Stats returns the server's counters.
+func (s *Server) Stats() Stats {
+	s.mu.Lock()
+	st := Stats{Conns: len(s.conns)}
+	s.mu.Unlock()
+	st.Accepted, st.Refused = s.accepted.Load(), s.refused.Load()
+	st.Failed = map[Status]uint64{}
+	for i := range s.failed {
+		if n := s.failed[i].Load(); n > 0 {
+			st.Failed[Status(i)] = n
+		}
+	}
+	return st
 }
 
 // NewServer returns a server of b's replicas. It does nothing until Serve.
@@ -239,6 +274,7 @@ func (s *Server) startConn(nc net.Conn) {
 	}
 	if len(s.conns) >= s.cfg.MaxConns {
 		s.mu.Unlock()
+		s.refused.Add(1)
 		s.log.Warn("wire: connection limit reached; refusing a connection", "remote", nc.RemoteAddr().String(), "limit", s.cfg.MaxConns)
 		nc.Close()
 		return
@@ -246,6 +282,7 @@ func (s *Server) startConn(nc net.Conn) {
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	s.mu.Unlock()
+	s.accepted.Add(1)
 	go func() {
 		defer s.wg.Done()
 		c.run()
@@ -754,6 +791,7 @@ func (c *serverConn) extentsReply(es []replica.Extent, err error) ([]byte, *[]by
 func (c *serverConn) writeReply(id uint64, op Opcode, err error, payload []byte) {
 	status := statusOf(err)
 	if err != nil {
+		c.s.failed[status].Add(1)
 		msg := err.Error()
 		if len(msg) > MaxMessage {
 			msg = msg[:MaxMessage]

@@ -68,25 +68,27 @@ const (
 // ways. statusOf takes the first row whose error the given error wraps, so
 // the order settles errors that wrap several sentinels: fencing first,
 // then the error classes that must never be retried.
+// name is the status's short name in metrics (Status.Name).
 var statusTable = [...]struct {
 	status Status
 	err    error
+	name   string
 }{
-	{StatusStaleEpoch, replica.ErrStaleEpoch},
-	{StatusDenied, ErrDenied},
-	{StatusCorrupt, replica.ErrCorrupt},
-	{StatusHistoryLost, replica.ErrHistoryLost},
-	{StatusNoSpace, replica.ErrNoSpace},
-	{StatusIO, replica.ErrIO},
-	{StatusNotFound, replica.ErrNotFound},
-	{StatusExists, replica.ErrExists},
-	{StatusInvalid, replica.ErrInvalid},
-	{StatusClosed, replica.ErrClosed},
-	{StatusBadHandle, ErrBadHandle},
-	{StatusUnknownOp, ErrUnknownOp},
-	{StatusBadChecksum, ErrChecksum},
-	{StatusProtocol, ErrProtocol},
-	{StatusInternal, ErrInternal},
+	{StatusStaleEpoch, replica.ErrStaleEpoch, "stale_epoch"},
+	{StatusDenied, ErrDenied, "denied"},
+	{StatusCorrupt, replica.ErrCorrupt, "corrupt"},
+	{StatusHistoryLost, replica.ErrHistoryLost, "history_lost"},
+	{StatusNoSpace, replica.ErrNoSpace, "no_space"},
+	{StatusIO, replica.ErrIO, "io"},
+	{StatusNotFound, replica.ErrNotFound, "not_found"},
+	{StatusExists, replica.ErrExists, "exists"},
+	{StatusInvalid, replica.ErrInvalid, "invalid"},
+	{StatusClosed, replica.ErrClosed, "closed"},
+	{StatusBadHandle, ErrBadHandle, "bad_handle"},
+	{StatusUnknownOp, ErrUnknownOp, "unknown_op"},
+	{StatusBadChecksum, ErrChecksum, "bad_checksum"},
+	{StatusProtocol, ErrProtocol, "protocol"},
+	{StatusInternal, ErrInternal, "internal"},
 }
 
 // statusOf maps an error to the status code sent for it.
@@ -114,6 +116,20 @@ func (s Status) Err() error {
 		}
 	}
 	return ErrProtocol
+}
+
+// Name is a short lower_snake name of the status ("ok", "stale_epoch"),
+// the label value metrics use.
+func (s Status) Name() string {
+	if s == StatusOK {
+		return "ok"
+	}
+	for _, row := range statusTable {
+		if row.status == s {
+			return row.name
+		}
+	}
+	return fmt.Sprintf("status_%d", uint8(s))
 }
 
 func (s Status) String() string {
