@@ -38,7 +38,13 @@
 //
 // A Store creates a replica in .creating-<id> and renames it into place,
 // and deletes one by renaming it to .deleting-<id> first; OpenStore removes
-// such leftovers, and layer files that meta.json does not name.
+// such leftovers, and layer files that meta.json does not name. A Create
+// that fails after its rename (the directory sync or the open failed:
+// EMFILE, EIO) renames the directory to .deleting-<id> and removes it, so
+// a failed Create leaves nothing a later Create or OpenStore would take
+// for a replica; if even that rename fails, the directory (complete: all
+// of it was synced before the rename) is adopted by a retried Create of
+// the same replica and volume.
 //
 // # On-disk formats
 //

@@ -131,7 +131,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 	tmp := filepath.Join(dir, creatingPrefix+spec.ID)
 	final := filepath.Join(dir, spec.ID)
 	if _, err := fsys.Stat(final); err == nil {
-		return nil, fmt.Errorf("%w: %s exists and is not a replica this store opened", ErrExists, final)
+		return s.adoptLocked(spec, final)
 	}
 	if err := fsys.RemoveAll(tmp); err != nil {
 		return nil, ioErr("remove "+tmp, err)
@@ -144,15 +144,70 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 		fsys.RemoveAll(tmp)
 		return nil, ioErr("rename "+tmp, err)
 	}
-	if err := fsys.SyncDir(dir); err != nil {
-		return nil, ioErr("sync dir "+dir, err)
+	err := ioErr("sync dir "+dir, fsys.SyncDir(dir))
+	var r *Replica
+	if err == nil {
+		r, err = openReplica(fsys, final, s.log)
 	}
-	r, err := openReplica(fsys, final, s.log)
 	if err != nil {
+		s.undoCreateLocked(spec.ID, err)
 		return nil, err
 	}
 	s.replicas[spec.ID] = r
 	s.log.Info("replica created", "replica", spec.ID, "volume", spec.VolumeID, "size", spec.Size)
+	return r, nil
+}
+
+// undoCreateLocked takes away the directory of replica id, which a Create
+// renamed into place but then failed to make durable or to open (cause):
+// a failed Create leaves nothing that a later Create or OpenStore would
+// take for a replica. If even the rename away fails, the directory stays
+// (it is complete: everything in it was synced before the rename) and a
+// retried Create adopts it (adoptLocked).
+func (s *Store) undoCreateLocked(id string, cause error) {
+	fsys, dir := s.cfg.FS, s.cfg.Dir
+	trash := filepath.Join(dir, deletingPrefix+id)
+	if err := fsys.RemoveAll(trash); err != nil {
+		s.log.Warn("undoing a failed create", "replica", id, "cause", cause, "err", err)
+		return
+	}
+	if err := fsys.Rename(filepath.Join(dir, id), trash); err != nil {
+		s.log.Warn("undoing a failed create; a retried create adopts it", "replica", id, "cause", cause, "err", err)
+		return
+	}
+	if err := fsys.SyncDir(dir); err != nil {
+		s.log.Warn("undoing a failed create", "replica", id, "cause", cause, "err", err)
+	}
+	if err := fsys.RemoveAll(trash); err != nil {
+		s.log.Warn("removing the files of a failed create; retried at the next open", "dir", trash, "err", err)
+	}
+}
+
+// adoptLocked is Create for a replica directory that exists but that this
+// store did not open: what a Create whose undo failed leaves (see
+// undoCreateLocked). If it opens and belongs to spec's volume it is taken
+// as created (grown to spec.Size if smaller); otherwise ErrExists, and it
+// is left as it is.
+func (s *Store) adoptLocked(spec Spec, path string) (*Replica, error) {
+	r, err := openReplica(s.cfg.FS, path, s.log)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s exists and is not a replica this store opened: %w", ErrExists, path, err)
+	}
+	if r.VolumeID() != spec.VolumeID {
+		r.Close()
+		return nil, fmt.Errorf("%w: %s exists and holds a replica of volume %s, not %s", ErrExists, path, r.VolumeID(), spec.VolumeID)
+	}
+	if spec.Size > r.Size() {
+		r.mu.Lock()
+		err := r.growLocked(spec.Size)
+		r.mu.Unlock()
+		if err != nil {
+			r.Close()
+			return nil, err
+		}
+	}
+	s.replicas[spec.ID] = r
+	s.log.Info("replica adopted: a directory left by an earlier create", "replica", spec.ID, "volume", spec.VolumeID)
 	return r, nil
 }
 
