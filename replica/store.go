@@ -28,6 +28,8 @@ type Store struct {
 	cfg Config
 	log *slog.Logger
 
+	cache *fileCache
+
 	mu       sync.Mutex
 	closed   bool
 	replicas map[string]*Replica // guarded by mu
@@ -44,7 +46,7 @@ func OpenStore(cfg Config) (*Store, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Store{cfg: cfg, log: cfg.Logger, replicas: map[string]*Replica{}, damaged: map[string]error{}}
+	s := &Store{cfg: cfg, log: cfg.Logger, cache: newFileCache(cfg.MaxOpenFiles), replicas: map[string]*Replica{}, damaged: map[string]error{}}
 	fsys := cfg.FS
 	if err := fsys.MkdirAll(cfg.Dir, 0o755); err != nil {
 		return nil, ioErr("mkdir "+cfg.Dir, err)
@@ -75,13 +77,14 @@ func OpenStore(cfg Config) (*Store, error) {
 			s.log.Warn("ignoring a directory that is not a replica", "dir", path)
 			continue
 		}
+		s.cache.makeRoom(nil, newReplicaFiles)
 		r, err := openReplica(fsys, path, s.log)
 		if err != nil {
 			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", name, "dir", path, "err", err)
 			s.damaged[name] = err
 			continue
 		}
-		s.replicas[name] = r
+		s.addLocked(r)
 	}
 	if err := fsys.SyncDir(cfg.Dir); err != nil {
 		return nil, errors.Join(ioErr("sync dir "+cfg.Dir, err), s.Close())
@@ -102,6 +105,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 	if spec.Size == 0 || spec.Size%BlockSize != 0 || spec.Size > MaxSize {
 		return nil, fmt.Errorf("%w: size %d is not a positive multiple of %d up to %d", ErrInvalid, spec.Size, BlockSize, uint64(MaxSize))
 	}
+	s.cache.makeRoom(nil, newReplicaFiles)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -153,7 +157,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 		s.undoCreateLocked(spec.ID, err)
 		return nil, err
 	}
-	s.replicas[spec.ID] = r
+	s.addLocked(r)
 	s.log.Info("replica created", "replica", spec.ID, "volume", spec.VolumeID, "size", spec.Size)
 	return r, nil
 }
@@ -206,9 +210,22 @@ func (s *Store) adoptLocked(spec Spec, path string) (*Replica, error) {
 			return nil, err
 		}
 	}
-	s.replicas[spec.ID] = r
+	s.addLocked(r)
 	s.log.Info("replica adopted: a directory left by an earlier create", "replica", spec.ID, "volume", spec.VolumeID)
 	return r, nil
+}
+
+// newReplicaFiles is how many files a replica without snapshots holds open.
+const newReplicaFiles = 3 + layerFiles
+
+// addLocked enters r, just opened, into the store and its file cache. The
+// caller holds s.mu (or is OpenStore).
+func (s *Store) addLocked(r *Replica) {
+	r.cache = s.cache
+	r.mu.Lock()
+	s.cache.add(r, r.fileCountLocked())
+	r.mu.Unlock()
+	s.replicas[r.id] = r
 }
 
 // Get returns replica id: ErrNotFound if there is none; the open error if

@@ -1,0 +1,5 @@
+package replica
+
+// FileCacheStats exposes the store's file cache counters to the external
+// tests: files open now, file sets opened, and idle file sets closed.
+func FileCacheStats(s *Store) (files int, opens, closes uint64) { return s.cache.stats() }
