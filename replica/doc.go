@@ -200,7 +200,8 @@
 //   - Closing takes the replica's operation lock exclusively, by TryLock
 //     only: a replica with a request in flight (which holds it shared) or
 //     a waiting exclusive operation is busy and is not closed. A replica
-//     with a rebuild in progress is never closed.
+//     with a rebuild in progress, or pinned (Replica.Pin: the data service
+//     pins every replica a client has open), is not closed either.
 //   - Before its files are closed, everything the replica holds is made
 //     durable by a sync (data, then index journals, then the write
 //     history; the epoch file and the set bits of the dirty log are

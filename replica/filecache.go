@@ -116,6 +116,19 @@ func (c *fileCache) makeRoom(self *Replica, need int) {
 	}
 }
 
+// Pin keeps the replica's files open (once they are) until the returned
+// function is called: the data service pins a replica for as long as a
+// client has it open (an attached engine, a rebuild, a clone copy), so
+// that such a replica never pays a reopen. Pins are counted; calling the
+// returned function more than once is a no-op. A pin is a hint about
+// cost, not a lock: a request never depends on one (doc.go, "Open
+// files").
+func (r *Replica) Pin() (unpin func()) {
+	r.pins.Add(1)
+	var once sync.Once
+	return func() { once.Do(func() { r.pins.Add(-1) }) }
+}
+
 // noteUse marks r as used now, for the cache's choice of what to close.
 // It writes only when the clock moved, so concurrent requests to one
 // replica do not contend on it.
@@ -139,7 +152,7 @@ func (r *Replica) closeIfIdle() int {
 		return 0
 	}
 	defer r.mu.Unlock()
-	if r.closed || !r.filesOpen || r.rebuild != nil {
+	if r.closed || !r.filesOpen || r.rebuild != nil || r.pins.Load() > 0 {
 		return 0
 	}
 	n := r.fileCountLocked()

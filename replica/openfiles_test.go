@@ -231,3 +231,42 @@ func TestRequestsRaceTheClosingOfIdleReplicas(t *testing.T) {
 		t.Errorf("only %d idle replicas were closed: the test did not exercise closing", closes)
 	}
 }
+
+// TestPinnedAndRebuildingReplicasStayOpen: with room for two replicas, a
+// pinned replica and one being rebuilt keep their files open while others
+// are used; unpinned and with the rebuild ended, they are closed like any
+// idle replica.
+func TestPinnedAndRebuildingReplicasStayOpen(t *testing.T) {
+	cfg := replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t), RegionSize: testRegionSize, MaxOpenFiles: 10}
+	s := openStore(t, cfg)
+	defer s.Close()
+	pinned, rebuilding := create(t, s, "pinned", 1<<20), create(t, s, "rebuilding", 1<<20)
+	unpin := pinned.Pin()
+	if err := rebuilding.BeginRebuild(op); err != nil {
+		t.Fatal(err)
+	}
+	useOthers := func(tag string) {
+		for i := range 4 {
+			r := create(t, s, fmt.Sprintf("%s%d", tag, i), 1<<20)
+			if err := r.WriteAt(op, pattern(1), 0); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	useOthers("a")
+	if !replica.FilesOpen(pinned) || !replica.FilesOpen(rebuilding) {
+		t.Fatalf("files open: pinned %v, rebuilding %v; want both", replica.FilesOpen(pinned), replica.FilesOpen(rebuilding))
+	}
+	unpin()
+	unpin() // a second call is a no-op
+	if err := rebuilding.EndRebuild(op); err != nil {
+		t.Fatal(err)
+	}
+	useOthers("b")
+	if replica.FilesOpen(pinned) || replica.FilesOpen(rebuilding) {
+		t.Errorf("files open once idle: pinned %v, rebuilding %v; want neither", replica.FilesOpen(pinned), replica.FilesOpen(rebuilding))
+	}
+	if got := readBlock(t, pinned, 0); !bytes.Equal(got, make([]byte, replica.BlockSize)) {
+		t.Errorf("pinned replica reads %x..., want zeroes", got[:4])
+	}
+}

@@ -60,6 +60,7 @@ type Replica struct {
 
 	cache   *fileCache    // the store's; nil: the files stay open until Close
 	lastUse atomic.Uint64 // cache.clock at the latest request
+	pins    atomic.Int64  // Pin calls not yet undone: the cache does not close the files
 }
 
 type failure struct{ err error }
