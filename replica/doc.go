@@ -219,7 +219,11 @@
 // Opening makes room first: idle replicas are closed, least recently
 // used first, until the new files fit (and an eighth of the budget more,
 // so that the choice is made once per many opens). If every open replica
-// is busy the budget is exceeded rather than a request refused. The cache
+// is busy the budget is exceeded rather than a request refused. A reopen
+// that fails for want of descriptors (EMFILE, ENFILE: the process's other
+// files) closes idle replicas regardless of the budget and tries once
+// more, so that a request is not failed (and its replica taken for
+// faulty by the engine) for a shortage the cache can relieve. The cache
 // only ever tries a replica's lock (TryLock), so it cannot deadlock with
 // a request holding its own; its own mutex is taken after a replica's.
 //

@@ -2,11 +2,13 @@ package replica
 
 import (
 	"cmp"
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 )
 
 // fileCache bounds the files a Store keeps open for its replicas (see
@@ -91,15 +93,23 @@ func (c *fileCache) makeRoom(self *Replica, need int) {
 	}
 	c.mu.Lock()
 	over := c.nfiles + need - c.budget
-	if over <= 0 {
-		c.mu.Unlock()
+	c.mu.Unlock()
+	if over > 0 {
+		c.closeIdle(self, over+c.budget/8)
+	}
+}
+
+// closeIdle closes idle replicas other than self, least recently used
+// first, until at least n files are closed or none is left to try.
+func (c *fileCache) closeIdle(self *Replica, n int) {
+	if c == nil {
 		return
 	}
-	over += c.budget / 8
 	type cand struct {
 		r    *Replica
 		used uint64
 	}
+	c.mu.Lock()
 	cands := make([]cand, 0, len(c.open))
 	for r := range c.open {
 		if r != self {
@@ -109,10 +119,10 @@ func (c *fileCache) makeRoom(self *Replica, need int) {
 	c.mu.Unlock()
 	slices.SortFunc(cands, func(a, b cand) int { return cmp.Compare(a.used, b.used) })
 	for _, v := range cands {
-		if over <= 0 {
+		if n <= 0 {
 			return
 		}
-		over -= v.r.closeIfIdle()
+		n -= v.r.closeIfIdle()
 	}
 }
 
@@ -193,7 +203,17 @@ func (r *Replica) reopen(need int) error {
 	if r.filesOpen {
 		return nil
 	}
-	if err := r.reopenFilesLocked(); err != nil {
+	err := r.reopenFilesLocked()
+	if r.cache != nil && (errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)) {
+		// The process (or system) is out of descriptors for reasons of its
+		// own (connections, say): give back some of the cache's and try
+		// once more, rather than fail a request, which would make the
+		// engine take this replica for faulty.
+		r.log.Warn("out of file descriptors reopening a replica; closing idle replicas", "err", err)
+		r.cache.closeIdle(r, need+r.cache.budget/8)
+		err = r.reopenFilesLocked()
+	}
+	if err != nil {
 		return err
 	}
 	r.filesOpen = true

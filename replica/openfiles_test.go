@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -268,5 +269,36 @@ func TestPinnedAndRebuildingReplicasStayOpen(t *testing.T) {
 	}
 	if got := readBlock(t, pinned, 0); !bytes.Equal(got, make([]byte, replica.BlockSize)) {
 		t.Errorf("pinned replica reads %x..., want zeroes", got[:4])
+	}
+}
+
+// TestReopenOutOfDescriptorsClosesIdleReplicas: a reopen that hits EMFILE
+// (the process's descriptors spent elsewhere, within the cache's budget)
+// closes idle replicas and succeeds, instead of failing the request.
+func TestReopenOutOfDescriptorsClosesIdleReplicas(t *testing.T) {
+	e := newMemEnv(t)
+	s, err := replica.OpenStore(replica.Config{Dir: "/stor", FS: e.efs, Logger: replicatest.Logger(t), RegionSize: testRegionSize, MaxOpenFiles: 15})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for i := range 4 {
+		r := create(t, s, fmt.Sprintf("r%d", i), 1<<20)
+		if err := r.WriteAt(op, pattern(byte(i+1)), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r0 := get(t, s, "r0")
+	if replica.FilesOpen(r0) {
+		t.Fatal("r0 is still open: the test needs it closed")
+	}
+	_, _, before := replica.FileCacheStats(s)
+	rule := e.efs.Add(errorfs.Rule{Path: "/stor/r0/", Ops: errorfs.OpOpen, Times: 1, Err: syscall.EMFILE})
+	if got := readBlock(t, r0, 0); !bytes.Equal(got, pattern(1)) {
+		t.Errorf("r0 read %x..., want 01...", got[:4])
+	}
+	_, _, after := replica.FileCacheStats(s)
+	if e.efs.Fired(rule) != 1 || after == before {
+		t.Errorf("EMFILE fired %d times, idle replicas closed %d → %d: want 1 and more", e.efs.Fired(rule), before, after)
 	}
 }
