@@ -223,7 +223,9 @@
 // that fails for want of descriptors (EMFILE, ENFILE: the process's other
 // files) closes idle replicas regardless of the budget and tries once
 // more, so that a request is not failed (and its replica taken for
-// faulty by the engine) for a shortage the cache can relieve. The cache
+// faulty by the engine) for a shortage the cache can relieve; so does the
+// first open of a replica by OpenStore or Create (which would otherwise
+// take it for damaged, or fail the create). The cache
 // only ever tries a replica's lock (TryLock), so it cannot deadlock with
 // a request holding its own; its own mutex is taken after a replica's.
 //

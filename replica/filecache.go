@@ -204,7 +204,7 @@ func (r *Replica) reopen(need int) error {
 		return nil
 	}
 	err := r.reopenFilesLocked()
-	if r.cache != nil && (errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)) {
+	if r.cache != nil && outOfFiles(err) {
 		// The process (or system) is out of descriptors for reasons of its
 		// own (connections, say): give back some of the cache's and try
 		// once more, rather than fail a request, which would make the
@@ -243,6 +243,12 @@ func (r *Replica) reopenFilesLocked() (err error) {
 		return err
 	}
 	return r.hist.jnl.reopen()
+}
+
+// outOfFiles reports whether err is the process or the system running out
+// of file descriptors.
+func outOfFiles(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE)
 }
 
 // lockOpen takes mu exclusively with the replica's files open (or the

@@ -302,3 +302,24 @@ func TestReopenOutOfDescriptorsClosesIdleReplicas(t *testing.T) {
 		t.Errorf("EMFILE fired %d times, idle replicas closed %d → %d: want 1 and more", e.efs.Fired(rule), before, after)
 	}
 }
+
+// TestOpenStoreOutOfDescriptorsIsNotDamage: a replica whose open at
+// OpenStore hits EMFILE once is opened after idle replicas are closed, not
+// listed as damaged (which would keep it unserved until a restart).
+func TestOpenStoreOutOfDescriptorsIsNotDamage(t *testing.T) {
+	e := newMemEnv(t)
+	s := e.open()
+	for i := range 4 {
+		create(t, s, fmt.Sprintf("r%d", i), 1<<20)
+	}
+	s.Close()
+	rule := e.efs.Add(errorfs.Rule{Path: "/stor/r3/dirty", Ops: errorfs.OpOpen, Times: 1, Err: syscall.EMFILE})
+	s = e.open()
+	defer s.Close()
+	if d := s.Damaged(); len(d) != 0 || e.efs.Fired(rule) != 1 {
+		t.Fatalf("damaged %v after one EMFILE (fired %d times)", d, e.efs.Fired(rule))
+	}
+	if got := readBlock(t, get(t, s, "r3"), 0); !bytes.Equal(got, make([]byte, replica.BlockSize)) {
+		t.Errorf("r3 read %x..., want zeroes", got[:4])
+	}
+}

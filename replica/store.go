@@ -78,7 +78,7 @@ func OpenStore(cfg Config) (*Store, error) {
 			continue
 		}
 		s.cache.makeRoom(nil, newReplicaFiles)
-		r, err := openReplica(fsys, path, s.log)
+		r, err := s.openReplica(path)
 		if err != nil {
 			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", name, "dir", path, "err", err)
 			s.damaged[name] = err
@@ -151,7 +151,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 	err := ioErr("sync dir "+dir, fsys.SyncDir(dir))
 	var r *Replica
 	if err == nil {
-		r, err = openReplica(fsys, final, s.log)
+		r, err = s.openReplica(final)
 	}
 	if err != nil {
 		s.undoCreateLocked(spec.ID, err)
@@ -193,7 +193,7 @@ func (s *Store) undoCreateLocked(id string, cause error) {
 // as created (grown to spec.Size if smaller); otherwise ErrExists, and it
 // is left as it is.
 func (s *Store) adoptLocked(spec Spec, path string) (*Replica, error) {
-	r, err := openReplica(s.cfg.FS, path, s.log)
+	r, err := s.openReplica(path)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s exists and is not a replica this store opened: %w", ErrExists, path, err)
 	}
@@ -213,6 +213,20 @@ func (s *Store) adoptLocked(spec Spec, path string) (*Replica, error) {
 	s.addLocked(r)
 	s.log.Info("replica adopted: a directory left by an earlier create", "replica", spec.ID, "volume", spec.VolumeID)
 	return r, nil
+}
+
+// openReplica opens the replica in dir. Out of descriptors (EMFILE,
+// ENFILE: the process's other files), it closes idle replicas and tries
+// once more, rather than take the replica for damaged or fail a create
+// for a shortage the file cache can relieve.
+func (s *Store) openReplica(dir string) (*Replica, error) {
+	r, err := openReplica(s.cfg.FS, dir, s.log)
+	if outOfFiles(err) {
+		s.log.Warn("out of file descriptors opening a replica; closing idle replicas", "dir", dir, "err", err)
+		s.cache.closeIdle(nil, newReplicaFiles+s.cache.budget/8)
+		r, err = openReplica(s.cfg.FS, dir, s.log)
+	}
+	return r, err
 }
 
 // newReplicaFiles is how many files a replica without snapshots holds open.
