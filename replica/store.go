@@ -60,6 +60,7 @@ func OpenStore(cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, ioErr("read "+cfg.Dir, err)
 	}
+	var names []string
 	for _, e := range entries {
 		name := e.Name()
 		path := filepath.Join(cfg.Dir, name)
@@ -77,19 +78,65 @@ func OpenStore(cfg Config) (*Store, error) {
 			s.log.Warn("ignoring a directory that is not a replica", "dir", path)
 			continue
 		}
-		s.cache.makeRoom(nil, newReplicaFiles)
-		r, err := s.openReplica(path)
-		if err != nil {
-			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", name, "dir", path, "err", err)
-			s.damaged[name] = err
-			continue
-		}
-		s.addLocked(r)
+		names = append(names, name)
 	}
+	s.openAll(names)
 	if err := fsys.SyncDir(cfg.Dir); err != nil {
 		return nil, errors.Join(ioErr("sync dir "+cfg.Dir, err), s.Close())
 	}
 	return s, nil
+}
+
+// openParallel is how many replicas OpenStore opens at once. Opening is
+// a few small reads per replica; on a cold page cache they wait for the
+// disk, which serves many at once (measured in docs/BENCHMARKS.md).
+const openParallel = 16
+
+// openAll opens the replicas named (directories of the store) with
+// openParallel workers, and enters them into the store, or into damaged
+// with their errors.
+func (s *Store) openAll(names []string) {
+	type result struct {
+		name string
+		r    *Replica
+		err  error
+	}
+	todo := make(chan string)
+	done := make(chan result)
+	var wg sync.WaitGroup
+	for range min(openParallel, len(names)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for name := range todo {
+				s.cache.makeRoom(nil, newReplicaFiles)
+				r, err := s.openReplica(filepath.Join(s.cfg.Dir, name))
+				if err == nil {
+					s.cacheAdd(r)
+				}
+				done <- result{name, r, err}
+			}
+		}()
+	}
+	go func() {
+		defer close(todo)
+		for _, name := range names {
+			todo <- name
+		}
+	}()
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	for res := range done {
+		if res.err != nil {
+			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", res.name,
+				"dir", filepath.Join(s.cfg.Dir, res.name), "err", res.err)
+			s.damaged[res.name] = res.err
+			continue
+		}
+		s.replicas[res.name] = res.r
+	}
 }
 
 // Create creates a replica, or returns the existing one with the same ID
@@ -233,13 +280,18 @@ func (s *Store) openReplica(dir string) (*Replica, error) {
 const newReplicaFiles = 3 + layerFiles
 
 // addLocked enters r, just opened, into the store and its file cache. The
-// caller holds s.mu (or is OpenStore).
+// caller holds s.mu.
 func (s *Store) addLocked(r *Replica) {
+	s.cacheAdd(r)
+	s.replicas[r.id] = r
+}
+
+// cacheAdd enters r, just opened, into the store's file cache.
+func (s *Store) cacheAdd(r *Replica) {
 	r.cache = s.cache
 	r.mu.Lock()
 	s.cache.add(r, r.fileCountLocked())
 	r.mu.Unlock()
-	s.replicas[r.id] = r
 }
 
 // Get returns replica id: ErrNotFound if there is none; the open error if
