@@ -83,7 +83,7 @@ func (c *fileCache) stats() (files int, opens, closes uint64) {
 // makeRoom closes idle replicas, least recently used first, until need
 // more files fit in the budget; it closes an eighth of the budget more
 // than that, so that its sort is paid once per many opens. A replica that
-// is busy (a request holds its operation lock), rebuilding, or self is
+// is busy (a request holds its operation lock), rebuilding, pinned, or self is
 // left open; if that leaves too few to close, the budget is exceeded
 // rather than a request failed. The caller holds no replica's lock (it
 // only ever tries them, so it cannot deadlock with one that holds its own).
@@ -155,8 +155,9 @@ func (r *Replica) noteUse() {
 // holds mu.
 func (r *Replica) fileCountLocked() int { return 3 + layerFiles*len(r.layers) }
 
-// closeIfIdle closes r's files if no request holds its operation lock and
-// no rebuild is in progress on it, and returns how many it closed.
+// closeIfIdle closes r's files if no request holds its operation lock (it
+// only tries the lock), no rebuild is in progress on it and it is not
+// pinned, and returns how many it closed.
 func (r *Replica) closeIfIdle() int {
 	if !r.mu.TryLock() {
 		return 0
