@@ -29,7 +29,9 @@ const (
 // O(writes in flight), whatever the volume size; marking a write costs
 // the runs it meets, not its regions.
 type dirtyLog struct {
-	f          File
+	fs         FS
+	path       string
+	f          File // nil while the replica's files are closed
 	regionSize int64
 
 	mu    sync.Mutex
@@ -79,7 +81,7 @@ func openDirtyLog(fsys FS, path string, regionSize int64, nregions uint64) (*dir
 		f.Close()
 		return nil, fmt.Errorf("%w: %s: bad header", ErrCorrupt, path)
 	}
-	d := &dirtyLog{f: f, regionSize: regionSize, spans: map[*[2]uint64]struct{}{}}
+	d := &dirtyLog{fs: fsys, path: path, f: f, regionSize: regionSize, spans: map[*[2]uint64]struct{}{}}
 	for i, b := range buf[dirtyHeaderSize:] {
 		for bit := range 8 {
 			if r := uint64(i)*8 + uint64(bit); b&(1<<bit) != 0 && r < nregions {
@@ -279,4 +281,23 @@ func (d *dirtyLog) list() [][2]uint64 {
 	return runs
 }
 
-func (d *dirtyLog) close() error { return d.f.Close() }
+// close closes the log's file; reopen opens it again. Closing a closed
+// log is a no-op. The caller holds Replica.mu exclusively (no write is in
+// flight), so d.mu is not needed.
+func (d *dirtyLog) close() error {
+	if d.f == nil {
+		return nil
+	}
+	err := d.f.Close()
+	d.f = nil
+	return err
+}
+
+func (d *dirtyLog) reopen() error {
+	f, err := d.fs.OpenFile(d.path, os.O_RDWR, 0)
+	if err != nil {
+		return ioErr("reopen dirty log", err)
+	}
+	d.f = f
+	return nil
+}

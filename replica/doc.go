@@ -38,7 +38,13 @@
 //
 // A Store creates a replica in .creating-<id> and renames it into place,
 // and deletes one by renaming it to .deleting-<id> first; OpenStore removes
-// such leftovers, and layer files that meta.json does not name.
+// such leftovers, and layer files that meta.json does not name. A Create
+// that fails after its rename (the directory sync or the open failed:
+// EMFILE, EIO) renames the directory to .deleting-<id> and removes it, so
+// a failed Create leaves nothing a later Create or OpenStore would take
+// for a replica; if even that rename fails, the directory (complete: all
+// of it was synced before the rename) is adopted by a retried Create of
+// the same replica and volume.
 //
 // # On-disk formats
 //
@@ -183,6 +189,46 @@
 // never change, so it still serves those snapshots; a new replica (a
 // replacement) holds no layers and serves none of the older snapshots.
 //
+// # Open files
+//
+// An open replica holds 3 files (epoch, dirty log, history) and 2 per
+// layer. A server with thousands of replicas cannot keep them all open,
+// so a Store keeps at most Config.MaxOpenFiles of them open (a soft
+// bound: see below) and closes the least recently used idle replicas'
+// files to make room. The rule, in one place:
+//
+//   - Closing takes the replica's operation lock exclusively, by TryLock
+//     only: a replica with a request in flight (which holds it shared) or
+//     a waiting exclusive operation is busy and is not closed. A replica
+//     with a rebuild in progress, or pinned (Replica.Pin: the data service
+//     pins every replica a client has open), is not closed either.
+//   - Before its files are closed, everything the replica holds is made
+//     durable by a sync (data, then index journals, then the write
+//     history; the epoch file and the set bits of the dirty log are
+//     always synced when written). A sync is not a Flush: the dirty log's
+//     bits are not cleared by it (so the engine's flush contract is
+//     untouched). A failed sync fails the replica as it always does.
+//   - Only files are closed. Everything in memory stays: the layer
+//     indexes, the dirty regions with their clearing times, the write
+//     history, the epoch, a rebuild's tracking, a failure. Reopening
+//     replays nothing; it opens the same paths again.
+//   - Every request reopens the files (with the lock held exclusively)
+//     when it finds them closed under its shared lock, and retries its
+//     entry; so no request ever runs with a file closed.
+//
+// Opening makes room first: idle replicas are closed, least recently
+// used first, until the new files fit (and an eighth of the budget more,
+// so that the choice is made once per many opens). If every open replica
+// is busy the budget is exceeded rather than a request refused. A reopen
+// that fails for want of descriptors (EMFILE, ENFILE: the process's other
+// files) closes idle replicas regardless of the budget and tries once
+// more, so that a request is not failed (and its replica taken for
+// faulty by the engine) for a shortage the cache can relieve; so does the
+// first open of a replica by OpenStore or Create (which would otherwise
+// take it for damaged, or fail the create). The cache
+// only ever tries a replica's lock (TryLock), so it cannot deadlock with
+// a request holding its own; its own mutex is taken after a replica's.
+//
 // # Concurrency
 //
 // Replica methods are safe for concurrent use. Writes to disjoint ranges
@@ -195,5 +241,6 @@
 // pread racing a pwrite can see a page half copied; TestReadNeverSeesATornBlock).
 //
 // Lock order: Store.mu → Replica.snapMu → Replica.mu (the operation lock)
-// → flushMu → the range lock → layer, log and history locks.
+// → flushMu → the range lock → layer, log and history locks; the file
+// cache's mutex after Replica.mu (other replicas' locks only by TryLock).
 package replica

@@ -561,3 +561,79 @@ func TestSnapshotOpsFailingHalfway(t *testing.T) {
 }
 
 func fmtSnaps(r *replica.Replica) string { return fmt.Sprint(r.Snapshots()) }
+
+// TestFailedCreateLeavesNothingBehind: a Create that fails after its
+// directory was renamed into place (here: the open of the new replica's
+// files hits EMFILE, as a server past its open-file limit does) leaves no
+// directory that a retried Create refuses or a reopened store serves, and
+// the retried Create succeeds.
+func TestFailedCreateLeavesNothingBehind(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		rule errorfs.Rule // fires rule.Times times
+	}{
+		// Out of descriptors, the store closes idle replicas and tries
+		// once more: the second failure fails the create.
+		{"open EMFILE", errorfs.Rule{Path: "/stor/r1/epoch", Ops: errorfs.OpOpen, Err: syscall.EMFILE, Times: 2}},
+		{"layer open EIO", errorfs.Rule{Path: "/stor/r1/layer-", Ops: errorfs.OpOpen, Times: 1}},
+		{"dir sync EIO", errorfs.Rule{Path: "/stor", Ops: errorfs.OpSyncDir, After: 1, Times: 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newMemEnv(t)
+			s := e.open()
+			fired := e.efs.Add(tc.rule)
+			_, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v", Size: 1 << 20})
+			if err == nil || e.efs.Fired(fired) != tc.rule.Times {
+				t.Fatalf("Create with a failing %s: %v (rule fired %d times)", tc.name, err, e.efs.Fired(fired))
+			}
+			ents, err := e.mem.ReadDir("/stor")
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, ent := range ents {
+				t.Errorf("a failed create left %s behind", ent.Name())
+			}
+			if _, err := s.Get("r1"); !errors.Is(err, replica.ErrNotFound) {
+				t.Errorf("Get after a failed create: %v, want ErrNotFound", err)
+			}
+			r := create(t, s, "r1", 1<<20)
+			if err := r.WriteAt(op, pattern(7), 0); err != nil {
+				t.Fatalf("WriteAt: %v", err)
+			}
+			if got := readBlock(t, r, 0); !bytes.Equal(got, pattern(7)) {
+				t.Errorf("read back %x..., want 07...", got[:4])
+			}
+			s.Close()
+		})
+	}
+}
+
+// TestCreateAdoptsWhatAFailedUndoLeft: when a failed Create cannot even
+// move its directory away, a retried Create of the same replica adopts it,
+// and one for another volume is refused.
+func TestCreateAdoptsWhatAFailedUndoLeft(t *testing.T) {
+	e := newMemEnv(t)
+	s := e.open()
+	defer s.Close()
+	e.efs.Add(errorfs.Rule{Path: "/stor/r1/dirty", Ops: errorfs.OpOpen, Times: 2, Err: syscall.EMFILE})
+	e.efs.Add(errorfs.Rule{Path: ".deleting-r1", Ops: errorfs.OpRename, Times: 1})
+	if _, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v", Size: 1 << 20}); err == nil {
+		t.Fatal("Create succeeded with a failing open")
+	}
+	if _, err := s.Create(replica.Spec{ID: "r1", VolumeID: "other", Size: 1 << 20}); !errors.Is(err, replica.ErrExists) {
+		t.Errorf("Create for another volume: %v, want ErrExists", err)
+	}
+	r, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v", Size: 2 << 20})
+	if err != nil {
+		t.Fatalf("retried Create: %v", err)
+	}
+	if r.Size() != 2<<20 {
+		t.Errorf("adopted replica has size %d, want %d", r.Size(), 2<<20)
+	}
+	if err := r.WriteAt(op, pattern(3), 1<<20); err != nil {
+		t.Fatalf("WriteAt: %v", err)
+	}
+	if got := readBlock(t, r, 1<<20); !bytes.Equal(got, pattern(3)) {
+		t.Errorf("read back %x..., want 03...", got[:4])
+	}
+}

@@ -20,6 +20,16 @@ func punchHole(f *os.File, off, n int64) error {
 	}
 }
 
+// openFileLimit is the process's RLIMIT_NOFILE (soft), or 1024 if it
+// cannot be read.
+func openFileLimit() int {
+	var l unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &l); err != nil || l.Cur > 1<<30 {
+		return 1024
+	}
+	return int(l.Cur)
+}
+
 func datasync(f *os.File) error {
 	for {
 		err := unix.Fdatasync(int(f.Fd()))

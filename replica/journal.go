@@ -220,7 +220,27 @@ func (j *journal) rewrite(payloads [][]byte) error {
 	return nil
 }
 
-func (j *journal) close() error { return j.f.Close() }
+// close closes the journal's file; it is reopened by reopen. Closing a
+// closed journal is a no-op.
+func (j *journal) close() error {
+	if j.f == nil {
+		return nil
+	}
+	err := j.f.Close()
+	j.f = nil
+	return err
+}
+
+// reopen opens the file of a journal closed by close. Appends go on at
+// the recorded size and seq: the file was synced to them before the close.
+func (j *journal) reopen() error {
+	f, err := j.fs.OpenFile(j.path, os.O_RDWR, 0)
+	if err != nil {
+		return ioErr("reopen "+j.path, err)
+	}
+	j.f = f
+	return nil
+}
 
 // splitPayloads cuts records of recSize bytes into payloads that fit a
 // batch, each starting with prefix.

@@ -127,13 +127,37 @@ func openLayer(fsys FS, dir string, id uint64, maxBlock uint64) (*layer, error) 
 	return l, nil
 }
 
+// close closes the layer's files; reopen opens them again. Closing a
+// closed layer is a no-op.
 func (l *layer) close() error {
-	err := l.data.Close()
+	var err error
+	if l.data != nil {
+		err = l.data.Close()
+		l.data = nil
+	}
 	if jerr := l.jnl.close(); err == nil {
 		err = jerr
 	}
 	return err
 }
+
+// reopen opens the files of a layer closed by close. Its index stays in
+// memory: nothing is replayed.
+func (l *layer) reopen(fsys FS) error {
+	f, err := fsys.OpenFile(l.base+".data", os.O_RDWR, 0)
+	if err != nil {
+		return ioErr("reopen layer data", err)
+	}
+	if err := l.jnl.reopen(); err != nil {
+		f.Close()
+		return err
+	}
+	l.data = f
+	return nil
+}
+
+// layerFiles is the number of files an open layer holds.
+const layerFiles = 2
 
 func (l *layer) has(b uint64) bool {
 	l.mu.RLock()

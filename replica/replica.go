@@ -31,15 +31,16 @@ type Replica struct {
 	// snapshot, dropping a merged layer, growing, rebuild begin/end and
 	// Close hold it exclusively. So once a higher epoch is recorded no
 	// request of a lower epoch is still applying anything.
-	mu      sync.RWMutex
-	closed  bool          // guarded by mu
-	layers  []*layer      // guarded by mu: oldest first, the head last
-	meta    meta          // guarded by mu: as in meta.json
-	rebuild *rebuildState // guarded by mu (its contents by its own lock)
-	ranges  rangeLock     // per-block write serialisation
-	dirty   *dirtyLog     // own lock
-	hist    *history      // own lock; its journal under flushMu
-	failure atomic.Pointer[failure]
+	mu        sync.RWMutex
+	closed    bool          // guarded by mu
+	filesOpen bool          // guarded by mu: false while the store's file cache has closed them
+	layers    []*layer      // guarded by mu: oldest first, the head last
+	meta      meta          // guarded by mu: as in meta.json
+	rebuild   *rebuildState // guarded by mu (its contents by its own lock)
+	ranges    rangeLock     // per-block write serialisation
+	dirty     *dirtyLog     // own lock
+	hist      *history      // own lock; its journal under flushMu
+	failure   atomic.Pointer[failure]
 
 	// genMu guards the epoch file and its state; the epoch half is only
 	// changed with mu held exclusively, the generation half with mu held
@@ -56,6 +57,10 @@ type Replica struct {
 	syncDone    atomic.Uint64 // number of the latest sync completed
 
 	snapMu sync.Mutex // serialises DeleteSnapshot
+
+	cache   *fileCache    // the store's; nil: the files stay open until Close
+	lastUse atomic.Uint64 // cache.clock at the latest request
+	pins    atomic.Int64  // Pin calls not yet undone: the cache does not close the files
 }
 
 type failure struct{ err error }
@@ -158,6 +163,7 @@ func openReplica(fsys FS, dir string, log *slog.Logger) (_ *Replica, err error) 
 	if err := r.openHistory(nregions); err != nil {
 		return nil, err
 	}
+	r.filesOpen = true
 	return r, nil
 }
 
@@ -221,6 +227,7 @@ func (r *Replica) removeOrphans() {
 	}
 }
 
+// closeFiles closes whatever files of the replica are open.
 func (r *Replica) closeFiles() error {
 	var errs []error
 	for _, l := range r.layers {
@@ -228,6 +235,7 @@ func (r *Replica) closeFiles() error {
 	}
 	if r.epochFile != nil {
 		errs = append(errs, r.epochFile.Close())
+		r.epochFile = nil
 	}
 	if r.dirty != nil {
 		errs = append(errs, r.dirty.close())
@@ -275,6 +283,15 @@ func (r *Replica) enter(o Op) error {
 			r.mu.RUnlock()
 			return fmt.Errorf("%w: request epoch %d, replica %s is at %d", ErrStaleEpoch, o.Epoch, r.id, cur)
 		}
+		if !r.filesOpen {
+			need := r.fileCountLocked()
+			r.mu.RUnlock()
+			if err := r.reopen(need); err != nil {
+				return err
+			}
+			continue
+		}
+		r.noteUse()
 		if o.Epoch == cur {
 			if err := r.failed(); err != nil {
 				r.mu.RUnlock()
@@ -289,7 +306,9 @@ func (r *Replica) enter(o Op) error {
 			return nil
 		}
 		r.mu.RUnlock()
-		r.mu.Lock()
+		if err := r.lockOpen(); err != nil {
+			return err
+		}
 		err := r.raiseEpochLocked(o.Epoch)
 		r.mu.Unlock()
 		if err != nil {
@@ -301,7 +320,9 @@ func (r *Replica) enter(o Op) error {
 // enterExclusive is enter for requests that hold mu exclusively; it
 // returns holding it.
 func (r *Replica) enterExclusive(o Op) error {
-	r.mu.Lock()
+	if err := r.lockOpen(); err != nil {
+		return err
+	}
 	if err := r.raiseEpochLocked(o.Epoch); err != nil {
 		r.mu.Unlock()
 		return err
@@ -385,9 +406,12 @@ func (r *Replica) Close() error {
 	}
 	r.closed = true
 	var errs []error
-	if r.failure.Load() == nil {
+	if r.filesOpen && r.failure.Load() == nil {
+		// (Files closed while idle were synced before they were closed.)
 		errs = append(errs, r.flushLocked())
 	}
 	errs = append(errs, r.closeFiles())
+	r.filesOpen = false
+	r.cache.remove(r, false)
 	return errors.Join(errs...)
 }

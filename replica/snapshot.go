@@ -67,6 +67,7 @@ func (r *Replica) CreateSnapshot(o Op, id string) error {
 	head.snapshot, head.size = id, size
 	r.layers = append(r.layers, nl)
 	r.meta = m
+	r.cache.resize(r, r.fileCountLocked())
 	r.log.Info("snapshot created", "snapshot", id, "layer", head.id)
 	return nil
 }
@@ -178,6 +179,9 @@ func (r *Replica) DeleteSnapshot(o Op, id string) error {
 	}
 	r.meta = m
 	r.layers = slices.Delete(slices.Clone(r.layers), i, i+1)
+	if r.filesOpen {
+		r.cache.resize(r, r.fileCountLocked())
+	}
 	done = true
 	r.mu.Unlock()
 

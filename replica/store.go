@@ -28,6 +28,8 @@ type Store struct {
 	cfg Config
 	log *slog.Logger
 
+	cache *fileCache
+
 	mu       sync.Mutex
 	closed   bool
 	replicas map[string]*Replica // guarded by mu
@@ -44,7 +46,7 @@ func OpenStore(cfg Config) (*Store, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Store{cfg: cfg, log: cfg.Logger, replicas: map[string]*Replica{}, damaged: map[string]error{}}
+	s := &Store{cfg: cfg, log: cfg.Logger, cache: newFileCache(cfg.MaxOpenFiles), replicas: map[string]*Replica{}, damaged: map[string]error{}}
 	fsys := cfg.FS
 	if err := fsys.MkdirAll(cfg.Dir, 0o755); err != nil {
 		return nil, ioErr("mkdir "+cfg.Dir, err)
@@ -58,6 +60,7 @@ func OpenStore(cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, ioErr("read "+cfg.Dir, err)
 	}
+	var names []string
 	for _, e := range entries {
 		name := e.Name()
 		path := filepath.Join(cfg.Dir, name)
@@ -75,18 +78,65 @@ func OpenStore(cfg Config) (*Store, error) {
 			s.log.Warn("ignoring a directory that is not a replica", "dir", path)
 			continue
 		}
-		r, err := openReplica(fsys, path, s.log)
-		if err != nil {
-			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", name, "dir", path, "err", err)
-			s.damaged[name] = err
-			continue
-		}
-		s.replicas[name] = r
+		names = append(names, name)
 	}
+	s.openAll(names)
 	if err := fsys.SyncDir(cfg.Dir); err != nil {
 		return nil, errors.Join(ioErr("sync dir "+cfg.Dir, err), s.Close())
 	}
 	return s, nil
+}
+
+// openParallel is how many replicas OpenStore opens at once. Opening is
+// a few small reads per replica; on a cold page cache they wait for the
+// disk, which serves many at once (measured in docs/BENCHMARKS.md).
+const openParallel = 16
+
+// openAll opens the replicas named (directories of the store) with
+// openParallel workers, and enters them into the store, or into damaged
+// with their errors.
+func (s *Store) openAll(names []string) {
+	type result struct {
+		name string
+		r    *Replica
+		err  error
+	}
+	todo := make(chan string)
+	done := make(chan result)
+	var wg sync.WaitGroup
+	for range min(openParallel, len(names)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for name := range todo {
+				s.cache.makeRoom(nil, newReplicaFiles)
+				r, err := s.openReplica(filepath.Join(s.cfg.Dir, name))
+				if err == nil {
+					s.cacheAdd(r)
+				}
+				done <- result{name, r, err}
+			}
+		}()
+	}
+	go func() {
+		defer close(todo)
+		for _, name := range names {
+			todo <- name
+		}
+	}()
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	for res := range done {
+		if res.err != nil {
+			s.log.Error("replica is damaged; it is kept as it is and not served", "replica", res.name,
+				"dir", filepath.Join(s.cfg.Dir, res.name), "err", res.err)
+			s.damaged[res.name] = res.err
+			continue
+		}
+		s.replicas[res.name] = res.r
+	}
 }
 
 // Create creates a replica, or returns the existing one with the same ID
@@ -102,6 +152,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 	if spec.Size == 0 || spec.Size%BlockSize != 0 || spec.Size > MaxSize {
 		return nil, fmt.Errorf("%w: size %d is not a positive multiple of %d up to %d", ErrInvalid, spec.Size, BlockSize, uint64(MaxSize))
 	}
+	s.cache.makeRoom(nil, newReplicaFiles)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -131,7 +182,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 	tmp := filepath.Join(dir, creatingPrefix+spec.ID)
 	final := filepath.Join(dir, spec.ID)
 	if _, err := fsys.Stat(final); err == nil {
-		return nil, fmt.Errorf("%w: %s exists and is not a replica this store opened", ErrExists, final)
+		return s.adoptLocked(spec, final)
 	}
 	if err := fsys.RemoveAll(tmp); err != nil {
 		return nil, ioErr("remove "+tmp, err)
@@ -144,16 +195,103 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 		fsys.RemoveAll(tmp)
 		return nil, ioErr("rename "+tmp, err)
 	}
-	if err := fsys.SyncDir(dir); err != nil {
-		return nil, ioErr("sync dir "+dir, err)
+	err := ioErr("sync dir "+dir, fsys.SyncDir(dir))
+	var r *Replica
+	if err == nil {
+		r, err = s.openReplica(final)
 	}
-	r, err := openReplica(fsys, final, s.log)
 	if err != nil {
+		s.undoCreateLocked(spec.ID, err)
 		return nil, err
 	}
-	s.replicas[spec.ID] = r
+	s.addLocked(r)
 	s.log.Info("replica created", "replica", spec.ID, "volume", spec.VolumeID, "size", spec.Size)
 	return r, nil
+}
+
+// undoCreateLocked takes away the directory of replica id, which a Create
+// renamed into place but then failed to make durable or to open (cause):
+// a failed Create leaves nothing that a later Create or OpenStore would
+// take for a replica. If even the rename away fails, the directory stays
+// (it is complete: everything in it was synced before the rename) and a
+// retried Create adopts it (adoptLocked).
+func (s *Store) undoCreateLocked(id string, cause error) {
+	fsys, dir := s.cfg.FS, s.cfg.Dir
+	trash := filepath.Join(dir, deletingPrefix+id)
+	if err := fsys.RemoveAll(trash); err != nil {
+		s.log.Warn("undoing a failed create", "replica", id, "cause", cause, "err", err)
+		return
+	}
+	if err := fsys.Rename(filepath.Join(dir, id), trash); err != nil {
+		s.log.Warn("undoing a failed create; a retried create adopts it", "replica", id, "cause", cause, "err", err)
+		return
+	}
+	if err := fsys.SyncDir(dir); err != nil {
+		s.log.Warn("undoing a failed create", "replica", id, "cause", cause, "err", err)
+	}
+	if err := fsys.RemoveAll(trash); err != nil {
+		s.log.Warn("removing the files of a failed create; retried at the next open", "dir", trash, "err", err)
+	}
+}
+
+// adoptLocked is Create for a replica directory that exists but that this
+// store did not open: what a Create whose undo failed leaves (see
+// undoCreateLocked). If it opens and belongs to spec's volume it is taken
+// as created (grown to spec.Size if smaller); otherwise ErrExists, and it
+// is left as it is.
+func (s *Store) adoptLocked(spec Spec, path string) (*Replica, error) {
+	r, err := s.openReplica(path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s exists and is not a replica this store opened: %w", ErrExists, path, err)
+	}
+	if r.VolumeID() != spec.VolumeID {
+		r.Close()
+		return nil, fmt.Errorf("%w: %s exists and holds a replica of volume %s, not %s", ErrExists, path, r.VolumeID(), spec.VolumeID)
+	}
+	if spec.Size > r.Size() {
+		r.mu.Lock()
+		err := r.growLocked(spec.Size)
+		r.mu.Unlock()
+		if err != nil {
+			r.Close()
+			return nil, err
+		}
+	}
+	s.addLocked(r)
+	s.log.Info("replica adopted: a directory left by an earlier create", "replica", spec.ID, "volume", spec.VolumeID)
+	return r, nil
+}
+
+// openReplica opens the replica in dir. Out of descriptors (EMFILE,
+// ENFILE: the process's other files), it closes idle replicas and tries
+// once more, rather than take the replica for damaged or fail a create
+// for a shortage the file cache can relieve.
+func (s *Store) openReplica(dir string) (*Replica, error) {
+	r, err := openReplica(s.cfg.FS, dir, s.log)
+	if outOfFiles(err) {
+		s.log.Warn("out of file descriptors opening a replica; closing idle replicas", "dir", dir, "err", err)
+		s.cache.closeIdle(nil, newReplicaFiles+s.cache.budget/8)
+		r, err = openReplica(s.cfg.FS, dir, s.log)
+	}
+	return r, err
+}
+
+// newReplicaFiles is how many files a replica without snapshots holds open.
+const newReplicaFiles = 3 + layerFiles
+
+// addLocked enters r, just opened, into the store and its file cache. The
+// caller holds s.mu.
+func (s *Store) addLocked(r *Replica) {
+	s.cacheAdd(r)
+	s.replicas[r.id] = r
+}
+
+// cacheAdd enters r, just opened, into the store's file cache.
+func (s *Store) cacheAdd(r *Replica) {
+	r.cache = s.cache
+	r.mu.Lock()
+	s.cache.add(r, r.fileCountLocked())
+	r.mu.Unlock()
 }
 
 // Get returns replica id: ErrNotFound if there is none; the open error if

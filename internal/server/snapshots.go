@@ -257,6 +257,7 @@ func (d *dataPlane) copyClone(v *storpb.Volume, rep *storpb.Replica, s *storpb.S
 	if err != nil {
 		return err
 	}
+	defer dst.Pin()() // the store keeps its files open for the copy
 	var errs []error
 	for _, from := range sources {
 		srv := w.servers[from.ServerId]

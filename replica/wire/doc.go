@@ -90,7 +90,9 @@
 // OPEN with a non-zero epoch fences the replica (replica.Replica.Fence)
 // before answering; with epoch 0 it opens without fencing. Either way
 // every request carries its own epoch and the store refuses stale ones.
-// Handles belong to the connection that opened them and die with it.
+// Handles belong to the connection that opened them and die with it. While
+// a handle is open, a replica that implements Pinner (the store's does) is
+// pinned: the store keeps its files open (replica's doc, "Open files").
 //
 // # Authorisation
 //

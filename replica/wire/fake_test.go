@@ -24,6 +24,7 @@ type fakeReplica struct {
 	// hook, if set, runs before every operation, outside mu. It may block
 	// (to hold a request in the store) or return an error to fail it.
 	hook atomic.Pointer[func(op string, off int64) error]
+	pins atomic.Int64 // Pin calls not undone
 
 	mu           sync.Mutex
 	size         uint64
@@ -375,3 +376,11 @@ func (w tbWriter) Write(p []byte) (int, error) {
 }
 
 func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// Pin counts the handles that have the replica open (as *replica.Replica
+// keeps its files open for them).
+func (f *fakeReplica) Pin() func() {
+	f.pins.Add(1)
+	var once sync.Once
+	return func() { once.Do(func() { f.pins.Add(-1) }) }
+}

@@ -340,11 +340,25 @@ type serverConn struct {
 	nextHandle uint32            // guarded by hmu
 }
 
-// handle is an open replica and what the Authorizer granted it (nil: no
-// Authorizer).
+// handle is an open replica, what the Authorizer granted it (nil: no
+// Authorizer), and how to unpin it (nil: the replica has no Pin).
 type handle struct {
 	r     Replica
 	grant Grant
+	unpin func()
+}
+
+// Pinner is implemented by a Replica whose files the store may close while
+// it is idle (*replica.Replica): the server pins it for as long as a
+// handle has it open, so that an attached volume never pays a reopen.
+type Pinner interface {
+	Pin() (unpin func())
+}
+
+func (h handle) release() {
+	if h.unpin != nil {
+		h.unpin()
+	}
 }
 
 func newServerConn(s *Server, nc net.Conn) *serverConn {
@@ -391,6 +405,13 @@ func (c *serverConn) run() {
 	c.shutdown(err)
 	c.workers.Wait()
 	c.w.close()
+	// No request runs any more: the handles die with the connection.
+	c.hmu.Lock()
+	for id, hd := range c.handles {
+		hd.release()
+		delete(c.handles, id)
+	}
+	c.hmu.Unlock()
 }
 
 // readLoop reads requests until the stream fails or cannot be trusted.
@@ -630,9 +651,10 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 		return c.open(req)
 	case OpClose:
 		c.hmu.Lock()
-		_, ok := c.handles[h.Handle]
+		hd, ok := c.handles[h.Handle]
 		delete(c.handles, h.Handle)
 		c.hmu.Unlock()
+		hd.release()
 		if !ok {
 			return nil, nil, fmt.Errorf("wire: CLOSE handle %d: %w", h.Handle, ErrBadHandle)
 		}
@@ -740,9 +762,14 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 			return nil, nil, err
 		}
 	}
+	hd := handle{r: r, grant: grant}
+	if p, ok := r.(Pinner); ok {
+		hd.unpin = p.Pin()
+	}
 	c.hmu.Lock()
 	if err := c.checkHandlesLocked(id); err != nil {
 		c.hmu.Unlock()
+		hd.release()
 		return nil, nil, err
 	}
 	c.nextHandle++
@@ -750,7 +777,7 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 		c.nextHandle = 1
 	}
 	hid := c.nextHandle
-	c.handles[hid] = handle{r, grant}
+	c.handles[hid] = hd
 	c.hmu.Unlock()
 	rep := OpenReply{Handle: hid, Size: r.Size(), Epoch: r.Epoch()}
 	return rep.AppendTo(make([]byte, 0, OpenReplySize)), nil, nil

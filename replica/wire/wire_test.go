@@ -985,3 +985,41 @@ func TestStartWriteAtThenWait(t *testing.T) {
 		t.Fatalf("StartWriteAt after the break: %v, want ErrDisconnected", err)
 	}
 }
+
+// TestHandlesPinTheirReplica: a replica is pinned once per open handle,
+// unpinned by CLOSE and by the connection's end, and an OPEN refused for
+// too many handles leaves no pin.
+func TestHandlesPinTheirReplica(t *testing.T) {
+	h := newHarness(t, ServerConfig{MaxHandles: 2})
+	r := h.backend["r1"]
+	ctx := context.Background()
+	c := h.dial(ClientConfig{})
+	var hs []*Handle
+	for range 2 {
+		hd, err := c.Open(ctx, "r1", 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, hd)
+	}
+	if _, err := c.Open(ctx, "r1", 1); !errors.Is(err, replica.ErrInvalid) {
+		t.Fatalf("third open: %v, want ErrInvalid", err)
+	}
+	if n := r.pins.Load(); n != 2 {
+		t.Fatalf("%d pins with two handles open", n)
+	}
+	if err := hs[0].Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := r.pins.Load(); n != 1 {
+		t.Fatalf("%d pins after closing one of two handles", n)
+	}
+	c.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for r.pins.Load() != 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := r.pins.Load(); n != 0 {
+		t.Fatalf("%d pins left after the connection closed", n)
+	}
+}

@@ -1,0 +1,12 @@
+package replica
+
+// FileCacheStats exposes the store's file cache counters to the external
+// tests: files open now, file sets opened, and idle file sets closed.
+func FileCacheStats(s *Store) (files int, opens, closes uint64) { return s.cache.stats() }
+
+// FilesOpen reports whether r's files are open.
+func FilesOpen(r *Replica) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	return r.filesOpen
+}
