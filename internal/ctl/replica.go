@@ -3,6 +3,7 @@ package ctl
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/spf13/cobra"
@@ -82,6 +83,7 @@ func newReplicaAddCommand(a *app) *cobra.Command {
 	var (
 		byID   bool
 		server string
+		wait   bool
 	)
 	cmd := &cobra.Command{
 		Use:   "add VOLUME [--on SERVER]",
@@ -92,16 +94,31 @@ the global flag naming the cluster to talk to.)`,
 		Args: exactArgs("VOLUME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				var before *storpb.Volume
+				if wait {
+					b, err := c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: volumeRef(args[0], byID)})
+					if err != nil {
+						return err
+					}
+					before = b.GetVolume()
+				}
 				resp, err := c.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: volumeRef(args[0], byID), ServerId: server})
 				if err != nil {
 					return err
 				}
-				return a.printReplicas(resp.GetVolume())
+				v := resp.GetVolume()
+				if wait {
+					if v, err = a.waitNewReplica(ctx, c, before, v); err != nil {
+						return err
+					}
+				}
+				return a.printReplicas(v)
 			})
 		},
 	}
 	cmd.Flags().StringVar(&server, "on", "", "place the new replica on this server (id)")
 	addIDFlag(cmd, &byID, "VOLUME")
+	addWaitFlag(a, cmd, &wait, "the new replica is healthy")
 	return cmd
 }
 
@@ -110,6 +127,7 @@ func newReplicaRemoveCommand(a *app) *cobra.Command {
 		byID    bool
 		replace bool
 		server  string
+		wait    bool
 	)
 	cmd := &cobra.Command{
 		Use:   "remove VOLUME REPLICA",
@@ -124,20 +142,38 @@ removing the replica that holds the last copy of a ready snapshot is
 refused; delete the snapshot first (clone it to keep its data).`,
 		Args: exactArgs("VOLUME", "REPLICA"),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if wait && !replace {
+				return usageErrorf("replica remove: --wait is for --replace (it waits for the new replica)")
+			}
 			return a.call(cmd, func(ctx context.Context, c *client.Client) error {
+				var before *storpb.Volume
+				if wait {
+					b, err := c.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: volumeRef(args[0], byID)})
+					if err != nil {
+						return err
+					}
+					before = b.GetVolume()
+				}
 				resp, err := c.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{
 					Volume: volumeRef(args[0], byID), ReplicaId: args[1], ServerId: server, RemoveOnly: !replace,
 				})
 				if err != nil {
 					return err
 				}
-				return a.printReplicas(resp.GetVolume())
+				v := resp.GetVolume()
+				if wait {
+					if v, err = a.waitNewReplica(ctx, c, before, v); err != nil {
+						return err
+					}
+				}
+				return a.printReplicas(v)
 			})
 		},
 	}
 	cmd.Flags().BoolVar(&replace, "replace", false, "place a new replica in its stead")
 	cmd.Flags().StringVar(&server, "on", "", "with --replace: the server (id) to place the new replica on")
 	addIDFlag(cmd, &byID, "VOLUME")
+	addWaitFlag(a, cmd, &wait, "the new replica is healthy (with --replace)")
 	return cmd
 }
 
@@ -146,4 +182,19 @@ func (a *app) printReplicas(v *storpb.Volume) error {
 		return a.printJSON(v)
 	}
 	return a.replicaTable(v)
+}
+
+// waitNewReplica waits for the replica ReplaceReplica added (in after,
+// not in before) to be healthy.
+func (a *app) waitNewReplica(ctx context.Context, c *client.Client, before, after *storpb.Volume) (*storpb.Volume, error) {
+	var added []string
+	for _, r := range after.GetReplicas() {
+		if !slices.ContainsFunc(before.GetReplicas(), func(b *storpb.Replica) bool { return b.GetId() == r.GetId() }) {
+			added = append(added, r.GetId())
+		}
+	}
+	if len(added) != 1 {
+		return after, fmt.Errorf("cannot tell which replica was added (new: %v); follow it with stor-ctl replica list %s", added, after.GetName())
+	}
+	return a.waitReplicaHealthy(ctx, c, after.GetId(), added[0])
 }

@@ -41,7 +41,7 @@ func newSnapshotCommand(a *app) *cobra.Command {
 }
 
 func newSnapshotCreateCommand(a *app) *cobra.Command {
-	var byID bool
+	var byID, wait bool
 	cmd := &cobra.Command{
 		Use:   "create VOLUME NAME",
 		Short: "Snapshot a volume (idempotent by name)",
@@ -56,11 +56,18 @@ func newSnapshotCreateCommand(a *app) *cobra.Command {
 				if err != nil {
 					return err
 				}
-				return a.printSnapshot(resp.GetSnapshot())
+				snap := resp.GetSnapshot()
+				if wait {
+					if snap, err = a.waitSnapshotReady(ctx, c, snap.GetId()); err != nil {
+						return err
+					}
+				}
+				return a.printSnapshot(snap)
 			})
 		},
 	}
 	addIDFlag(cmd, &byID, "VOLUME")
+	addWaitFlag(a, cmd, &wait, "every replica has cut it and it is ready")
 	return cmd
 }
 

@@ -48,6 +48,7 @@ func newVolumeCreateCommand(a *app) *cobra.Command {
 		node     string
 		fromSnap string
 		fromVol  string
+		wait     bool
 	)
 	cmd := &cobra.Command{
 		Use:   "create NAME --size SIZE",
@@ -73,6 +74,9 @@ the copy is consistent), and it cannot be attached until the copy is done
 				return usageErrorf("volume create: --from-snapshot and --from-volume exclude each other")
 			}
 			clone := fromSnap != "" || fromVol != ""
+			if wait && !clone {
+				return usageErrorf("volume create: --wait is for a clone (--from-snapshot or --from-volume)")
+			}
 			if !cmd.Flags().Changed("size") && !clone {
 				return usageErrorf("volume create: --size is required")
 			}
@@ -102,10 +106,17 @@ the copy is consistent), and it cannot be attached until the copy is done
 				if err != nil {
 					return err
 				}
-				return a.printVolume(resp.GetVolume())
+				v := resp.GetVolume()
+				if wait {
+					if v, err = a.waitCloneFilled(ctx, c, v.GetId()); err != nil {
+						return err
+					}
+				}
+				return a.printVolume(v)
 			})
 		},
 	}
+	addWaitFlag(a, cmd, &wait, "a clone's replicas are filled and it can be attached")
 	f := cmd.Flags()
 	f.StringVar(&size, "size", "", "volume size, e.g. 10GiB (required unless cloning)")
 	f.StringVar(&fromSnap, "from-snapshot", "", "clone: fill the volume from this snapshot (a name)")
