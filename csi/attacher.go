@@ -104,7 +104,7 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 		defer close(s.done)
 		s.err = at.Run(runCtx)
 		if s.err != nil && runCtx.Err() == nil && !errors.Is(s.err, attach.ErrAbandoned) {
-			k.cfg.Logger.Error("a staged volume stopped being served", "volume", volumeID, "err", s.err)
+			k.cfg.Logger.Error("a staged volume stopped being served", "volume_id", volumeID, "err", s.err)
 		}
 	}()
 	k.mu.Lock()

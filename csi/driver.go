@@ -410,7 +410,7 @@ func (d *Driver) logCalls(ctx context.Context, req any, info *grpc.UnaryServerIn
 	method := info.FullMethod[strings.LastIndex(info.FullMethod, "/")+1:]
 	attrs := []any{"method", method, "duration", time.Since(start).Round(time.Microsecond)}
 	if v, ok := req.(interface{ GetVolumeId() string }); ok && v.GetVolumeId() != "" {
-		attrs = append(attrs, "volume", v.GetVolumeId())
+		attrs = append(attrs, "volume_id", v.GetVolumeId())
 	}
 	if v, ok := req.(interface{ GetName() string }); ok && v.GetName() != "" {
 		attrs = append(attrs, "name", v.GetName())

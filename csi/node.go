@@ -183,13 +183,13 @@ func (n *nodeServer) recover(ctx context.Context) error {
 			continue
 		}
 		if dev != r.Device {
-			n.d.log.Warn("a staged volume came back on another device; what was mounted from the old one is lost", "volume", id, "was", r.Device, "now", dev)
+			n.d.log.Warn("a staged volume came back on another device; what was mounted from the old one is lost", "volume_id", id, "was", r.Device, "now", dev)
 			r.Device = dev
 			if err := n.save(r); err != nil {
 				errs = append(errs, err)
 			}
 		}
-		n.d.log.Info("recovered a staged volume", "volume", id, "device", dev)
+		n.d.log.Info("recovered a staged volume", "volume_id", id, "device", dev)
 	}
 	return errors.Join(errs...)
 }
@@ -306,7 +306,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 	}
 	fail := func(err error) (*csipb.NodeStageVolumeResponse, error) {
 		if derr := n.attacher.Detach(context.WithoutCancel(ctx), id); derr != nil {
-			n.d.log.Error("detaching after a failed stage", "volume", id, "err", derr)
+			n.d.log.Error("detaching after a failed stage", "volume_id", id, "err", derr)
 		}
 		return nil, err
 	}

@@ -306,11 +306,11 @@ func (s *Store) drainReplicas(ctx context.Context, servers map[string]*storpb.Se
 		_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: move.Id})
 		if err != nil {
 			if ctx.Err() == nil {
-				s.logger.Info("drain: replica not moved yet", "volume", v.Name, "replica", move.Id, "server", move.ServerId, "err", err)
+				s.logger.Info("drain: replica not moved yet", "volume", v.Name, "volume_id", v.Id, "replica", move.Id, "server", move.ServerId, "err", err)
 			}
 			continue
 		}
-		s.logger.Info("drain: replica moved", "volume", v.Name, "replica", move.Id, "server", move.ServerId)
+		s.logger.Info("drain: replica moved", "volume", v.Name, "volume_id", v.Id, "replica", move.Id, "server", move.ServerId)
 		rebuilding++
 	}
 }
@@ -357,7 +357,7 @@ func (s *Store) replaceUnhealthy(ctx context.Context, v *storpb.Volume, r *storp
 	}
 	for _, snap := range lost {
 		s.logger.Warn("snapshot lost: its last copy went with a replaced replica",
-			"snapshot", snap.Name, "snapshot_id", snap.Id, "volume", v.Name, "replica", r.Id, "server", r.ServerId,
+			"snapshot", snap.Name, "snapshot_id", snap.Id, "volume", v.Name, "volume_id", v.Id, "replica", r.Id, "server", r.ServerId,
 			"replica_state", r.State.String(), "server_removed", r.ServerRemoved)
 	}
 	return nil
@@ -381,9 +381,9 @@ func (s *Store) repair(ctx context.Context, what string, v *storpb.Volume, r *st
 	err := do()
 	switch {
 	case err == nil:
-		s.logger.Info("replica repair", "action", what, "volume", v.Name, "replica", replicaID)
+		s.logger.Info("replica repair", "action", what, "volume", v.Name, "volume_id", v.Id, "replica", replicaID)
 	case ctx.Err() != nil:
 	default:
-		s.logger.Debug("replica repair deferred", "action", what, "volume", v.Name, "replica", replicaID, "err", err)
+		s.logger.Debug("replica repair deferred", "action", what, "volume", v.Name, "volume_id", v.Id, "replica", replicaID, "err", err)
 	}
 }

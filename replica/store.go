@@ -21,6 +21,9 @@ type Spec struct {
 	ID       string // the replica id: a safe file name (see validName)
 	VolumeID string // the volume it belongs to
 	Size     uint64 // bytes: > 0, a multiple of BlockSize, at most MaxSize
+	// VolumeName is the volume's name, for this store's logs only (a
+	// replica is not told its volume's name otherwise).
+	VolumeName string
 }
 
 // Store is the set of replicas in one directory of one server.
@@ -205,7 +208,7 @@ func (s *Store) Create(spec Spec) (*Replica, error) {
 		return nil, err
 	}
 	s.addLocked(r)
-	s.log.Info("replica created", "replica", spec.ID, "volume", spec.VolumeID, "size", spec.Size)
+	s.log.Info("replica created", "replica", spec.ID, "volume", spec.VolumeName, "volume_id", spec.VolumeID, "size", spec.Size)
 	return r, nil
 }
 
@@ -258,7 +261,7 @@ func (s *Store) adoptLocked(spec Spec, path string) (*Replica, error) {
 		}
 	}
 	s.addLocked(r)
-	s.log.Info("replica adopted: a directory left by an earlier create", "replica", spec.ID, "volume", spec.VolumeID)
+	s.log.Info("replica adopted: a directory left by an earlier create", "replica", spec.ID, "volume", spec.VolumeName, "volume_id", spec.VolumeID)
 	return r, nil
 }
 

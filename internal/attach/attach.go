@@ -293,7 +293,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(), removeMetrics: removeMetrics,
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,
 		abandon: make(chan struct{}), runDone: make(chan struct{}),
-		log: log.With("volume", eng.Name()),
+		log: log.With("volume", eng.Name(), "volume_id", eng.ID()),
 	}
 	at.serveCtx, at.stopServing = context.WithCancel(context.Background())
 	at.deviceSize.Store(eng.Size() / BlockSize * BlockSize)

@@ -137,9 +137,11 @@ type placed struct {
 func (d *dataPlane) reconcile() {
 	me := d.s.cfg.ID
 	desired := map[string]placed{}
+	names := map[string]string{} // volume id -> name, for the logs
 	_ = d.s.store.View(func(r *raftstore.Reader) error {
 		vols, _, err := r.Volumes("", 0)
 		for _, v := range vols {
+			names[v.Id] = v.Name
 			for _, rep := range v.Replicas {
 				if rep.ServerId == me && !rep.ServerRemoved {
 					desired[rep.Id] = placed{v, rep}
@@ -149,9 +151,9 @@ func (d *dataPlane) reconcile() {
 		return err
 	})
 	for id, p := range desired {
-		r, err := d.store.Create(replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes})
+		r, err := d.store.Create(replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes, VolumeName: p.vol.Name})
 		if err != nil {
-			d.s.logger.Warn("create replica", "replica", id, "volume", p.vol.Name, "err", err)
+			d.s.logger.Warn("create replica", "replica", id, "volume", p.vol.Name, "volume_id", p.vol.Id, "err", err)
 			continue
 		}
 		if r.Epoch() < p.vol.Epoch {
@@ -184,7 +186,11 @@ func (d *dataPlane) reconcile() {
 			d.s.logger.Warn("delete replica", "replica", id, "err", err)
 			continue
 		}
-		d.s.logger.Info("deleted replica no longer placed here", "replica", id, "volume", r.VolumeID())
+		name := names[r.VolumeID()]
+		if name == "" {
+			name = "(deleted)"
+		}
+		d.s.logger.Info("deleted replica no longer placed here", "replica", id, "volume", name, "volume_id", r.VolumeID())
 	}
 }
 
@@ -199,7 +205,7 @@ func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
 	go func() {
 		defer d.wg.Done()
 		if err := d.rebuild(v, r); err != nil && d.s.ctx.Err() == nil {
-			d.s.logger.Warn("rebuild of detached volume failed; will retry", "volume", v.Name, "replica", r.Id, "err", err)
+			d.s.logger.Warn("rebuild of detached volume failed; will retry", "volume", v.Name, "volume_id", v.Id, "replica", r.Id, "err", err)
 			select { // back off before the next attempt
 			case <-d.s.ctx.Done():
 			case <-time.After(2 * time.Second):
@@ -281,7 +287,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	}); err != nil {
 		return fmt.Errorf("record rebuild: %w", err)
 	}
-	d.s.logger.Info("rebuild complete", "volume", v.Name, "replica", r.Id, "delta", stats.Delta,
+	d.s.logger.Info("rebuild complete", "volume", v.Name, "volume_id", v.Id, "replica", r.Id, "delta", stats.Delta,
 		"bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
 	return nil
 }

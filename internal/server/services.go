@@ -255,7 +255,7 @@ func (v *volumeService) DeleteVolume(ctx context.Context, req *storpb.DeleteVolu
 		return nil, err
 	}
 	if retained != nil {
-		v.s.logger.Info("volume deleted; kept for its snapshots until they are deleted", "volume", retained.Name, "id", retained.Id)
+		v.s.logger.Info("volume deleted; kept for its snapshots until they are deleted", "volume", retained.Name, "volume_id", retained.Id)
 	}
 	return &storpb.DeleteVolumeResponse{Retained: retained}, nil
 }
@@ -289,7 +289,7 @@ func (v *volumeService) SetReplicaState(ctx context.Context, req *storpb.SetRepl
 	if err != nil {
 		return nil, err
 	}
-	v.s.logger.Info("replica state changed", "volume", vol.Name, "replica", req.ReplicaId, "state", req.State, "reason", req.Reason, "generation", vol.Generation)
+	v.s.logger.Info("replica state changed", "volume", vol.Name, "volume_id", vol.Id, "replica", req.ReplicaId, "state", req.State, "reason", req.Reason, "generation", vol.Generation)
 	return &storpb.SetReplicaStateResponse{Volume: vol}, nil
 }
 
@@ -298,7 +298,7 @@ func (v *volumeService) ReplaceReplica(ctx context.Context, req *storpb.ReplaceR
 	if err != nil {
 		return nil, err
 	}
-	v.s.logger.Info("replica replaced", "volume", vol.Name, "removed", req.ReplicaId, "generation", vol.Generation)
+	v.s.logger.Info("replica replaced", "volume", vol.Name, "volume_id", vol.Id, "removed", req.ReplicaId, "generation", vol.Generation)
 	return &storpb.ReplaceReplicaResponse{Volume: vol}, nil
 }
 
@@ -308,7 +308,7 @@ func (v *volumeService) RecordCloneCopied(ctx context.Context, req *storpb.Recor
 	if err != nil {
 		return nil, err
 	}
-	v.s.logger.Info("clone replica copied", "volume", vol.Name, "replica", req.ReplicaId, "state", vol.State)
+	v.s.logger.Info("clone replica copied", "volume", vol.Name, "volume_id", vol.Id, "replica", req.ReplicaId, "state", vol.State)
 	return &storpb.RecordCloneCopiedResponse{Volume: vol}, nil
 }
 

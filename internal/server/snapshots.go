@@ -276,7 +276,7 @@ func (d *dataPlane) copyClone(v *storpb.Volume, rep *storpb.Replica, s *storpb.S
 		if err != nil {
 			return fmt.Errorf("record clone copy: %w", err)
 		}
-		d.s.logger.Info("clone replica filled", "volume", v.Name, "replica", rep.Id, "snapshot", s.Name,
+		d.s.logger.Info("clone replica filled", "volume", v.Name, "volume_id", v.Id, "replica", rep.Id, "snapshot", s.Name,
 			"source", from.Id, "bytes", n, "took", time.Since(start).Round(time.Millisecond))
 		return nil
 	}

@@ -269,7 +269,7 @@ func (c *Config) ref() *storpb.VolumeRef {
 func newEngine(cfg Config, v *storpb.Volume) *Engine {
 	e := &Engine{
 		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch, purpose: wire.PurposeAttach,
-		logger:  cfg.Logger.With("volume", v.Name, "epoch", v.Epoch),
+		logger:  cfg.Logger.With("volume", v.Name, "volume_id", v.Id, "epoch", v.Epoch),
 		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
 		flushTurn: make(chan struct{}, 1),
 	}
