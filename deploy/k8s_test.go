@@ -205,6 +205,21 @@ func TestK8s(t *testing.T) {
 		if got := k.deviceSize(pod, "data"); got != 2<<30 {
 			t.Errorf("the node's device is %d bytes after NodeExpandVolume, want %d", got, 2<<30)
 		}
+		// stor's event of the expansion, mirrored onto the claim by the
+		// controller holding the Lease (stor-csi --pvc-events).
+		k.waitFor("a VolumeExpanded Event on the claim", func() (bool, error) {
+			l, err := s.CP.Client.CoreV1().Events(testNS).List(k.ctx(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + claim.Name})
+			if err != nil {
+				return false, err
+			}
+			for _, e := range l.Items {
+				if e.Reason == "VolumeExpanded" && e.Source.Component == "stor-csi-controller" && e.InvolvedObject.UID == claim.UID &&
+					strings.Contains(e.Message, "to 2147483648 bytes") {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
 	})
 
 	var snap string

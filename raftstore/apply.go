@@ -1,6 +1,7 @@
 package raftstore
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -208,14 +209,16 @@ func (w *writer) setServerState(at int64, in *storpb.Server) (proto.Message, err
 // cordonServer sets or clears a server's cordon (opCordonServer): a
 // cordoned server receives no new replica (Place); its replicas stay,
 // unless it is also draining (the leader moves them: drainReplicas). A
-// drain implies the cordon; clearing the cordon ends the drain.
+// drain implies the cordon; a cordon without drain keeps a drain going;
+// clearing the cordon ends it.
 func (w *writer) cordonServer(in *storpb.Server) (proto.Message, error) {
 	s, err := w.Server(in.Id)
 	if err != nil {
 		return nil, err
 	}
+	// A cordon keeps a drain going; only an uncordon ends it.
 	s.Cordoned = in.Cordoned || in.Draining
-	s.Draining = in.Draining
+	s.Draining = s.Cordoned && (s.Draining || in.Draining)
 	w.put(bucketServers, s.Id, s)
 	return s, nil
 }
@@ -524,6 +527,9 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 	if err != nil {
 		return nil, err
 	}
+	if req.ExpectGeneration != 0 && v.Generation != req.ExpectGeneration {
+		return nil, fmt.Errorf("%w: volume %q changed: its replica-set generation is %d, not %d", ErrFailedPrecondition, v.Name, v.Generation, req.ExpectGeneration)
+	}
 	var old *storpb.Replica
 	if req.ReplicaId != "" {
 		if old = findReplica(v, req.ReplicaId); old == nil {
@@ -551,7 +557,15 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 	var added string // the new replica's server
 	if !req.RemoveOnly {
 		if old == nil && len(v.Replicas) >= int(v.ReplicaCount) {
-			return nil, fmt.Errorf("%w: volume %q already has %d replicas", ErrFailedPrecondition, v.Name, len(v.Replicas))
+			extra := req.DrainExtra && len(v.Replicas) == int(v.ReplicaCount)
+			if extra {
+				if extra, err = w.onDrainingServer(v); err != nil {
+					return nil, err
+				}
+			}
+			if !extra {
+				return nil, fmt.Errorf("%w: volume %q already has %d replicas", ErrFailedPrecondition, v.Name, len(v.Replicas))
+			}
 		}
 		if newID == "" {
 			return nil, fmt.Errorf("%w: replace-replica without a new replica id", ErrCorrupt)
@@ -596,6 +610,23 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 	}
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil
+}
+
+// onDrainingServer reports whether a replica of v is on a draining server.
+func (w *writer) onDrainingServer(v *storpb.Volume) (bool, error) {
+	for _, r := range v.Replicas {
+		s, err := w.Server(r.ServerId)
+		if errors.Is(err, ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return false, err
+		}
+		if s.Draining {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // describeAttachment says where a volume is attached, for errors.

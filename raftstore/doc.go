@@ -176,7 +176,8 @@
 // replica on it while its replicas stay; the flag survives down/up and
 // re-registration, and goes with the server's record when it is removed.
 // A drain (storpb.Server.draining, the same command) cordons the server
-// and has the leader's repair loop move its replicas elsewhere, one
-// replica of a volume at a time and never below the volume's count of
-// healthy replicas minus one (drainReplicas); clearing the cordon ends it.
+// and has the leader's repair loop move its replicas elsewhere, adding a
+// replica (one beyond the volume's count if need be) before removing the
+// drained one, so no volume has fewer healthy copies during the move
+// (drainReplicas); a cordon keeps a drain, clearing the cordon ends it.
 package raftstore

@@ -1,7 +1,9 @@
 package raftstore
 
 import (
+	"cmp"
 	"context"
+	"slices"
 	"sort"
 	"time"
 
@@ -253,25 +255,35 @@ func (s *Store) reconcileReplicas(ctx context.Context) {
 }
 
 // DrainParallel bounds the rebuilds a drain keeps under way: the drain
-// starts no move while this many replicas rebuild in the cluster, for any
+// adds no replica while this many replicas rebuild in the cluster, for any
 // reason.
 const DrainParallel = 2
 
+// drainBackoff is how long the drain leaves a volume alone after a
+// proposal for it was refused (no server to place on, the volume changed
+// meanwhile): a refusal costs a Raft entry.
+const drainBackoff = time.Minute
+
 // drainReplicas moves replicas off draining servers (Server.draining), for
-// the repair loop, one replica of a volume at a time:
+// the repair loop, adding before removing, one volume's step at a time
+// (drainStep):
 //
-//   - a replica there that is not HEALTHY is replaced at once (the
-//     volume's healthy replicas are elsewhere);
-//   - a HEALTHY one is replaced only when its volume has all its replicas
-//     and every other one is HEALTHY, so that a move never leaves a volume
-//     with fewer healthy replicas than its count minus one;
-//   - no move starts while DrainParallel replicas rebuild in the cluster.
+//   - a drained replica is removed once the volume's other HEALTHY replicas
+//     on UP servers are at least its replica count, so a move never leaves
+//     a volume with fewer healthy copies than it had (a volume short of
+//     them first gets its new one);
+//   - otherwise a replica is added elsewhere, one beyond the volume's count
+//     if need be (DrainExtra), while no replica of the volume rebuilds and
+//     fewer than DrainParallel rebuild in the cluster;
+//   - a drained replica holding the last copy of a ready snapshot is not
+//     removed, whatever its server's state: the drain waits for an
+//     operator to delete (or clone) the snapshot. A moved replica's
+//     snapshot copies go with it (a new replica holds the head only).
 //
-// Each move is an operator's ReplaceReplica (refused for the last copy of
-// a ready snapshot: the drain then waits for an operator, and stor-ctl
-// server drain --wait says which replica). Placement never chooses the
-// draining server (it is cordoned). Decisions read the volume afresh:
-// this pass may have changed it.
+// Each proposal carries the volume's replica-set generation
+// (ExpectGeneration): a decision taken on a view the replicas have since
+// changed is refused, and the volume is left alone for drainBackoff.
+// Placement never chooses a draining server (it is cordoned).
 func (s *Store) drainReplicas(ctx context.Context, servers map[string]*storpb.Server) {
 	draining := map[string]bool{}
 	for id, srv := range servers {
@@ -283,8 +295,18 @@ func (s *Store) drainReplicas(ctx context.Context, servers map[string]*storpb.Se
 		return
 	}
 	var vols []*storpb.Volume
+	lastCopy := map[string]bool{} // replica ids holding the last copy of a ready snapshot
 	_ = s.fsm.View(func(r *Reader) error {
 		vols, _, _ = r.Volumes("", 0)
+		for _, v := range vols {
+			for _, rep := range v.Replicas {
+				if draining[rep.ServerId] {
+					if lost, err := r.lastCopies(v, rep.Id); err == nil && len(lost) > 0 {
+						lastCopy[rep.Id] = true
+					}
+				}
+			}
+		}
 		return nil
 	})
 	rebuilding := 0
@@ -295,46 +317,89 @@ func (s *Store) drainReplicas(ctx context.Context, servers map[string]*storpb.Se
 			}
 		}
 	}
+	now := s.cfg.Now()
 	for _, v := range vols {
-		if ctx.Err() != nil || rebuilding >= DrainParallel {
+		if ctx.Err() != nil {
 			return
 		}
-		move := drainMove(v, draining)
-		if move == nil {
+		if until, ok := s.drainWait[v.Id]; ok && now.Before(until) {
 			continue
 		}
-		_, err := s.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: move.Id})
-		if err != nil {
+		step := drainStep(v, draining, servers, lastCopy, rebuilding < DrainParallel)
+		if step.req == nil {
+			continue
+		}
+		step.req.Volume, step.req.ExpectGeneration = &storpb.VolumeRef{Id: v.Id}, v.Generation
+		if _, err := s.ReplaceReplica(ctx, step.req); err != nil {
 			if ctx.Err() == nil {
-				s.logger.Info("drain: replica not moved yet", "volume", v.Name, "volume_id", v.Id, "replica", move.Id, "server", move.ServerId, "err", err)
+				s.drainWait[v.Id] = now.Add(drainBackoff)
+				s.logger.Info("drain: not done now; the volume is left alone for a while", "step", step.what, "volume", v.Name, "volume_id", v.Id,
+					"replica", step.req.ReplicaId, "wait", drainBackoff, "err", err)
 			}
 			continue
 		}
-		s.logger.Info("drain: replica moved", "volume", v.Name, "volume_id", v.Id, "replica", move.Id, "server", move.ServerId)
-		rebuilding++
+		delete(s.drainWait, v.Id)
+		s.logger.Info("drain", "step", step.what, "volume", v.Name, "volume_id", v.Id, "replica", step.req.ReplicaId)
+		if !step.req.RemoveOnly {
+			rebuilding++
+		}
 	}
 }
 
-// drainMove is the replica of v that drainReplicas moves now, or nil.
-func drainMove(v *storpb.Volume, draining map[string]bool) *storpb.Replica {
+// drainAction is one step of a drain: a ReplaceReplica to propose.
+type drainAction struct {
+	what string
+	req  *storpb.ReplaceReplicaRequest
+}
+
+// drainStep is v's next drain step (drainReplicas), or none (req nil).
+// mayAdd says whether the cluster has room for another rebuild.
+func drainStep(v *storpb.Volume, draining map[string]bool, servers map[string]*storpb.Server, lastCopy map[string]bool, mayAdd bool) drainAction {
+	var drained []*storpb.Replica
 	for _, r := range v.Replicas {
-		if draining[r.ServerId] && r.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-			return r
+		if draining[r.ServerId] && !r.ServerRemoved {
+			drained = append(drained, r)
 		}
 	}
-	if len(v.Replicas) < int(v.ReplicaCount) {
-		return nil
+	if len(drained) == 0 {
+		return drainAction{}
 	}
-	var move *storpb.Replica
-	for _, r := range v.Replicas {
-		switch {
-		case r.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY:
-			return nil
-		case draining[r.ServerId] && move == nil:
-			move = r
+	healthyUp := func(except string) int {
+		n := 0
+		for _, r := range v.Replicas {
+			srv := servers[r.ServerId]
+			if r.Id != except && r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY && srv != nil && srv.State == storpb.ServerState_SERVER_STATE_UP {
+				n++
+			}
+		}
+		return n
+	}
+	// Unhealthy drained replicas go first: they hold nothing the others lack.
+	slices.SortStableFunc(drained, func(a, b *storpb.Replica) int {
+		return cmp.Compare(healthyRank(a), healthyRank(b))
+	})
+	for _, r := range drained {
+		if !lastCopy[r.Id] && healthyUp(r.Id) >= int(v.ReplicaCount) {
+			return drainAction{what: "remove the drained replica", req: &storpb.ReplaceReplicaRequest{ReplicaId: r.Id, RemoveOnly: true}}
 		}
 	}
-	return move
+	if !mayAdd || len(v.Replicas) > int(v.ReplicaCount) {
+		return drainAction{}
+	}
+	for _, r := range v.Replicas {
+		if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+			return drainAction{} // the replica added last is still being filled
+		}
+	}
+	return drainAction{what: "add a replica elsewhere", req: &storpb.ReplaceReplicaRequest{DrainExtra: len(v.Replicas) == int(v.ReplicaCount)}}
+}
+
+// healthyRank orders replicas unhealthy first.
+func healthyRank(r *storpb.Replica) int {
+	if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		return 1
+	}
+	return 0
 }
 
 // replaceUnhealthy replaces replica r of v for the repair loop

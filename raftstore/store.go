@@ -52,6 +52,10 @@ type Store struct {
 	// add one): two concurrent joins must not both see room for a voter.
 	memberMu sync.Mutex
 
+	// drainWait: volumes the drain leaves alone until then (a refused
+	// step); touched only by the leader's repair loop.
+	drainWait map[string]time.Time
+
 	// lastSeen is the leader's memory of when each server last reported.
 	seenMu   sync.Mutex
 	lastSeen map[string]time.Time
@@ -74,7 +78,7 @@ func Open(cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Store{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), ident: ident, lastSeen: map[string]time.Time{}}
+	s := &Store{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), ident: ident, lastSeen: map[string]time.Time{}, drainWait: map[string]time.Time{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.open(); err != nil {
 		s.closeResources()

@@ -3967,9 +3967,18 @@ type ReplaceReplicaRequest struct {
 	ServerId string `protobuf:"bytes,3,opt,name=server_id,json=serverId,proto3" json:"server_id,omitempty"`
 	// Remove without adding (the volume then runs with fewer replicas
 	// until a replica is added).
-	RemoveOnly    bool `protobuf:"varint,4,opt,name=remove_only,json=removeOnly,proto3" json:"remove_only,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	RemoveOnly bool `protobuf:"varint,4,opt,name=remove_only,json=removeOnly,proto3" json:"remove_only,omitempty"`
+	// Add a replica beyond the volume's replica count, for a drain: allowed
+	// only (and only one above the count) while a replica of the volume is
+	// on a draining server. The leader's drain adds first and removes the
+	// drained replica once the new one is healthy.
+	DrainExtra bool `protobuf:"varint,5,opt,name=drain_extra,json=drainExtra,proto3" json:"drain_extra,omitempty"`
+	// If set, the request is refused (FAILED_PRECONDITION) unless the
+	// volume's replica-set generation is still this one: a decision taken on
+	// an older view of the replicas is not applied.
+	ExpectGeneration uint64 `protobuf:"varint,6,opt,name=expect_generation,json=expectGeneration,proto3" json:"expect_generation,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *ReplaceReplicaRequest) Reset() {
@@ -4028,6 +4037,20 @@ func (x *ReplaceReplicaRequest) GetRemoveOnly() bool {
 		return x.RemoveOnly
 	}
 	return false
+}
+
+func (x *ReplaceReplicaRequest) GetDrainExtra() bool {
+	if x != nil {
+		return x.DrainExtra
+	}
+	return false
+}
+
+func (x *ReplaceReplicaRequest) GetExpectGeneration() uint64 {
+	if x != nil {
+		return x.ExpectGeneration
+	}
+	return 0
 }
 
 type ReplaceReplicaResponse struct {
@@ -5120,14 +5143,17 @@ const file_control_proto_rawDesc = "" +
 	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\x122\n" +
 	"\x15rebuild_resume_offset\x18\t \x01(\x04R\x13rebuildResumeOffset\"B\n" +
 	"\x17SetReplicaStateResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xa0\x01\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xee\x01\n" +
 	"\x15ReplaceReplicaRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x1d\n" +
 	"\n" +
 	"replica_id\x18\x02 \x01(\tR\treplicaId\x12\x1b\n" +
 	"\tserver_id\x18\x03 \x01(\tR\bserverId\x12\x1f\n" +
 	"\vremove_only\x18\x04 \x01(\bR\n" +
-	"removeOnly\"A\n" +
+	"removeOnly\x12\x1f\n" +
+	"\vdrain_extra\x18\x05 \x01(\bR\n" +
+	"drainExtra\x12+\n" +
+	"\x11expect_generation\x18\x06 \x01(\x04R\x10expectGeneration\"A\n" +
 	"\x16ReplaceReplicaResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"V\n" +
 	"\x18RecordCloneCopiedRequest\x12\x1b\n" +

@@ -29,6 +29,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
@@ -37,12 +38,16 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	coordinationv1client "k8s.io/client-go/kubernetes/typed/coordination/v1"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/stor-io/stor/csi"
 	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/internal/logging"
 	"github.com/stor-io/stor/internal/nodecert"
 	"github.com/stor-io/stor/internal/pki"
+	"github.com/stor-io/stor/internal/pvcevents"
 )
 
 func main() {
@@ -70,6 +75,9 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	fs.StringVar(&cfg.Zone, "zone", "", "node: this node's zone (topology segment topology.<driver-name>/zone)")
 	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", 0, fmt.Sprintf("node: volumes this node may stage (the nbd module's device count); registered with the cluster, where the controller enforces it (default %d)", csi.DefaultMaxVolumesPerNode))
 	fs.StringVar(&cfg.Version, "version", cfg.Version, "vendor version reported by GetPluginInfo")
+	pvcEvents := fs.Bool("pvc-events", false, "controller: post stor's events about a claim's volume (faults, rebuilds, attaches) as Kubernetes Events on the claim; one controller posts, the holder of the Lease "+pvcevents.LeaseName)
+	eventsNamespace := fs.String("pvc-events-namespace", "", "controller, with --pvc-events: the namespace of the Lease (deploy/ passes the pod's)")
+	kubeconfig := fs.String("kubeconfig", "", "controller, with --pvc-events: kubeconfig of the Kubernetes API (default: in-cluster)")
 	var files pki.Files
 	fs.StringVar(&files.Cert, "tls-cert", "", "PEM certificate: stor://csi-controller/<name> (controller) or stor://csi-node/<node-id> (node); re-read when it changes")
 	fs.StringVar(&files.Key, "tls-key", "", "PEM key of --tls-cert")
@@ -146,6 +154,24 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	d, err := csi.New(cfg)
 	if err != nil {
 		return err
+	}
+	if *pvcEvents {
+		if cfg.Mode != csi.ModeController {
+			return fmt.Errorf("--pvc-events is for --mode=controller")
+		}
+		mirror, err := pvcEventsConfig(*kubeconfig, *eventsNamespace, c, cfg.Logger)
+		if err != nil {
+			return fmt.Errorf("--pvc-events: %w", err)
+		}
+		mctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			if err := pvcevents.Run(mctx, mirror); err != nil {
+				cfg.Logger.Error("mirroring stor events onto PVCs", "err", err)
+			}
+		}()
+		defer func() { cancel(); <-done }()
 	}
 	if renew != nil {
 		rctx, cancel := context.WithCancel(ctx)
@@ -230,4 +256,30 @@ func checkRole(id pki.Identity, mode csi.Mode, nodeID string) error {
 		return fmt.Errorf("--mode=%s cannot run with TLS: the controller and the node plugin need different certificates (%s and %s); run them as two processes", mode, pki.RoleCSIController, pki.RoleCSINode)
 	}
 	return nil
+}
+
+// pvcEventsConfig is the mirror's configuration: the Kubernetes API from
+// kubeconfig (in-cluster when empty), the Lease in namespace, this pod's
+// name (its host name) as the holder's identity.
+func pvcEventsConfig(kubeconfig, namespace string, c *client.Client, logger *slog.Logger) (pvcevents.Config, error) {
+	if namespace == "" {
+		return pvcevents.Config{}, fmt.Errorf("--pvc-events-namespace is required")
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return pvcevents.Config{}, err
+	}
+	core, err := corev1client.NewForConfig(rc)
+	if err != nil {
+		return pvcevents.Config{}, err
+	}
+	leases, err := coordinationv1client.NewForConfig(rc)
+	if err != nil {
+		return pvcevents.Config{}, err
+	}
+	host, err := os.Hostname()
+	if err != nil {
+		return pvcevents.Config{}, err
+	}
+	return pvcevents.Config{Events: c.Cluster, Core: core, Leases: leases, Namespace: namespace, Identity: host, Logger: logger}, nil
 }

@@ -22,15 +22,18 @@ func newServerDrainCommand(a *app) *cobra.Command {
 		Use:   "drain ID [--wait]",
 		Short: "Move every replica off a server (cordons it)",
 		Long: `Drain a server before maintenance: it is cordoned (no new replica is placed
-on it) and the Raft leader moves each replica it holds to another server, one
-replica of a volume at a time, a healthy one only while the volume's other
-replicas are all healthy, and no more than a few rebuilds at once. Volumes
-stay attached and writable; each moved replica is rebuilt in full elsewhere
-(its snapshot copies stay with the volume's other replicas; a replica that
-holds the last copy of a ready snapshot is not moved: delete or clone the
-snapshot). The drain goes on in the cluster after this command returns, and
-across leader changes, until the server holds nothing; "server uncordon"
-stops it.
+on it) and the Raft leader moves each replica it holds to another server,
+adding first: a new replica is placed elsewhere (one beyond the volume's
+replica count if need be) and filled by a full rebuild, and only once the
+volume's other replicas healthy on up servers are as many as its count is
+the drained one removed. So no volume has fewer healthy copies during the
+move than before it, a one-replica volume included; no more than two
+rebuilds run at once. Volumes stay attached and writable. A moved replica's
+snapshot copies go with it (the volume's other replicas keep theirs); a
+replica holding the last copy of a ready snapshot is not removed: delete or
+clone the snapshot. The drain goes on in the cluster after this command
+returns, and across leader changes, until the server holds nothing; "server
+uncordon" stops it ("server cordon" does not).
 
 With --wait the command follows the drain, printing its progress, until the
 server holds no replica (--timeout, default 1h with --wait, bounds the wait;
@@ -62,14 +65,27 @@ the drain goes on when it expires).`,
 }
 
 // drainState is what a drain has left: the replicas still on the server,
-// and how many replicas rebuild in the cluster.
+// and how many replicas rebuild in the cluster; and the server's record.
 type drainState struct {
 	left       []string // "volume/replica (state)"
 	rebuilding int
+	server     *storpb.Server
 }
 
 func (a *app) drainState(ctx context.Context, c *client.Client, server string) (drainState, error) {
 	var st drainState
+	servers, err := c.Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	if err != nil {
+		return st, err
+	}
+	for _, s := range servers.GetServers() {
+		if s.GetId() == server {
+			st.server = s
+		}
+	}
+	if st.server == nil {
+		return st, fmt.Errorf("server %s is not in the cluster", server)
+	}
 	token := ""
 	for {
 		resp, err := c.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{PageSize: listPageSize, PageToken: token, IncludeDeleted: true})
@@ -120,14 +136,18 @@ func (a *app) followDrain(ctx context.Context, c *client.Client, server string) 
 		}
 		if len(st.left) == 0 {
 			if a.jsonOutput() {
-				return a.printJSON(&storpb.CordonServerResponse{Server: &storpb.Server{Id: server, Cordoned: true, Draining: true}})
+				return a.printJSON(&storpb.CordonServerResponse{Server: st.server})
 			}
 			_, err := fmt.Fprintf(a.stdout, "server %q drained: it holds no replica (it stays cordoned until stor-ctl server uncordon %s)\n", server, server)
 			return err
 		}
+		if !st.server.GetDraining() {
+			return fmt.Errorf("server %s is no longer draining (uncordoned?); it still holds %d replicas: %s", server, len(st.left), strings.Join(st.left, ", "))
+		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("server %s still holds %d replicas after %v (the drain goes on): %s", server, len(st.left), a.timeout, strings.Join(st.left, ", "))
+			return fmt.Errorf("server %s still holds %d replicas after %v (the drain goes on; a replica holding the last copy of a ready snapshot is not moved, see stor-ctl events): %s",
+				server, len(st.left), a.timeout, strings.Join(st.left, ", "))
 		case <-tick.C:
 		}
 		if st, err = a.drainState(ctx, c, server); err != nil {

@@ -462,7 +462,7 @@ func (s *Stack) StartControllerPod(ctx context.Context, pod *corev1.Pod) *Contro
 			}
 			args = append(args, a)
 		}
-		if c.Name != "stor-csi" {
+		if c.Name != "stor-csi" || slices.Contains(args, "--pvc-events") {
 			args = append(args, "--kubeconfig="+kubeconfig)
 		}
 		var envList []string

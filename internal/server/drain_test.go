@@ -85,6 +85,37 @@ func TestDrainServerUnderWrites(t *testing.T) {
 		}
 	}()
 
+	// Throughout the move every volume keeps its three healthy copies
+	// (the drain adds before it removes).
+	minHealthy := map[string]int{att.Id: 3, det.Id: 3}
+	watchStop, watched := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watched)
+		for {
+			select {
+			case <-watchStop:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			for _, id := range []string{att.Id, det.Id} {
+				wctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				resp, err := c.Client(leader).Volumes.GetVolume(wctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+				cancel()
+				if err != nil {
+					continue
+				}
+				n := 0
+				for _, r := range resp.Volume.Replicas {
+					if r.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+						n++
+					}
+				}
+				mu.Lock()
+				minHealthy[id] = min(minHealthy[id], n)
+				mu.Unlock()
+			}
+		}
+	}()
 	if _, err := c.Client(leader).Cluster.CordonServer(ctx, &storpb.CordonServerRequest{ServerId: target, Cordoned: true, Drain: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -103,8 +134,15 @@ func TestDrainServerUnderWrites(t *testing.T) {
 	waitVolume(t, c, leader, det.Id, 90*time.Second, "detached volume moved off "+target, moved)
 	close(stop)
 	<-stopped
+	close(watchStop)
+	<-watched
 	mu.Lock()
 	defer mu.Unlock()
+	for id, n := range minHealthy {
+		if n < 3 {
+			t.Fatalf("volume %s had %d healthy replicas during the drain, want 3 throughout (add before remove)", id, n)
+		}
+	}
 	if werr != nil {
 		t.Fatalf("a write failed during the drain (after %d): %v", writes, werr)
 	}
