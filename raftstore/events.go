@@ -16,9 +16,10 @@ import (
 // state machine itself. Every write of a volume or server record compares
 // it with the record it replaces (writer.put) and records each change an
 // operator cares about: replica added, removed, faulty (with the reason
-// the command gave), rebuild started and finished; attach, detach,
-// takeover; expansion, deletion; server registered, down, up, cordoned,
-// draining, removed. So the events are in one place, derived from the
+// the command gave, clipped to 512 bytes), rebuild started and finished;
+// attach, detach, takeover; expansion, deletion; snapshot requested,
+// ready, failed, a copy lost, deleted; server registered, down, up,
+// cordoned, draining, removed. The same for snapshot records. So the events are in one place, derived from the
 // state they describe, on every server alike, with the command's time
 // (command.At). The newest MaxEvents are kept, in bucketEvents under
 // their sequence number (big-endian).
@@ -67,6 +68,62 @@ func (w *writer) recordChange(bucket []byte, key string, m proto.Message) {
 		}
 		s, _ := m.(*storpb.Server)
 		w.serverEvents(old, s)
+	case bytes.Equal(bucket, bucketSnapshots):
+		old, err := w.Snapshot(key)
+		if err != nil {
+			old = nil
+		}
+		s, _ := m.(*storpb.Snapshot)
+		w.snapshotEvents(old, s)
+	}
+}
+
+// maxEventReason bounds the part of an event's message a command's
+// reason (a client's text) may take.
+const maxEventReason = 512
+
+// clip cuts s to at most n bytes of valid UTF-8, saying so.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return strings.ToValidUTF8(s[:n], "") + "..."
+}
+
+func (w *writer) snapshotEvents(old, s *storpb.Snapshot) {
+	cur := s
+	if cur == nil {
+		cur = old
+	}
+	if cur == nil || cur.ImplicitForVolumeId != "" {
+		return // a clone's own snapshot: the clone's events tell
+	}
+	e := func(reason, format string, args ...any) {
+		ev := &storpb.Event{VolumeId: cur.VolumeId, Reason: reason, Message: fmt.Sprintf(format, args...)}
+		if v, err := w.Volume(cur.VolumeId); err == nil {
+			ev.VolumeName = v.Name
+		}
+		w.event(ev)
+	}
+	switch {
+	case s == nil:
+		e("SnapshotDeleted", "snapshot %s deleted", old.Name)
+		return
+	case old == nil:
+		e("SnapshotRequested", "snapshot %s requested", s.Name)
+		old = &storpb.Snapshot{Replicas: s.Replicas}
+	}
+	if s.ReadyToUse && !old.ReadyToUse {
+		e("SnapshotReady", "snapshot %s ready", s.Name)
+	}
+	if s.Failed && !old.Failed {
+		e("SnapshotFailed", "snapshot %s failed: %s", s.Name, clip(s.StatusMessage, maxEventReason))
+	}
+	for _, r := range s.Replicas {
+		i := slices.IndexFunc(old.Replicas, func(x *storpb.SnapshotReplica) bool { return x.ReplicaId == r.ReplicaId })
+		if r.State == storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST && (i < 0 || old.Replicas[i].State != r.State) {
+			e("SnapshotCopyLost", "snapshot %s lost its copy on replica %s (server %s): %s", s.Name, r.ReplicaId, r.ServerId, clip(r.Reason, maxEventReason))
+		}
 	}
 }
 
@@ -86,8 +143,11 @@ func (w *writer) volumeEvents(old, v *storpb.Volume) {
 	switch {
 	case old == nil && v == nil:
 		return
-	case v == nil:
+	case v == nil && old.State == storpb.VolumeState_VOLUME_STATE_DELETED:
 		ev(nil, "VolumeRemoved", "volume %s removed with its last snapshot", old.Name)
+		return
+	case v == nil:
+		ev(nil, "VolumeDeleted", "volume %s deleted", old.Name)
 		return
 	case old == nil:
 		var on []string
@@ -135,7 +195,7 @@ func (w *writer) volumeEvents(old, v *storpb.Volume) {
 		}
 		switch r.State {
 		case storpb.ReplicaState_REPLICA_STATE_FAULTY:
-			why := w.reason
+			why := clip(w.reason, maxEventReason)
 			if why == "" {
 				why = "no reason given"
 			}

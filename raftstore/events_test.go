@@ -41,11 +41,7 @@ func TestEventsRecordWhatHappened(t *testing.T) {
 		command{Op: opCordonServer, Body: &storpb.Server{Id: "s4", Cordoned: true, Draining: true}},
 		cmdSetServerState("s3", storpb.ServerState_SERVER_STATE_DOWN))
 
-	var got []string
-	for _, e := range readEvents(t, f, "") {
-		got = append(got, e.Reason+": "+e.Message)
-	}
-	all := strings.Join(got, "\n")
+	all := eventText(t, f)
 	for _, want := range []string{
 		"ServerRegistered: server s1 registered",
 		"VolumeCreated: volume db created",
@@ -68,6 +64,30 @@ func TestEventsRecordWhatHappened(t *testing.T) {
 			t.Fatalf("volume v1's events include %v", e)
 		}
 	}
+	// Snapshots: requested, then ready once every replica cut.
+	mustApply(t, f, cmdCreateSnapshot("snap1", "v1", "nightly"))
+	v = readVolume(t, f, "v1")
+	var cut []string
+	for _, rep := range v.Replicas {
+		cut = append(cut, rep.Id)
+	}
+	mustApply(t, f, cmdRecordCut("snap1", v.Epoch, cut, nil), cmdDeleteSnapshot("snap1"))
+	all = eventText(t, f)
+	for _, want := range []string{"SnapshotRequested: snapshot nightly requested", "SnapshotReady: snapshot nightly ready", "SnapshotDeleted: snapshot nightly deleted"} {
+		if !strings.Contains(all, want) {
+			t.Errorf("no event %q in:\n%s", want, all)
+		}
+	}
+	// A client's reason is clipped.
+	v = readVolume(t, f, "v1")
+	long := cmdSetReplicaState("v1", v.Replicas[2].Id, storpb.ReplicaState_REPLICA_STATE_FAULTY, v.Epoch, 0)
+	long.Body.(*storpb.SetReplicaStateRequest).Reason = strings.Repeat("x", 100000)
+	mustApply(t, f, long)
+	evs := readEvents(t, f, "v1")
+	if last := evs[len(evs)-1]; last.Reason != "ReplicaFaulty" || len(last.Message) > 1024 {
+		t.Fatalf("a 100000-byte reason made a %d-byte %s event", len(last.Message), last.Reason)
+	}
+
 	// A refused command records nothing.
 	before := len(readEvents(t, f, ""))
 	if r := applyCommands(t, f, cmdAttachVolume("v1", "node-c", false))[0]; r.err == nil {
@@ -102,4 +122,13 @@ func replicaIn(v *storpb.Volume, id string) *storpb.Replica {
 		}
 	}
 	return nil
+}
+
+func eventText(t *testing.T, f *FSM) string {
+	t.Helper()
+	var got []string
+	for _, e := range readEvents(t, f, "") {
+		got = append(got, e.Reason+": "+e.Message)
+	}
+	return strings.Join(got, "\n")
 }

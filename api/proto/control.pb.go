@@ -2447,8 +2447,9 @@ func (x *CordonServerResponse) GetServer() *Server {
 // An Event is one thing the cluster did, recorded by the Raft state
 // machine as it applied the command that did it (so every server holds the
 // same events): a replica that failed, started or finished a rebuild, was
-// added or removed; an attach, detach or takeover; an expansion; a server
-// down, up, cordoned or draining. The newest 10000 are kept.
+// added or removed; an attach, detach or takeover; an expansion; a
+// snapshot requested, ready, failed, a copy lost, deleted; a server down,
+// up, cordoned or draining. The newest 10000 are kept.
 type Event struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Increases by one with each event, cluster-wide.

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -130,10 +131,14 @@ func (c *clusterService) ListEvents(ctx context.Context, req *storpb.ListEventsR
 		id := ""
 		if ref := req.GetVolume(); ref != nil {
 			v, err := r.VolumeByRef(ref)
-			if err != nil {
+			switch {
+			case errors.Is(err, raftstore.ErrNotFound) && ref.GetId() != "":
+				id = ref.GetId() // gone; its events are still kept
+			case err != nil:
 				return err
+			default:
+				id = v.Id
 			}
-			id = v.Id
 		}
 		var err error
 		out, err = r.Events(id, req.GetAfterSeq(), limit)
