@@ -34,7 +34,7 @@ func TestEventsAndDescribe(t *testing.T) {
 
 	// --follow prints an expansion made while it runs.
 	done := make(chan result, 1)
-	go func() { done <- run(t, append(srv, "--timeout", "4s", "events", "--volume", "db", "--follow")...) }()
+	go func() { done <- run(t, append(srv, "--timeout", "8s", "events", "--volume", "db", "--follow")...) }()
 	time.Sleep(1500 * time.Millisecond)
 	mustRun(t, append(srv, "volume", "expand", "db", "--size", "16MiB")...)
 	r := <-done

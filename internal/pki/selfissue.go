@@ -2,6 +2,8 @@ package pki
 
 import (
 	"context"
+	"crypto/x509"
+	"encoding/pem"
 	"fmt"
 	"log/slog"
 	"os"
@@ -28,11 +30,14 @@ type SelfIssuer struct {
 	Bundle        string // the CA bundle peers are verified against
 	Dir           string
 	Validity      time.Duration // default DefaultSelfValidity
-	Logger        *slog.Logger
+	// CheckEvery is how often Run looks at the certificate and the CA's
+	// file. Default a minute.
+	CheckEvery time.Duration
+	Logger     *slog.Logger
 }
 
 // DefaultSelfValidity is how long a self-issued certificate lasts; Run
-// renews it after two thirds of that.
+// renews it after two thirds of its lifetime.
 const DefaultSelfValidity = 7 * 24 * time.Hour
 
 // Files are the files Issue writes and the bundle.
@@ -84,28 +89,70 @@ func (s *SelfIssuer) Issue() (Files, error) {
 	return f, nil
 }
 
-// Run renews the certificate every two thirds of its validity until ctx
-// ends; a failed renewal is logged and retried a minute later.
+// Run renews the certificate until ctx ends: at two thirds of the
+// lifetime of the certificate in Dir (read from the file, so a certificate
+// capped by its CA's expiry is renewed in time), and whenever the CA's
+// certificate file changes (cert-manager renewed the CA: the new pair must
+// chain to it). It looks every CheckEvery (default a minute); a failed
+// renewal is logged and retried at the next look.
 func (s *SelfIssuer) Run(ctx context.Context) {
 	log := s.Logger
 	if log == nil {
 		log = slog.Default()
 	}
-	wait := s.validity() * 2 / 3
+	every := s.CheckEvery
+	if every <= 0 {
+		every = time.Minute
+	}
+	ca := fileStamp(s.CACert)
 	for {
-		t := time.NewTimer(wait)
+		wait := every
+		due, err := s.renewAt()
+		if err == nil {
+			wait = min(wait, time.Until(due))
+		}
+		t := time.NewTimer(max(wait, 0))
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return
 		case <-t.C:
 		}
-		if _, err := s.Issue(); err != nil {
-			log.Error("renewing this server's certificate", "identity", s.ID.String(), "err", err)
-			wait = min(time.Minute, s.validity()/10)
+		now := fileStamp(s.CACert)
+		if err == nil && time.Now().Before(due) && now == ca {
 			continue
 		}
+		if _, err := s.Issue(); err != nil {
+			log.Error("renewing this server's certificate", "identity", s.ID.String(), "err", err)
+			continue
+		}
+		ca = now
 		log.Info("renewed this server's certificate", "identity", s.ID.String())
-		wait = s.validity() * 2 / 3
 	}
+}
+
+// renewAt is when the certificate in Dir is due for renewal.
+func (s *SelfIssuer) renewAt() (time.Time, error) {
+	b, err := os.ReadFile(s.Files().Cert)
+	if err != nil {
+		return time.Time{}, err
+	}
+	blk, _ := pem.Decode(b)
+	if blk == nil {
+		return time.Time{}, fmt.Errorf("pki: %s is not PEM", s.Files().Cert)
+	}
+	c, err := x509.ParseCertificate(blk.Bytes)
+	if err != nil {
+		return time.Time{}, err
+	}
+	return c.NotBefore.Add(c.NotAfter.Sub(c.NotBefore) * 2 / 3), nil
+}
+
+// fileStamp is a file's size and modification time ("" if unreadable).
+func fileStamp(name string) string {
+	fi, err := os.Stat(name)
+	if err != nil {
+		return ""
+	}
+	return fmt.Sprint(fi.Size(), fi.ModTime().UnixNano())
 }

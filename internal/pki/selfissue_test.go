@@ -40,7 +40,8 @@ func TestSelfIssuer(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := Identity{RoleServer, "stor-server-1"}
-	si := &SelfIssuer{ID: id, CACert: caCert, CAKey: caKey, Bundle: w.bundle, Dir: filepath.Join(w.dir, "self"), Validity: 1500 * time.Millisecond, Logger: testLogger(t)}
+	si := &SelfIssuer{ID: id, CACert: caCert, CAKey: caKey, Bundle: w.bundle, Dir: filepath.Join(w.dir, "self"), Validity: 1500 * time.Millisecond,
+		CheckEvery: 50 * time.Millisecond, Logger: testLogger(t)}
 	f, err := si.Issue()
 	if err != nil {
 		t.Fatal(err)
@@ -72,14 +73,44 @@ func TestSelfIssuer(t *testing.T) {
 
 	// Run renews at two thirds of the validity: a new serial within 3 s.
 	before := certOf(t, f.Cert).SerialNumber
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { si.Run(ctx); close(done) }()
-	defer func() { cancel(); <-done }()
+	run := func() (stop func()) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { si.Run(ctx); close(done) }()
+		return func() { cancel(); <-done }
+	}
+	stop := run()
 	deadline := time.Now().Add(3 * time.Second)
 	for certOf(t, f.Cert).SerialNumber.Cmp(before) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatal("the certificate was not renewed within 3 s (validity 1.5 s)")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	// A new CA (cert-manager renewed it): the pair is issued again from it
+	// at once, not at the old certificate's renewal time.
+	stop()
+	si.Validity = time.Hour
+	if _, err := si.Issue(); err != nil {
+		t.Fatal(err)
+	}
+	stop = run()
+	defer stop()
+	newCA, err := NewCA("renewed CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := writeFile(caKey, newCA.KeyPEM()); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeFile(caCert, newCA.CertPEM()); err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(3 * time.Second)
+	for certOf(t, f.Cert).CheckSignatureFrom(newCA.Cert) != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("not issued from the renewed CA within 3 s")
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
