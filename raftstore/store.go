@@ -477,7 +477,19 @@ func (s *Store) SetReplicaState(ctx context.Context, req *storpb.SetReplicaState
 
 // ReplaceReplica removes and/or adds a replica (see storpb.ReplaceReplicaRequest).
 func (s *Store) ReplaceReplica(ctx context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.Volume, error) {
-	return asVolume(s.propose(ctx, command{Op: opReplaceReplica, ID: uuid.NewString(), Body: req}))
+	v, _, err := s.ReplaceReplicaAdded(ctx, req)
+	return v, err
+}
+
+// ReplaceReplicaAdded is ReplaceReplica that also returns the id of the
+// replica it added ("" for a removal only).
+func (s *Store) ReplaceReplicaAdded(ctx context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.Volume, string, error) {
+	id := uuid.NewString()
+	v, err := asVolume(s.propose(ctx, command{Op: opReplaceReplica, ID: id, Body: req}))
+	if err != nil || req.RemoveOnly {
+		id = ""
+	}
+	return v, id, err
 }
 
 // CreateSnapshot records a snapshot of a volume (idempotent by name); the

@@ -4055,10 +4055,12 @@ func (x *ReplaceReplicaRequest) GetExpectGeneration() uint64 {
 }
 
 type ReplaceReplicaResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Volume        *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Volume *Volume                `protobuf:"bytes,1,opt,name=volume,proto3" json:"volume,omitempty"`
+	// The replica added; empty for a removal only.
+	AddedReplicaId string `protobuf:"bytes,2,opt,name=added_replica_id,json=addedReplicaId,proto3" json:"added_replica_id,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ReplaceReplicaResponse) Reset() {
@@ -4096,6 +4098,13 @@ func (x *ReplaceReplicaResponse) GetVolume() *Volume {
 		return x.Volume
 	}
 	return nil
+}
+
+func (x *ReplaceReplicaResponse) GetAddedReplicaId() string {
+	if x != nil {
+		return x.AddedReplicaId
+	}
+	return ""
 }
 
 // RecordCloneCopied records that a clone's replica holds its full copy of
@@ -5154,9 +5163,10 @@ const file_control_proto_rawDesc = "" +
 	"removeOnly\x12\x1f\n" +
 	"\vdrain_extra\x18\x05 \x01(\bR\n" +
 	"drainExtra\x12+\n" +
-	"\x11expect_generation\x18\x06 \x01(\x04R\x10expectGeneration\"A\n" +
+	"\x11expect_generation\x18\x06 \x01(\x04R\x10expectGeneration\"k\n" +
 	"\x16ReplaceReplicaResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"V\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\x12(\n" +
+	"\x10added_replica_id\x18\x02 \x01(\tR\x0eaddedReplicaId\"V\n" +
 	"\x18RecordCloneCopiedRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1d\n" +
 	"\n" +

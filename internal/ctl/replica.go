@@ -108,7 +108,7 @@ the global flag naming the cluster to talk to.)`,
 				}
 				v := resp.GetVolume()
 				if wait {
-					if v, err = a.waitNewReplica(ctx, c, before, v); err != nil {
+					if v, err = a.waitNewReplica(ctx, c, before, resp); err != nil {
 						return err
 					}
 				}
@@ -162,7 +162,7 @@ refused; delete the snapshot first (clone it to keep its data).`,
 				}
 				v := resp.GetVolume()
 				if wait {
-					if v, err = a.waitNewReplica(ctx, c, before, v); err != nil {
+					if v, err = a.waitNewReplica(ctx, c, before, resp); err != nil {
 						return err
 					}
 				}
@@ -184,9 +184,14 @@ func (a *app) printReplicas(v *storpb.Volume) error {
 	return a.replicaTable(v)
 }
 
-// waitNewReplica waits for the replica ReplaceReplica added (in after,
-// not in before) to be healthy.
-func (a *app) waitNewReplica(ctx context.Context, c *client.Client, before, after *storpb.Volume) (*storpb.Volume, error) {
+// waitNewReplica waits for the replica ReplaceReplica added to be
+// healthy: the one its response names (before, the volume read before the
+// call, finds it when the server is older and does not say).
+func (a *app) waitNewReplica(ctx context.Context, c *client.Client, before *storpb.Volume, resp *storpb.ReplaceReplicaResponse) (*storpb.Volume, error) {
+	after := resp.GetVolume()
+	if id := resp.GetAddedReplicaId(); id != "" {
+		return a.waitReplicaHealthy(ctx, c, after.GetId(), id)
+	}
 	var added []string
 	for _, r := range after.GetReplicas() {
 		if !slices.ContainsFunc(before.GetReplicas(), func(b *storpb.Replica) bool { return b.GetId() == r.GetId() }) {

@@ -299,12 +299,12 @@ func (v *volumeService) SetReplicaState(ctx context.Context, req *storpb.SetRepl
 }
 
 func (v *volumeService) ReplaceReplica(ctx context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.ReplaceReplicaResponse, error) {
-	vol, err := v.s.store.ReplaceReplica(ctx, req)
+	vol, added, err := v.s.store.ReplaceReplicaAdded(ctx, req)
 	if err != nil {
 		return nil, err
 	}
-	v.s.logger.Info("replica replaced", "volume", vol.Name, "volume_id", vol.Id, "removed", req.ReplicaId, "generation", vol.Generation)
-	return &storpb.ReplaceReplicaResponse{Volume: vol}, nil
+	v.s.logger.Info("replica replaced", "volume", vol.Name, "volume_id", vol.Id, "removed", req.ReplicaId, "added", added, "generation", vol.Generation)
+	return &storpb.ReplaceReplicaResponse{Volume: vol, AddedReplicaId: added}, nil
 }
 
 // RecordCloneCopied records that a clone's replica holds its full copy.
