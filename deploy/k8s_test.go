@@ -38,6 +38,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/k8stest"
+	"github.com/stor-io/stor/internal/pvcevents"
 )
 
 // k8sEnv names the directory scripts/k8s-tools.sh prints; make k8s sets it.
@@ -664,7 +665,9 @@ func sidecarOfLease(lease string) string {
 }
 
 // leaseHolders are the holders of the sidecars' leader-election Leases in
-// deploy/'s namespace, by Lease name.
+// deploy/'s namespace, by Lease name (not stor-csi's own for PVC events:
+// killing its holder, stor-csi, would take the pod's standby sidecars'
+// driver with it, where a kubelet would restart the container).
 func (k *k8sT) leaseHolders() map[string]string {
 	k.t.Helper()
 	l, err := k.s.CP.Client.CoordinationV1().Leases(k8stest.Namespace).List(k.ctx(), metav1.ListOptions{})
@@ -673,6 +676,9 @@ func (k *k8sT) leaseHolders() map[string]string {
 	}
 	out := map[string]string{}
 	for _, le := range l.Items {
+		if le.Name == pvcevents.LeaseName {
+			continue // stor-csi's own (--pvc-events), not a sidecar's
+		}
 		if le.Spec.HolderIdentity != nil && *le.Spec.HolderIdentity != "" {
 			out[le.Name] = *le.Spec.HolderIdentity
 		}

@@ -188,8 +188,14 @@ func (k *Kubelet) register(ctx context.Context) error {
 		return err
 	}
 	// The node lifecycle controller taints a new Node at once: retry on
-	// a conflict, as every kubelet status update does.
-	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+	// a conflict, as every kubelet status update does, and on
+	// NodeRestriction's refusal to "modify taints", which is what a taint
+	// added between the Get and the update looks like (admission compares
+	// the taints before storage sees the stale resourceVersion).
+	staleTaints := func(err error) bool {
+		return apierrors.IsConflict(err) || (apierrors.IsForbidden(err) && strings.Contains(err.Error(), "taints"))
+	}
+	err := retry.OnError(retry.DefaultBackoff, staleTaints, func() error {
 		n, err := k.client.CoreV1().Nodes().Get(ctx, k.cfg.Name, metav1.GetOptions{})
 		if err != nil {
 			return err
