@@ -59,6 +59,7 @@ type Store struct {
 	// lastSeen is the leader's memory of when each server last reported.
 	seenMu   sync.Mutex
 	lastSeen map[string]time.Time
+	used     map[string]uint64 // data-directory bytes in use, as last reported
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -78,7 +79,7 @@ func Open(cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Store{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), ident: ident, lastSeen: map[string]time.Time{}, drainWait: map[string]time.Time{}}
+	s := &Store{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), ident: ident, lastSeen: map[string]time.Time{}, used: map[string]uint64{}, drainWait: map[string]time.Time{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.open(); err != nil {
 		s.closeResources()
@@ -644,6 +645,9 @@ func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 		return err // ErrNotFound: the server has to join first
 	}
 	s.markSeen(in.Id)
+	s.seenMu.Lock()
+	s.used[in.Id] = in.UsedBytes
+	s.seenMu.Unlock()
 	if cur.State == storpb.ServerState_SERVER_STATE_DOWN {
 		s.logger.Info("server is back", "back", in.Id)
 		up := &storpb.Server{Id: in.Id, State: storpb.ServerState_SERVER_STATE_UP, LastSeenUnixNano: s.cfg.Now().UnixNano()}
@@ -694,6 +698,14 @@ func (s *Store) LastSeen(id string) time.Time {
 	s.seenMu.Lock()
 	defer s.seenMu.Unlock()
 	return s.lastSeen[id]
+}
+
+// UsedBytes returns the data-directory bytes in use a server last
+// reported (0 if it has not, or this server is not the leader).
+func (s *Store) UsedBytes(id string) uint64 {
+	s.seenMu.Lock()
+	defer s.seenMu.Unlock()
+	return s.used[id]
 }
 
 // ----------------------------------------------------------------- status

@@ -395,7 +395,12 @@ type Server struct {
 	// and the leader moves every replica it holds elsewhere, one volume at a
 	// time, never taking a volume below its healthy replicas but the one
 	// moved. Cleared with the cordon.
-	Draining      bool `protobuf:"varint,14,opt,name=draining,proto3" json:"draining,omitempty"`
+	Draining bool `protobuf:"varint,14,opt,name=draining,proto3" json:"draining,omitempty"`
+	// Bytes used on the filesystem of the server's data directory, as its
+	// last heartbeat reported (the leader's memory, not Raft state; 0:
+	// unknown). With a data disk of its own that is what its replicas and
+	// Raft state take.
+	UsedBytes     uint64 `protobuf:"varint,15,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -526,6 +531,13 @@ func (x *Server) GetDraining() bool {
 		return x.Draining
 	}
 	return false
+}
+
+func (x *Server) GetUsedBytes() uint64 {
+	if x != nil {
+		return x.UsedBytes
+	}
+	return 0
 }
 
 // Node is a host that attaches volumes: a CSI node plugin registers its
@@ -4876,7 +4888,7 @@ var File_control_proto protoreflect.FileDescriptor
 
 const file_control_proto_rawDesc = "" +
 	"\n" +
-	"\rcontrol.proto\x12\astor.v1\"\xb2\x04\n" +
+	"\rcontrol.proto\x12\astor.v1\"\xd1\x04\n" +
 	"\x06Server\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12!\n" +
@@ -4892,7 +4904,9 @@ const file_control_proto_rawDesc = "" +
 	"\x10joined_unix_nano\x18\v \x01(\x03R\x0ejoinedUnixNano\x12'\n" +
 	"\x0fkubernetes_node\x18\f \x01(\tR\x0ekubernetesNode\x12\x1a\n" +
 	"\bcordoned\x18\r \x01(\bR\bcordoned\x12\x1a\n" +
-	"\bdraining\x18\x0e \x01(\bR\bdraining\x1a9\n" +
+	"\bdraining\x18\x0e \x01(\bR\bdraining\x12\x1d\n" +
+	"\n" +
+	"used_bytes\x18\x0f \x01(\x04R\tusedBytes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x02\n" +

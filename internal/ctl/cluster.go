@@ -181,7 +181,7 @@ actually hold on disk are not reported to the cluster.`,
 				if percent == 0 {
 					percent = 100 // a cluster older than the setting
 				}
-				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "LAST SEEN")
+				t := newTable(a.stdout, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "USED", "LAST SEEN")
 				for _, s := range resp.GetServers() {
 					state := enumName(s.GetState())
 					switch {
@@ -192,7 +192,7 @@ actually hold on disk are not reported to the cluster.`,
 					}
 					t.row(s.GetId(), orDash(s.GetAddress()), orDash(s.GetZone()), state,
 						formatCapacity(s.GetCapacityBytes()), bytesize.Format(s.GetAllocatedBytes()),
-						formatProvisionable(s, percent), formatAge(now, s.GetLastSeenUnixNano()))
+						formatProvisionable(s, percent), formatUsed(s.GetUsedBytes()), formatAge(now, s.GetLastSeenUnixNano()))
 				}
 				return t.flush()
 			})
@@ -245,6 +245,14 @@ The cordon is kept in Raft across restarts until uncordon. server list shows
 the server's state as "up,cordoned".`),
 		cordon("uncordon", false, "Allow new replicas on a cordoned server again (stops a drain)",
 			`Uncordon a server: placement may choose it again, and a drain stops.`))
+}
+
+// formatUsed renders a server's reported data-disk use; 0 is "-".
+func formatUsed(b uint64) string {
+	if b == 0 {
+		return "-"
+	}
+	return bytesize.Format(b)
 }
 
 // formatCapacity renders a reported capacity; 0 is "unreported".

@@ -51,6 +51,11 @@ func TestClusterConfigRoundTrip(t *testing.T) {
 	if got, want := strings.Join(row[:min(len(row), 7)], "|"), strings.Join([]string{c.Nodes[0].ID, c.Nodes[0].Addr, "-", "up", "4 GiB", "0 B", "12 GiB"}, "|"); got != want {
 		t.Fatalf("server list row %q, want it to start %q (the last seen time follows)\n%s", got, want, out)
 	}
+	// USED: what the server's heartbeats report of its data disk (the
+	// test's temp dir is on a real filesystem: some bytes are in use).
+	if len(row) < 9 || row[7] == "-" {
+		t.Fatalf("server list row %q: want the data disk's used bytes in USED\n%s", row, out)
+	}
 
 	for _, tc := range []struct {
 		args []string

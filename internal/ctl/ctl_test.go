@@ -254,7 +254,7 @@ func newFake(t *testing.T) *fakeCluster3 {
 			},
 			servers: []*storpb.Server{
 				{Id: "s1", Address: "10.0.0.1:7400", Zone: "a", State: storpb.ServerState_SERVER_STATE_UP,
-					CapacityBytes: 1 << 40, AllocatedBytes: 30 << 30, LastSeenUnixNano: testNow.Add(-2 * time.Second).UnixNano()},
+					CapacityBytes: 1 << 40, AllocatedBytes: 30 << 30, UsedBytes: 12 << 30, LastSeenUnixNano: testNow.Add(-2 * time.Second).UnixNano()},
 				{Id: "s2", Address: "10.0.0.2:7400", State: storpb.ServerState_SERVER_STATE_DOWN,
 					CapacityBytes: 512 << 30},
 			},
@@ -430,11 +430,11 @@ func TestClusterStatus(t *testing.T) {
 func TestServerList(t *testing.T) {
 	f := newFake(t)
 	out := mustRun(t, "--server", f.addr, "server", "list")
-	assertCells(t, out, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "LAST SEEN")
+	assertCells(t, out, "ID", "ADDRESS", "ZONE", "STATE", "CAPACITY", "PROVISIONED", "PROVISIONABLE", "USED", "LAST SEEN")
 	// The fake answers no over-provisioning ratio, as a cluster older than
 	// it does: 100%.
-	assertCells(t, out, "s1", "10.0.0.1:7400", "a", "up", "1 TiB", "30 GiB", "994 GiB", "2s ago")
-	assertCells(t, out, "s2", "10.0.0.2:7400", "-", "down", "512 GiB", "0 B", "512 GiB", "-")
+	assertCells(t, out, "s1", "10.0.0.1:7400", "a", "up", "1 TiB", "30 GiB", "994 GiB", "12 GiB", "2s ago")
+	assertCells(t, out, "s2", "10.0.0.2:7400", "-", "down", "512 GiB", "0 B", "512 GiB", "-", "-")
 }
 
 func TestNodeList(t *testing.T) {

@@ -258,7 +258,17 @@ func (s *Server) self() *storpb.Server {
 		Id: s.cfg.ID, Address: s.cfg.Advertise, RaftAddress: s.store.RaftAddress(),
 		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
 		CapacityBytes: s.cfg.Capacity, KubernetesNode: s.cfg.KubernetesNode,
+		UsedBytes: filesystemUsed(s.cfg.DataDir),
 	}
+}
+
+// filesystemUsed is what the filesystem of dir has in use (0 if unknown).
+func filesystemUsed(dir string) uint64 {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return 0
+	}
+	return (st.Blocks - st.Bfree) * uint64(st.Bsize)
 }
 
 // ErrSecondCluster is returned by Start when this server, with no state,

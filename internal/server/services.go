@@ -82,6 +82,7 @@ func (c *clusterService) ListServers(ctx context.Context, _ *storpb.ListServersR
 		if seen := c.s.store.LastSeen(srv.Id); !seen.IsZero() {
 			srv.LastSeenUnixNano = seen.UnixNano()
 		}
+		srv.UsedBytes = c.s.store.UsedBytes(srv.Id)
 	}
 	return resp, err
 }
