@@ -553,6 +553,7 @@ func (s *Store) Join(ctx context.Context, srv *storpb.Server) (clusterID string,
 		return "", false, err
 	}
 	s.markSeen(srv.Id)
+	s.markUsed(srv.Id, srv.UsedBytes)
 	_ = s.fsm.View(func(r *Reader) error { clusterID = r.ClusterID(); return nil })
 	s.logger.Info("server joined", "joined", srv.Id, "raft_address", srv.RaftAddress, "voter", voter)
 	return clusterID, voter, nil
@@ -645,9 +646,7 @@ func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 		return err // ErrNotFound: the server has to join first
 	}
 	s.markSeen(in.Id)
-	s.seenMu.Lock()
-	s.used[in.Id] = in.UsedBytes
-	s.seenMu.Unlock()
+	s.markUsed(in.Id, in.UsedBytes)
 	if cur.State == storpb.ServerState_SERVER_STATE_DOWN {
 		s.logger.Info("server is back", "back", in.Id)
 		up := &storpb.Server{Id: in.Id, State: storpb.ServerState_SERVER_STATE_UP, LastSeenUnixNano: s.cfg.Now().UnixNano()}
@@ -698,6 +697,17 @@ func (s *Store) LastSeen(id string) time.Time {
 	s.seenMu.Lock()
 	defer s.seenMu.Unlock()
 	return s.lastSeen[id]
+}
+
+// markUsed records the data-directory bytes in use a server reported
+// (0: it did not say; the last figure is kept).
+func (s *Store) markUsed(id string, used uint64) {
+	if used == 0 {
+		return
+	}
+	s.seenMu.Lock()
+	s.used[id] = used
+	s.seenMu.Unlock()
 }
 
 // UsedBytes returns the data-directory bytes in use a server last
