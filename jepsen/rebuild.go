@@ -303,7 +303,28 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 		}
 		done = append(done, fmt.Sprintf("round %d: %s (%s %s of %s, delta from generation %d) %s", i+1, what, role, victim.Id, target.Id, now.RebuildFromGeneration, state))
 	}
-	return desc + strings.Join(done, "; "), nil
+	return desc + strings.Join(done, "; ") + r.checkColdAfterRebuilds(ctx), nil
+}
+
+// checkColdAfterRebuilds waits (up to rebuildDone) for every replica to be
+// HEALTHY and then reads the cold registers from each (ops
+// "replica-check", checkReplicasHoldLastWrite): the next rebuild nemesis
+// writes them again, which would hide what this one's rebuilds left from
+// the final checks. It returns what it did, for the fault's description.
+func (r *runner) checkColdAfterRebuilds(ctx context.Context) string {
+	_, v, err := r.waitReplica(ctx, rebuildDone, func(v *storpb.Volume) *storpb.Replica {
+		if len(v.Replicas) > 0 && len(healthy(v)) == len(v.Replicas) {
+			return v.Replicas[0]
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Sprintf("; not every replica HEALTHY within %v: cold registers not checked", rebuildDone)
+	}
+	if err := r.readHealthyReplicas(ctx, v, "replica-check", r.cold); err != nil {
+		return fmt.Sprintf("; cold registers not read: %v", err)
+	}
+	return "; every replica HEALTHY, the cold registers read from each"
 }
 
 // Heal is nothing: each round heals its own fault.
