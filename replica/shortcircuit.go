@@ -1,0 +1,158 @@
+package replica
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+)
+
+// Short-circuit reads (DESIGN.md, "Data path", point 6). A volume engine on
+// the same host as this replica's server may read the replica's head data
+// file itself, with pread, instead of sending each read to the server. The
+// server hands it read-only descriptors (replica/localread) of
+//
+//   - the head layer's data file, and
+//   - the replica's read generation file (readgen): one 8-byte counter in
+//     host byte order, which the engine maps and compares before and after
+//     every read.
+//
+// OpenDirect opens them only when the head alone defines the volume's
+// contents: a chain of one layer (a block no layer holds and a block
+// zeroed in the head both read as zeroes, as holes in that one file do),
+// no rebuild in progress, and the request's epoch the replica's current
+// one.
+//
+// Everything that could make the head file stop being the volume's
+// contents as a read by the engine holding the epoch would see them
+// advances the counter first (invalidateDirect), before the change takes
+// effect: raising the epoch (a newer attach), cutting a snapshot (a new
+// head), dropping a merged layer, growing, beginning a rebuild, the
+// replica failing, closing (server stop, deletion) and opening it again
+// (a new server process). So a direct read whose second comparison still
+// sees the value it was opened with read the file before any of those
+// happened, which is what a read through the server at that moment would
+// have returned; one that sees another value is discarded and the engine
+// reads through the server, which applies the epoch and every other rule.
+// The engine's own writes do not advance it: they reach the same file
+// through the server (the page cache is shared), and the engine never
+// reads a block while its write is in flight.
+const readGenName = "readgen"
+
+// DirectFiles are the descriptors of a short-circuit read (see above). The
+// caller owns and closes them.
+type DirectFiles struct {
+	// Data is the head layer's data file, opened read-only. A block past
+	// its end reads as zeroes.
+	Data *os.File
+	// Gen is the read generation file, opened read-only.
+	Gen *os.File
+	// Generation is the counter's value when they were opened: a read is
+	// valid while the file still holds it.
+	Generation uint64
+}
+
+// Close closes both files.
+func (d *DirectFiles) Close() error {
+	return errors.Join(d.Data.Close(), d.Gen.Close())
+}
+
+// OpenDirect opens r for short-circuit reads at o.Epoch; see above. It
+// fails with ErrStaleEpoch for an old epoch and with ErrNotDirect when the
+// replica cannot be read that way now (snapshots, a rebuild, a store not
+// on the OS filesystem).
+func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
+	if err := r.enter(o); err != nil {
+		return nil, err
+	}
+	defer r.mu.RUnlock()
+	switch {
+	case len(r.layers) != 1:
+		return nil, fmt.Errorf("%w: replica %s has %d snapshot layers", ErrNotDirect, r.id, len(r.layers)-1)
+	case r.rebuild != nil:
+		return nil, fmt.Errorf("%w: replica %s is being rebuilt", ErrNotDirect, r.id)
+	}
+	r.directMu.Lock()
+	defer r.directMu.Unlock()
+	gen, err := r.readGenLocked(true)
+	if err != nil {
+		return nil, err
+	}
+	// The store's FS is a seam for tests; a descriptor can be handed out
+	// only for a file of the operating system.
+	genf, err := os.Open(filepath.Join(r.dir, readGenName))
+	if err != nil {
+		return nil, fmt.Errorf("%w: replica %s: %v", ErrNotDirect, r.id, err)
+	}
+	data, err := os.Open(r.layers[0].base + ".data")
+	if err != nil {
+		genf.Close()
+		return nil, fmt.Errorf("%w: replica %s: %v", ErrNotDirect, r.id, err)
+	}
+	return &DirectFiles{Data: data, Gen: genf, Generation: gen}, nil
+}
+
+// readGenLocked returns the read generation, creating its file (at 1) if
+// create is set and it does not exist; without create a missing file is 0
+// (no short-circuit read was ever opened). The caller holds directMu.
+func (r *Replica) readGenLocked(create bool) (uint64, error) {
+	path := filepath.Join(r.dir, readGenName)
+	flag := os.O_RDWR
+	if create {
+		flag |= os.O_CREATE
+	}
+	f, err := r.fs.OpenFile(path, flag, 0o644)
+	if errors.Is(err, os.ErrNotExist) && !create {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, ioErr("open "+readGenName, err)
+	}
+	defer f.Close()
+	var b [8]byte
+	n, err := f.ReadAt(b[:], 0)
+	if n == len(b) {
+		if v := binary.NativeEndian.Uint64(b[:]); v != 0 {
+			return v, nil
+		}
+	} else if err != nil && !errors.Is(err, io.EOF) {
+		return 0, ioErr("read "+readGenName, err)
+	}
+	// New (or torn by a crash while being created): start at 1.
+	binary.NativeEndian.PutUint64(b[:], 1)
+	if _, err := f.WriteAt(b[:], 0); err != nil {
+		return 0, ioErr("write "+readGenName, err)
+	}
+	return 1, nil
+}
+
+// invalidateDirect advances the read generation, so that every
+// short-circuit read opened before fails its check. It is called before
+// the change it announces takes effect; when it fails, the change must not
+// be made (a reader could not be told). Without a readgen file (no
+// short-circuit read was ever opened) it does nothing.
+func (r *Replica) invalidateDirect(why string) error {
+	r.directMu.Lock()
+	defer r.directMu.Unlock()
+	f, err := r.fs.OpenFile(filepath.Join(r.dir, readGenName), os.O_RDWR, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return ioErr("open "+readGenName, err)
+	}
+	defer f.Close()
+	var b [8]byte
+	if _, err := f.ReadAt(b[:], 0); err != nil && !errors.Is(err, io.EOF) {
+		return ioErr("read "+readGenName, err)
+	}
+	v := binary.NativeEndian.Uint64(b[:]) + 1
+	binary.NativeEndian.PutUint64(b[:], v)
+	if _, err := f.WriteAt(b[:], 0); err != nil {
+		return ioErr("write "+readGenName, err)
+	}
+	r.log.Debug("short-circuit reads invalidated", "why", why, "read_generation", v)
+	return nil
+}
