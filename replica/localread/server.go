@@ -1,0 +1,248 @@
+package localread
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/stor-io/stor/replica"
+)
+
+// maxMessage bounds a request and a reply.
+const maxMessage = 4096
+
+// connTimeout bounds one connection: its request, the open, the reply.
+const connTimeout = 10 * time.Second
+
+// Reply codes.
+const (
+	codeOK         = ""
+	codeStaleEpoch = "stale-epoch"
+	codeNotDirect  = "not-direct"
+	codeNotFound   = "not-found"
+	codeInvalid    = "invalid"
+	codeDenied     = "denied"
+	codeFailed     = "failed"
+)
+
+type request struct {
+	Replica string `json:"replica"`
+	Volume  string `json:"volume"`
+	Epoch   uint64 `json:"epoch"`
+}
+
+type reply struct {
+	ServerID   string `json:"server_id"`
+	Generation uint64 `json:"generation,omitempty"`
+	Code       string `json:"code,omitempty"`
+	Error      string `json:"error,omitempty"`
+}
+
+// Server hands out short-circuit reads of a store's replicas.
+type Server struct {
+	store    *replica.Store
+	serverID string
+	log      *slog.Logger
+
+	mu     sync.Mutex
+	lns    map[net.Listener]bool
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// NewServer serves store's replicas as server serverID.
+func NewServer(store *replica.Store, serverID string, log *slog.Logger) *Server {
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Server{store: store, serverID: serverID, log: log, lns: map[net.Listener]bool{}}
+}
+
+// Listen makes the unix socket at path (replacing a stale socket left by a
+// previous process) with mode 0600.
+func Listen(path string) (*net.UnixListener, error) {
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("localread: %s exists and is not a socket", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("localread: remove stale socket: %w", err)
+		}
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("localread: %w", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("localread: %w", err)
+	}
+	return ln, nil
+}
+
+// Serve accepts connections on ln until Close; it returns nil after Close.
+func (s *Server) Serve(ln *net.UnixListener) error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		ln.Close()
+		return nil
+	}
+	s.lns[ln] = true
+	s.mu.Unlock()
+	for {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			s.mu.Lock()
+			closed := s.closed
+			s.mu.Unlock()
+			if closed {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			return fmt.Errorf("localread: accept: %w", err)
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(c)
+		}()
+	}
+}
+
+// Close stops the listeners and waits for the connections being served.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	for ln := range s.lns {
+		ln.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return nil
+}
+
+func (s *Server) serveConn(c *net.UnixConn) {
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(connTimeout))
+	if err := s.checkPeer(c); err != nil {
+		s.log.Warn("short-circuit read refused", "err", err)
+		s.send(c, reply{ServerID: s.serverID, Code: codeDenied, Error: err.Error()}, nil)
+		return
+	}
+	line, err := readLine(c)
+	if err != nil {
+		s.log.Debug("short-circuit read: bad request", "err", err)
+		s.send(c, reply{ServerID: s.serverID, Code: codeInvalid, Error: err.Error()}, nil)
+		return
+	}
+	var req request
+	if err := json.Unmarshal(line, &req); err != nil {
+		s.send(c, reply{ServerID: s.serverID, Code: codeInvalid, Error: "malformed request: " + err.Error()}, nil)
+		return
+	}
+	if req.Replica == "" {
+		s.send(c, reply{ServerID: s.serverID}, nil)
+		return
+	}
+	files, err := s.open(req)
+	if err != nil {
+		s.send(c, reply{ServerID: s.serverID, Code: codeOf(err), Error: err.Error()}, nil)
+		return
+	}
+	defer files.Close()
+	s.send(c, reply{ServerID: s.serverID, Generation: files.Generation}, files)
+	s.log.Debug("short-circuit read opened", "replica", req.Replica, "volume_id", req.Volume, "epoch", req.Epoch, "read_generation", files.Generation)
+}
+
+func (s *Server) open(req request) (*replica.DirectFiles, error) {
+	r, err := s.store.Get(req.Replica)
+	if err != nil {
+		return nil, err
+	}
+	if r.VolumeID() != req.Volume {
+		return nil, fmt.Errorf("%w: replica %s belongs to volume %s, not %s", replica.ErrInvalid, req.Replica, r.VolumeID(), req.Volume)
+	}
+	return r.OpenDirect(replica.Op{Epoch: req.Epoch})
+}
+
+// checkPeer admits root and the server's own user.
+func (s *Server) checkPeer(c *net.UnixConn) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if cerr != nil {
+		return fmt.Errorf("peer credentials: %w", cerr)
+	}
+	if cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("peer pid %d runs as uid %d: only root and uid %d may read replicas directly", cred.Pid, cred.Uid, os.Geteuid())
+	}
+	return nil
+}
+
+func (s *Server) send(c *net.UnixConn, rep reply, files *replica.DirectFiles) {
+	b, err := json.Marshal(rep)
+	if err != nil {
+		return
+	}
+	var oob []byte
+	if files != nil {
+		oob = unix.UnixRights(int(files.Data.Fd()), int(files.Gen.Fd()))
+	}
+	if _, _, err := c.WriteMsgUnix(b, oob, nil); err != nil {
+		s.log.Debug("short-circuit read: reply not sent", "err", err)
+	}
+}
+
+func codeOf(err error) string {
+	switch {
+	case errors.Is(err, replica.ErrStaleEpoch):
+		return codeStaleEpoch
+	case errors.Is(err, replica.ErrNotDirect):
+		return codeNotDirect
+	case errors.Is(err, replica.ErrNotFound):
+		return codeNotFound
+	case errors.Is(err, replica.ErrInvalid):
+		return codeInvalid
+	}
+	return codeFailed
+}
+
+// readLine reads one request line of at most maxMessage bytes.
+func readLine(r io.Reader) ([]byte, error) {
+	buf := make([]byte, 0, 256)
+	var b [1]byte
+	for len(buf) <= maxMessage {
+		if _, err := r.Read(b[:]); err != nil {
+			return nil, fmt.Errorf("read request: %w", err)
+		}
+		if b[0] == '\n' {
+			return buf, nil
+		}
+		buf = append(buf, b[0])
+	}
+	return nil, fmt.Errorf("request longer than %d bytes", maxMessage)
+}
