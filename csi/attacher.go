@@ -49,7 +49,10 @@ type KernelAttacherConfig struct {
 	// DataDial opens connections to the servers' data ports. Default
 	// net.Dialer; under TLS a pki Dialer.
 	DataDial func(ctx context.Context, network, addr string) (net.Conn, error)
-	Logger   *slog.Logger
+	// LocalSockets are the short-circuit read sockets of the stor-servers
+	// on this node (stor-server --local-socket), dialled at each attach.
+	LocalSockets []string
+	Logger       *slog.Logger
 	// Metrics gets each served volume's I/O series while it is served.
 	// Default nil: none.
 	Metrics *metrics.Volumes
@@ -92,8 +95,9 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	at, err := attach.Open(ctx, attach.Config{
 		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true, RequireAttached: true,
 		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger, Metrics: k.cfg.Metrics,
-		Control: engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
-		Connect: engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
+		Control:      engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
+		Connect:      engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
+		LocalReaders: engine.DialLocalReaders(ctx, k.cfg.LocalSockets, k.cfg.Logger),
 	})
 	if err != nil {
 		return "", err

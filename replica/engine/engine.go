@@ -82,6 +82,10 @@ type Config struct {
 	// LocalServerID is the server on this node, if any: reads prefer its
 	// replica.
 	LocalServerID string
+	// LocalReaders open short-circuit reads of replicas on servers of
+	// this host (replica/localread; localread.go): reads prefer those
+	// replicas and read them directly while they can.
+	LocalReaders []LocalReader
 	// Control reaches the cluster; required.
 	Control ControlPlane
 	// Connect opens replicas; required (wire.Connector for the network).
@@ -124,8 +128,9 @@ func (c *Config) Validate() error {
 // member is one replica the engine writes to. It is never modified once
 // in the write set; a state change replaces it.
 type member struct {
-	info *storpb.Replica
-	conn ReplicaConn
+	info  *storpb.Replica
+	conn  ReplicaConn
+	local *localRead // nil unless its server is on this host (localread.go)
 }
 
 // Engine is an open volume. See the package documentation for its rules.
@@ -149,6 +154,8 @@ type Engine struct {
 	// copy, as they last reported (RebuildProgress).
 	rebuildCopied atomic.Int64
 	rebuildLeft   atomic.Int64
+	// localReads counts the reads served directly (localread.go).
+	localReads atomic.Int64
 
 	// overlaps holds the writes, reads and rebuild copies under way: it
 	// keeps overlapping writes in one order on every replica, keeps reads
@@ -286,6 +293,7 @@ func (e *Engine) abort() {
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.IOTimeout)
 	defer cancel()
 	for _, m := range e.members {
+		m.local.close()
 		m.conn.Close(ctx)
 	}
 }
@@ -337,7 +345,7 @@ func (e *Engine) openReplicas(ctx context.Context, v *storpb.Volume) error {
 			failed = append(failed, o)
 			continue
 		}
-		e.members[o.r.Id] = &member{info: o.r, conn: o.conn}
+		e.members[o.r.Id] = &member{info: o.r, conn: o.conn, local: e.newLocalRead(o.r.ServerId)}
 	}
 	if e.fenced.Load() {
 		return fmt.Errorf("engine: open %s: %w", e.name, ErrFenced)
@@ -441,7 +449,7 @@ func (e *Engine) readSet() []*member {
 	// The local replica first, then a stable order, so that reads go to
 	// the same replica while the set is unchanged.
 	slices.SortFunc(out, func(a, b *member) int {
-		al, bl := a.info.ServerId == e.cfg.LocalServerID, b.info.ServerId == e.cfg.LocalServerID
+		al, bl := e.isLocal(a.info.ServerId), e.isLocal(b.info.ServerId)
 		switch {
 		case al != bl && al:
 			return -1
@@ -533,6 +541,9 @@ func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
 			return fmt.Errorf("%w: volume %s has no healthy replica to read from", ErrIO, e.name)
 		}
 		m := set[0]
+		if e.readLocal(ctx, m, p, off) {
+			return nil
+		}
 		err := e.call(ctx, func(ctx context.Context) error { return m.conn.ReadAt(ctx, e.op(false), p, off) })
 		if err == nil {
 			return nil
@@ -964,11 +975,12 @@ func (e *Engine) applyVolume(v *storpb.Volume) {
 			continue
 		}
 		// Members are immutable (requests in flight hold them): replace.
-		e.members[id] = &member{info: r, conn: m.conn}
+		e.members[id] = &member{info: r, conn: m.conn, local: m.local}
 	}
 	e.mu.Unlock()
 	for _, m := range drop {
 		e.logger.Info("replica left the write set", "replica", m.info.Id, "server", m.info.ServerId)
+		m.local.close()
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		m.conn.Close(ctx)
 		cancel()
@@ -989,6 +1001,7 @@ func (e *Engine) Close(ctx context.Context, detach bool) error {
 	e.cancel()
 	e.wg.Wait()
 	for _, m := range e.writeSet() {
+		m.local.close()
 		errs = append(errs, m.conn.Close(ctx))
 	}
 	if detach && !e.fenced.Load() {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -32,8 +33,11 @@ type Client struct {
 // Dial asks the server at the unix socket path for its id.
 func Dial(ctx context.Context, path string) (*Client, error) {
 	c := &Client{path: path}
-	rep, files, err := c.roundTrip(ctx, request{})
+	rep, files, conn, err := c.roundTrip(ctx, request{})
 	closeFiles(files)
+	if conn != nil {
+		conn.Close()
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -54,26 +58,37 @@ func (c *Client) Path() string { return c.path }
 // open.Epoch. Its errors wrap replica.ErrStaleEpoch, ErrNotDirect,
 // ErrNotFound or ErrInvalid as the server's did.
 func (c *Client) Open(ctx context.Context, open wire.OpenRequest) (*View, error) {
-	rep, files, err := c.roundTrip(ctx, request{Replica: open.Replica, Volume: open.Volume, Epoch: open.Epoch})
-	if err != nil {
+	rep, files, conn, err := c.roundTrip(ctx, request{Replica: open.Replica, Volume: open.Volume, Epoch: open.Epoch})
+	fail := func(err error) (*View, error) {
 		closeFiles(files)
+		if conn != nil {
+			conn.Close()
+		}
 		return nil, err
 	}
-	if rep.ServerID != c.serverID {
-		closeFiles(files)
-		return nil, fmt.Errorf("localread: %s is now server %q, not %q", c.path, rep.ServerID, c.serverID)
+	switch {
+	case err != nil:
+		return fail(err)
+	case rep.ServerID != c.serverID:
+		return fail(fmt.Errorf("localread: %s is now server %q, not %q", c.path, rep.ServerID, c.serverID))
+	case len(files) != 2:
+		return fail(fmt.Errorf("localread: %s sent %d descriptors, want 2", c.path, len(files)))
 	}
-	if len(files) != 2 {
-		closeFiles(files)
-		return nil, fmt.Errorf("localread: %s sent %d descriptors, want 2", c.path, len(files))
+	// The View checks the server's end of the connection with a
+	// non-blocking peek of its own descriptor.
+	live, err := conn.File()
+	if err != nil {
+		return fail(fmt.Errorf("localread: %w", err))
 	}
-	defer files[1].Close() // the mapping outlives the descriptor
+	conn.Close()
+	conn = nil
 	mem, err := unix.Mmap(int(files[1].Fd()), 0, 8, unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
-		files[0].Close()
-		return nil, fmt.Errorf("localread: map the read generation: %w", err)
+		live.Close()
+		return fail(fmt.Errorf("localread: map the read generation: %w", err))
 	}
-	v := &View{data: files[0], mem: mem, want: rep.Generation}
+	files[1].Close() // the mapping outlives the descriptor
+	v := &View{data: files[0], live: live, mem: mem, want: rep.Generation}
 	v.gen = (*uint64)(unsafe.Pointer(&mem[0]))
 	if !v.valid() {
 		v.Close()
@@ -82,16 +97,24 @@ func (c *Client) Open(ctx context.Context, open wire.OpenRequest) (*View, error)
 	return v, nil
 }
 
-func (c *Client) roundTrip(ctx context.Context, req request) (reply, []*os.File, error) {
+// roundTrip sends req and reads the reply and its descriptors. The
+// connection is returned open (to be closed by the caller) when there is
+// a reply.
+func (c *Client) roundTrip(ctx context.Context, req request) (reply, []*os.File, *net.UnixConn, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", c.path)
 	if err != nil {
-		return reply{}, nil, fmt.Errorf("localread: %w", err)
+		return reply{}, nil, nil, fmt.Errorf("localread: %w", err)
 	}
 	conn := nc.(*net.UnixConn)
-	defer conn.Close()
+	rep, files, err := c.exchange(ctx, conn, req)
+	return rep, files, conn, err
+}
+
+func (c *Client) exchange(ctx context.Context, conn *net.UnixConn, req request) (reply, []*os.File, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		conn.SetDeadline(dl)
+		defer conn.SetDeadline(time.Time{})
 	}
 	b, err := json.Marshal(req)
 	if err != nil {
@@ -169,6 +192,7 @@ func errorOf(code string) error {
 // View reads one replica directly while its read generation holds.
 type View struct {
 	data *os.File
+	live *os.File // the connection the server holds open while it runs
 	mem  []byte
 	gen  *uint64 // in mem
 	want uint64
@@ -197,11 +221,29 @@ func (v *View) ReadAt(p []byte, off int64) error {
 	}
 	clear(p[n:])
 	// The server advances the counter before any change takes effect, so
-	// a read that still sees it unchanged read the file as it was.
-	if !v.valid() {
+	// a read that still sees it unchanged read the file as it was; and a
+	// server that died cannot advance it, but its death closed the
+	// connection first.
+	if !v.valid() || !v.alive() {
 		return ErrStale
 	}
 	return nil
+}
+
+// alive reports whether the server still holds the View's connection
+// open: a non-blocking peek finds nothing to read (EAGAIN), not the end.
+func (v *View) alive() bool {
+	var b [1]byte
+	for {
+		_, _, err := unix.Recvfrom(int(v.live.Fd()), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		switch err {
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return true
+		}
+		return false // EOF (n == 0), a byte the server never sends, or an error
+	}
 }
 
 // Close releases the View; later reads fail with ErrStale.
@@ -212,5 +254,5 @@ func (v *View) Close() error {
 		return nil
 	}
 	v.closed = true
-	return errors.Join(unix.Munmap(v.mem), v.data.Close())
+	return errors.Join(unix.Munmap(v.mem), v.data.Close(), v.live.Close())
 }

@@ -17,6 +17,7 @@ import (
 
 type env struct {
 	store  *replica.Store
+	srv    *localread.Server
 	client *localread.Client
 	sock   string
 }
@@ -54,7 +55,7 @@ func newEnv(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &env{store: store, client: c, sock: sock}
+	return &env{store: store, srv: srv, client: c, sock: sock}
 }
 
 func (e *env) open(t *testing.T, replicaID, volume string, epoch uint64) (*localread.View, error) {
@@ -198,5 +199,34 @@ func TestListenReplacesOnlySockets(t *testing.T) {
 	}
 	if _, err := os.Stat(plain); err != nil {
 		t.Fatalf("the regular file is gone: %v", err)
+	}
+}
+
+// TestViewEndsWithTheServer: a View is stale once the server that opened
+// it is gone, though nothing advanced the read generation (a server
+// process that dies cannot): it must not go on reading a replica no
+// server guards any more, which a newer attach may have fenced elsewhere.
+func TestViewEndsWithTheServer(t *testing.T) {
+	e := newEnv(t)
+	r, err := e.store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Fence(1); err != nil {
+		t.Fatal(err)
+	}
+	v, err := e.open(t, "r1", "v1", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	if err := v.ReadAt(make([]byte, 4096), 0); err != nil {
+		t.Fatalf("read: %v", err)
+	}
+	if err := e.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.ReadAt(make([]byte, 4096), 0); !errors.Is(err, localread.ErrStale) {
+		t.Fatalf("read after the server closed: %v, want ErrStale", err)
 	}
 }

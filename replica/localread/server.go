@@ -54,6 +54,7 @@ type Server struct {
 
 	mu     sync.Mutex
 	lns    map[net.Listener]bool
+	views  map[*net.UnixConn]bool // connections held open by Views
 	closed bool
 	wg     sync.WaitGroup
 }
@@ -63,7 +64,7 @@ func NewServer(store *replica.Store, serverID string, log *slog.Logger) *Server 
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Server{store: store, serverID: serverID, log: log, lns: map[net.Listener]bool{}}
+	return &Server{store: store, serverID: serverID, log: log, lns: map[net.Listener]bool{}, views: map[*net.UnixConn]bool{}}
 }
 
 // Listen makes the unix socket at path (replacing a stale socket left by a
@@ -132,6 +133,9 @@ func (s *Server) Close() error {
 	for ln := range s.lns {
 		ln.Close()
 	}
+	for c := range s.views {
+		c.Close()
+	}
 	s.mu.Unlock()
 	s.wg.Wait()
 	return nil
@@ -165,9 +169,36 @@ func (s *Server) serveConn(c *net.UnixConn) {
 		s.send(c, reply{ServerID: s.serverID, Code: codeOf(err), Error: err.Error()}, nil)
 		return
 	}
-	defer files.Close()
-	s.send(c, reply{ServerID: s.serverID, Generation: files.Generation}, files)
+	err = s.send(c, reply{ServerID: s.serverID, Generation: files.Generation}, files)
+	files.Close()
+	if err != nil {
+		return
+	}
 	s.log.Debug("short-circuit read opened", "replica", req.Replica, "volume_id", req.Volume, "epoch", req.Epoch, "read_generation", files.Generation)
+	s.holdOpen(c)
+}
+
+// holdOpen keeps a View's connection open until the client closes it (or
+// sends anything) or the server closes: the View checks after every read
+// that it is still open, so a read cannot outlive this process unnoticed
+// (the kernel closes it when the process dies, before any other server
+// could apply a newer epoch's write to a replica this one was serving).
+func (s *Server) holdOpen(c *net.UnixConn) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.views[c] = true
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.views, c)
+		s.mu.Unlock()
+	}()
+	c.SetDeadline(time.Time{})
+	var b [1]byte
+	c.Read(b[:]) // returns at EOF, on any byte, or when Close closes c
 }
 
 func (s *Server) open(req request) (*replica.DirectFiles, error) {
@@ -203,10 +234,10 @@ func (s *Server) checkPeer(c *net.UnixConn) error {
 	return nil
 }
 
-func (s *Server) send(c *net.UnixConn, rep reply, files *replica.DirectFiles) {
+func (s *Server) send(c *net.UnixConn, rep reply, files *replica.DirectFiles) error {
 	b, err := json.Marshal(rep)
 	if err != nil {
-		return
+		return err
 	}
 	var oob []byte
 	if files != nil {
@@ -214,7 +245,9 @@ func (s *Server) send(c *net.UnixConn, rep reply, files *replica.DirectFiles) {
 	}
 	if _, _, err := c.WriteMsgUnix(b, oob, nil); err != nil {
 		s.log.Debug("short-circuit read: reply not sent", "err", err)
+		return err
 	}
+	return nil
 }
 
 func codeOf(err error) string {

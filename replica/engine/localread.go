@@ -1,0 +1,196 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/localread"
+	"github.com/stor-io/stor/replica/wire"
+)
+
+// LocalReader opens short-circuit reads (replica/localread) of replicas
+// held by a server on this host; *localread.Client implements it.
+type LocalReader interface {
+	// ServerID is the server whose replicas it opens.
+	ServerID() string
+	// OpenLocal opens a direct view of replica open.Replica at open.Epoch.
+	OpenLocal(ctx context.Context, open wire.OpenRequest) (LocalView, error)
+}
+
+// LocalView reads one replica directly. ReadAt fails (localread.ErrStale)
+// once the replica changed in a way that ends the view; the engine then
+// drops it and reads through the server.
+type LocalView interface {
+	ReadAt(p []byte, off int64) error
+	Close() error
+}
+
+// localRetry is how long after a failed open the engine reads a replica
+// through its server before trying to open a view again (a replica with
+// snapshot layers, or being rebuilt, cannot be read directly).
+const localRetry = 5 * time.Second
+
+// localRead is the short-circuit state of one opened replica on a local
+// server. It lives as long as the replica's connection: members replaced
+// by a state change carry it over.
+type localRead struct {
+	reader LocalReader
+	view   atomic.Pointer[localViewRef] // nil: none open
+
+	mu      sync.Mutex // serialises opening
+	retryAt time.Time  // guarded by mu
+	closed  bool       // guarded by mu
+}
+
+type localViewRef struct{ v LocalView }
+
+// newLocalRead returns the short-circuit state for a replica on serverID,
+// or nil when no LocalReader reaches that server.
+func (e *Engine) newLocalRead(serverID string) *localRead {
+	for _, lr := range e.cfg.LocalReaders {
+		if lr.ServerID() == serverID {
+			return &localRead{reader: lr}
+		}
+	}
+	return nil
+}
+
+// isLocal reports whether serverID runs on this host.
+func (e *Engine) isLocal(serverID string) bool {
+	if serverID == e.cfg.LocalServerID && serverID != "" {
+		return true
+	}
+	for _, lr := range e.cfg.LocalReaders {
+		if lr.ServerID() == serverID {
+			return true
+		}
+	}
+	return false
+}
+
+// readLocal tries to serve a read of healthy member m directly; it
+// reports whether it did. The caller holds the read's overlap span, so no
+// write to the range is in flight: what the file holds is what every
+// replica acknowledged. Any failure (no view, a stale view, an error) is
+// answered by reading through the server, which applies every rule and
+// reports a real failure of the replica.
+func (e *Engine) readLocal(ctx context.Context, m *member, p []byte, off int64) bool {
+	l := m.local
+	if l == nil {
+		return false
+	}
+	ref := l.view.Load()
+	if ref == nil {
+		if ref = e.openLocal(ctx, m); ref == nil {
+			return false
+		}
+	}
+	err := ref.v.ReadAt(p, off)
+	if err == nil {
+		e.localReads.Add(1)
+		return true
+	}
+	// Stale (an epoch, layer, rebuild or server change) or an error: drop
+	// the view; the next read may open a new one.
+	if l.view.CompareAndSwap(ref, nil) {
+		e.logger.Debug("short-circuit read view dropped", "replica", m.info.Id, "err", err)
+		ref.v.Close()
+	}
+	return false
+}
+
+// openLocal opens a view for m unless one was opened meanwhile, the last
+// attempt failed less than localRetry ago, or the replica was dropped.
+func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
+	l := m.local
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if ref := l.view.Load(); ref != nil {
+		return ref
+	}
+	if l.closed || time.Now().Before(l.retryAt) {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
+	defer cancel()
+	v, err := l.reader.OpenLocal(ctx, wire.OpenRequest{
+		Replica: m.info.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose,
+	})
+	if err != nil {
+		l.retryAt = time.Now().Add(localRetry)
+		lvl := "reading through the server"
+		if errors.Is(err, replica.ErrNotDirect) {
+			e.logger.Debug("replica cannot be read directly now; "+lvl, "replica", m.info.Id, "err", err)
+		} else {
+			e.logger.Info("short-circuit read of the local replica could not be opened; "+lvl, "replica", m.info.Id, "err", err)
+		}
+		return nil
+	}
+	ref := &localViewRef{v: v}
+	l.view.Store(ref)
+	e.logger.Debug("reading the local replica directly (short-circuit)", "replica", m.info.Id, "server", m.info.ServerId)
+	return ref
+}
+
+// close drops the view for good (the replica left the set, or the engine
+// closed).
+func (l *localRead) close() {
+	if l == nil {
+		return
+	}
+	l.mu.Lock()
+	l.closed = true
+	l.mu.Unlock()
+	if ref := l.view.Swap(nil); ref != nil {
+		ref.v.Close()
+	}
+}
+
+// ShortCircuitReads is the number of reads (chunks of at most
+// replica.MaxIO) served directly from a local replica since Open.
+func (e *Engine) ShortCircuitReads() int64 { return e.localReads.Load() }
+
+// LocalReadersOf makes LocalReaders of clients of local servers' sockets.
+func LocalReadersOf(clients ...*localread.Client) []LocalReader {
+	out := make([]LocalReader, len(clients))
+	for i, c := range clients {
+		out[i] = localClient{c}
+	}
+	return out
+}
+
+type localClient struct{ c *localread.Client }
+
+func (l localClient) ServerID() string { return l.c.ServerID() }
+
+func (l localClient) OpenLocal(ctx context.Context, open wire.OpenRequest) (LocalView, error) {
+	v, err := l.c.Open(ctx, open)
+	if err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// DialLocalReaders dials the short-circuit read sockets of the servers on
+// this host (stor-server --local-socket). A socket that does not answer is
+// logged and left out: the engine reads those replicas through their
+// servers, and dials again at its next open.
+func DialLocalReaders(ctx context.Context, paths []string, log *slog.Logger) []LocalReader {
+	var clients []*localread.Client
+	for _, p := range paths {
+		dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		c, err := localread.Dial(dctx, p)
+		cancel()
+		if err != nil {
+			log.Warn("local server's short-circuit read socket did not answer; its replicas are read through the server", "socket", p, "err", err)
+			continue
+		}
+		clients = append(clients, c)
+	}
+	return LocalReadersOf(clients...)
+}
