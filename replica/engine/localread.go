@@ -33,7 +33,7 @@ type LocalView interface {
 // localRetry is how long after a failed open the engine reads a replica
 // through its server before trying to open a view again (a replica with
 // snapshot layers, or being rebuilt, cannot be read directly).
-const localRetry = 5 * time.Second
+const localRetry = time.Second
 
 // localRead is the short-circuit state of one opened replica on a local
 // server. It lives as long as the replica's connection: members replaced

@@ -2,7 +2,12 @@ package engine_test
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -135,4 +140,145 @@ func waitSnapshotReady(t *testing.T, cl *client.Client, id string) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// TestShortCircuitReadsUnderFaults: writers write blocks and read each one
+// straight back (the block's only writer, so the read must return that
+// write) while every step that must end a direct view happens under
+// them, in turn: snapshot cuts and merges, the restart of a server whose
+// replica is being read directly, a replica moved (rebuilt elsewhere), an
+// expansion. Every server is on this host, so every read that can go
+// direct does.
+func TestShortCircuitReadsUnderFaults(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{Servers: 4, LocalSockets: true})
+	v := createVol(t, c, "scf", 4<<20, 3)
+	cfg := c.EngineConfig("scf", "node-a")
+	cfg.LocalReaders = c.LocalReaders(0, 1, 2, 3)
+	e := c.OpenEngine(cfg)
+	cl := c.Dial()
+
+	const workers, blocks = 4, 256
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	acked := map[int64]uint64{}
+	var checked atomic.Int64
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 9))
+			got := make([]byte, block)
+			for i := uint64(0); ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				b := int64(rng.IntN(blocks/workers)*workers + w) // this worker's blocks only
+				seed := uint64(w)<<40 | i
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				err := e.WriteAt(ctx, blockData(seed), b*block, false)
+				if err == nil {
+					err = e.ReadAt(ctx, got, b*block)
+				}
+				cancel()
+				if err != nil {
+					t.Errorf("worker %d, block %d: %v", w, b, err)
+					return
+				}
+				if !bytes.Equal(got, blockData(seed)) {
+					t.Errorf("worker %d: block %d read right after its acknowledged write returned other data (direct reads so far: %d)", w, b, e.ShortCircuitReads())
+					return
+				}
+				checked.Add(1)
+				mu.Lock()
+				acked[b] = seed
+				mu.Unlock()
+			}
+		}()
+	}
+	defer func() {
+		close(stop)
+		wg.Wait()
+	}()
+	// phase waits, after a step, until 200 more writes were read back
+	// directly.
+	phase := func(what string) {
+		t.Helper()
+		n0, d0 := checked.Load(), e.ShortCircuitReads()
+		deadline := time.Now().Add(20 * time.Second)
+		for checked.Load() < n0+200 || e.ShortCircuitReads() < d0+200 {
+			if t.Failed() {
+				t.FailNow()
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %d reads checked, %d direct, within 20s", what, checked.Load()-n0, e.ShortCircuitReads()-d0)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	phase("start")
+	for round := range 2 {
+		snap, err := cl.Snapshots.CreateSnapshot(ctx10(t), &storpb.CreateSnapshotRequest{VolumeId: v.Id, Name: fmt.Sprintf("s%d", round)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitSnapshotReady(t, cl, snap.Snapshot.Id)
+		time.Sleep(200 * time.Millisecond) // writes and reads with the snapshot layer
+		if _, err := cl.Snapshots.DeleteSnapshot(ctx10(t), &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: snap.Snapshot.Id}}); err != nil {
+			t.Fatal(err)
+		}
+		phase(fmt.Sprintf("snapshot %d merged", round))
+	}
+	cur := func() *storpb.Volume {
+		resp, err := cl.Volumes.GetVolume(ctx10(t), &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Volume
+	}
+	// The replica read directly is the first healthy one by id (every
+	// server is local): restart its server.
+	first := cur().Replicas[0]
+	for _, r := range cur().Replicas {
+		if r.Id < first.Id {
+			first = r
+		}
+	}
+	for i, n := range c.Nodes {
+		if n.ID == first.ServerId {
+			c.Restart(i)
+		}
+	}
+	waitAllHealthy(t, c, v.Id, 30*time.Second)
+	phase("the read replica's server restarted")
+
+	if _, err := cl.Volumes.ReplaceReplica(ctx10(t), &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: cur().Replicas[1].Id}); err != nil {
+		t.Fatal(err)
+	}
+	waitAllHealthy(t, c, v.Id, 30*time.Second)
+	phase("a replica moved")
+
+	if _, err := cl.Volumes.ExpandVolume(ctx10(t), &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}, SizeBytes: 8 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	phase("expanded")
+
+	close(stop)
+	wg.Wait()
+	stop = make(chan struct{})
+	mu.Lock()
+	defer mu.Unlock()
+	got := make([]byte, block)
+	for b, s := range acked {
+		if err := e.ReadAt(ctx10(t), got, b*block); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, blockData(s)) {
+			t.Fatalf("block %d does not hold its last acknowledged write", b)
+		}
+	}
+	requireIdentical(t, c, v.Id, 30*time.Second)
+	t.Logf("%d writes read back, %d reads direct", checked.Load(), e.ShortCircuitReads())
 }
