@@ -108,6 +108,12 @@ type Config struct {
 	// than an acknowledged write over it). Default false; never set it
 	// anywhere else.
 	UnsafeUnorderedRebuild bool
+	// UnsafeStaleLocalReads is for fault tests only (the jepsen harness's
+	// broken mode "stale-local-reads"): a short-circuit read uses what it
+	// read even when its view went stale, and keeps the view, which
+	// reintroduces reading a replica's files after the server stopped
+	// vouching for them (a snapshot cut, a newer epoch). Default false.
+	UnsafeStaleLocalReads bool
 }
 
 // Validate reports the first problem with the configuration.

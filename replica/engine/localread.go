@@ -91,7 +91,7 @@ func (e *Engine) readLocal(ctx context.Context, m *member, p []byte, off int64) 
 		}
 	}
 	err := ref.v.ReadAt(p, off)
-	if err == nil {
+	if err == nil || (e.cfg.UnsafeStaleLocalReads && errors.Is(err, localread.ErrStale)) {
 		e.localReads.Add(1)
 		return true
 	}

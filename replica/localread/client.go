@@ -205,14 +205,12 @@ func (v *View) valid() bool { return atomic.LoadUint64(v.gen) == v.want }
 
 // ReadAt reads len(p) bytes of the volume at off (a block past the data
 // file's end reads as zeroes). It fails with ErrStale if the read
-// generation moved before the read ended: then p must not be used.
+// generation moved before the read ended, or the server is gone: then p
+// (which holds what the file held) must not be used.
 func (v *View) ReadAt(p []byte, off int64) error {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	if v.closed {
-		return ErrStale
-	}
-	if !v.valid() {
 		return ErrStale
 	}
 	n, err := v.data.ReadAt(p, off)
