@@ -105,7 +105,9 @@ func run(t *testing.T, env *Env, s Scenario) *Result {
 
 // The nbd/kernel package's tests against a real kernel: netlink CONNECT
 // with two sockets, I/O, STATUS, resize by RECONFIGURE, reconnect after
-// every connection died, DISCONNECT.
+// every connection died, DISCONNECT; without a request timeout, a request
+// in flight when its server died resent within a second or so of the
+// reconnect, and a slow request kept on its live connection (issue 16).
 func TestVMNBDKernel(t *testing.T) {
 	env := Skip(t)
 	bins := storBinaries(t)
@@ -122,7 +124,9 @@ grep -q -- '--- SKIP' /tmp/kernel-test.log && fail "the kernel tests skipped in 
 ok "nbd/kernel tests pass against Linux $(uname -r)"
 dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 `,
-		Expect:  []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals", "VMTEST PASS: nbd/kernel tests pass"},
+		Expect: []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals",
+			"--- PASS: TestKernelRequeueOnReconnect", "--- PASS: TestKernelSlowRequest",
+			"VMTEST PASS: nbd/kernel tests pass"},
 		Timeout: 3 * time.Minute,
 	}
 	run(t, env, s)
