@@ -43,6 +43,17 @@ const (
 	// reconnectMax caps the wait between attempts to hand the kernel a new
 	// socket after one ended.
 	reconnectMax = 5 * time.Second
+	// RequeueInterval is the block-queue timer a device with one
+	// connection and no kernel request timeout gets
+	// (kernel.SetQueueTimeout): the kernel looks at each request that
+	// runs that long, and again every one to two seconds (it rounds its
+	// timer up to whole seconds), and resends those whose connection a
+	// restart replaced. Package documentation, "Restart without a stall".
+	RequeueInterval = 500 * time.Millisecond
+	// queueTimeoutDefault is the kernel's block-queue timer for an nbd
+	// device without a request timeout (drivers/block/nbd.c,
+	// nbd_set_cmd_timeout), restored by a clean stop.
+	queueTimeoutDefault = 30 * time.Second
 )
 
 // Errors of Open and Run.
@@ -90,10 +101,22 @@ type Config struct {
 	Connections int
 	// StateDir holds the attach records and locks. Default DefaultStateDir.
 	StateDir string
-	// IOTimeout and DeadConnTimeout are the kernel's request and
-	// dead-connection timeouts. Defaults kernel.DefaultTimeout and
+	// IOTimeout is the kernel's request timeout. Zero (the default): none
+	// (kernel.NoTimeout). A device with one connection then gets the
+	// block-queue timer RequeueInterval: a slow request on a live
+	// connection is never dropped or failed (the engine bounds each
+	// replica's requests itself), and requests in flight when this
+	// process died are resent within one to two seconds of a restart's
+	// RECONFIGURE. With several connections the kernel resends, and drops
+	// the connection of, any request unanswered for its timer (30 s).
+	// Positive: the kernel's own timeout, whole seconds: a request
+	// unanswered that long is resent and its connection dropped (and
+	// replaced by Run), slow or not; a restart stalls requests in flight
+	// that long.
+	IOTimeout time.Duration
+	// DeadConnTimeout is how long the kernel holds new I/O while no
+	// connection is alive (a restart must come within it). Default
 	// kernel.DefaultDeadConnTimeout.
-	IOTimeout       time.Duration
 	DeadConnTimeout time.Duration
 
 	// Control reaches the cluster; required.
@@ -137,6 +160,9 @@ type Kernel struct {
 	// OpenExclusive opens /dev/nbdN with O_EXCL (kernel.ErrBusy when
 	// mounted).
 	OpenExclusive func(index int) (SyncCloser, error)
+	// SetQueueTimeout sets /dev/nbdN's block-queue timer
+	// (kernel.SetQueueTimeout).
+	SetQueueTimeout func(index int, d time.Duration) error
 }
 
 // SyncCloser is an open device node.
@@ -148,9 +174,10 @@ type SyncCloser interface {
 // RealKernel is the running kernel's nbd driver.
 func RealKernel() *Kernel {
 	return &Kernel{
-		Dial:          func() (KernelConn, error) { return kernel.Dial() },
-		Backend:       kernel.Backend,
-		OpenExclusive: func(i int) (SyncCloser, error) { return kernel.OpenExclusive(i) },
+		Dial:            func() (KernelConn, error) { return kernel.Dial() },
+		Backend:         kernel.Backend,
+		OpenExclusive:   func(i int) (SyncCloser, error) { return kernel.OpenExclusive(i) },
+		SetQueueTimeout: kernel.SetQueueTimeout,
 	}
 }
 
@@ -166,9 +193,6 @@ func (cfg *Config) defaults() {
 	}
 	if cfg.Connections == 0 {
 		cfg.Connections = DefaultConnections
-	}
-	if cfg.IOTimeout == 0 {
-		cfg.IOTimeout = kernel.DefaultTimeout
 	}
 	if cfg.DeadConnTimeout == 0 {
 		cfg.DeadConnTimeout = kernel.DefaultDeadConnTimeout
@@ -324,18 +348,25 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		at.wg.Add(1)
 		go at.serveSlot(i, c)
 	}
+	// The request timeout is given on a resume too: a device connected
+	// by an older stor-ctl may have another (package documentation,
+	// "Restart without a stall").
+	timeout := cfg.IOTimeout
+	if timeout == 0 {
+		timeout = kernel.NoTimeout
+	}
 	nlCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	if resume {
 		at.index = rec.Index
 		err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{
 			Sockets: kernelEnds, Backend: at.backend, Size: at.deviceSize.Load(),
-			Timeout: cfg.IOTimeout, DeadConnTimeout: cfg.DeadConnTimeout,
+			Timeout: timeout, DeadConnTimeout: cfg.DeadConnTimeout,
 		})
 	} else {
 		flags := uint64(info.Flags)
 		at.index, err = k.Connect(nlCtx, kernel.Options{
 			Index: kernel.AnyIndex, Sockets: kernelEnds, Size: at.deviceSize.Load(), BlockSize: BlockSize,
-			Timeout: cfg.IOTimeout, DeadConnTimeout: cfg.DeadConnTimeout,
+			Timeout: timeout, DeadConnTimeout: cfg.DeadConnTimeout,
 			ServerFlags: flags, Backend: at.backend,
 		})
 	}
@@ -358,6 +389,19 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
+	// The CONNECT or RECONFIGURE reset the queue's timer: set it now.
+	queueTimeout := queueTimeoutDefault
+	if cfg.IOTimeout > 0 {
+		queueTimeout = cfg.IOTimeout
+	} else if n == 1 {
+		if err := cfg.Kernel.SetQueueTimeout(at.index, RequeueInterval); err != nil {
+			at.log.Warn("could not shorten the device's request timer: if this process dies, the requests it had in flight wait 30s after its restart",
+				"err", err)
+		} else {
+			queueTimeout = RequeueInterval
+			at.queueTimerSet = true
+		}
+	}
 	if err := SaveRecord(cfg.StateDir, &Record{
 		Volume: eng.Name(), VolumeID: id, Device: dev, Index: at.index, Backend: at.backend,
 		Connections: n, Node: cfg.NodeID, PID: os.Getpid(), Epoch: eng.Epoch(), AttachedAt: time.Now().UTC(),
@@ -371,7 +415,8 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		verb = "reconnected"
 	}
 	at.log.Info("serving the volume as a kernel block device", "state", verb, "connections", n,
-		"size", at.deviceSize.Load(), "epoch", eng.Epoch(), "io_timeout", cfg.IOTimeout, "dead_conn_timeout", cfg.DeadConnTimeout)
+		"size", at.deviceSize.Load(), "epoch", eng.Epoch(), "io_timeout", cfg.IOTimeout,
+		"queue_timeout", queueTimeout, "dead_conn_timeout", cfg.DeadConnTimeout)
 	return at, nil
 }
 
@@ -405,6 +450,9 @@ type Attachment struct {
 	backend string
 	index   int
 	resumed bool
+	// queueTimerSet: Open set the device's block-queue timer to
+	// RequeueInterval; a clean stop restores the kernel's default.
+	queueTimerSet bool
 	// removeMetrics ends the volume's series (Config.Metrics) when Run
 	// returns.
 	removeMetrics func()
@@ -652,6 +700,12 @@ func (at *Attachment) detach() error {
 	}
 	if derr != nil {
 		at.log.Error("disconnecting the device failed", "err", derr)
+	} else if at.queueTimerSet {
+		// The kernel keeps the queue's timer for the next user of the
+		// device, who may not expect ours.
+		if err := at.cfg.Kernel.SetQueueTimeout(at.index, queueTimeoutDefault); err != nil {
+			at.log.Warn("could not restore the device's request timer", "err", err)
+		}
 	}
 	// The kernel sends NBD_CMD_DISC on each connection and closes them;
 	// drain covers connections it could not reach.

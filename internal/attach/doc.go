@@ -23,6 +23,63 @@
 // (RECONFIGURE). I/O on the device pauses and resumes without errors if
 // the new server comes within the kernel's dead-connection timeout.
 //
+// # Restart without a stall
+//
+// The kernel resends a request that was in flight when its server died
+// only when the request's timer fires (nbd/kernel's documentation). So a
+// device with one connection (the default) runs without a kernel request
+// timeout (Config.IOTimeout 0: kernel.NoTimeout) and with a block-queue
+// timer of RequeueInterval, which makes the kernel look at each request
+// that runs that long, and again every one to two seconds (measured in
+// internal/vmtest: 1.5 s): it keeps a request whose connection is still
+// the one it went out on, however slow, and resends one whose connection
+// a RECONFIGURE replaced. The steps of a restart, and what a fault at
+// each one does:
+//
+//  1. The process dies (SIGKILL, a crash, an upgrade). The kernel sees its
+//     socket close and marks it dead. Requests in flight on it stay in
+//     flight and are kept at each timer; new ones wait for a live
+//     connection up to DeadConnTimeout and then fail with EIO. If no
+//     process comes back, that is what happens: new I/O fails after
+//     DeadConnTimeout; the requests that were in flight wait until a
+//     RECONFIGURE or a DISCONNECT ("stor-ctl nbd detach", which fails
+//     them with EIO).
+//  2. A new process takes the lock and finds the record; the kernel still
+//     has the device connected for the same backend id: resume. A death
+//     here is step 1 again.
+//  3. engine.Open at a new epoch fences the dead process's engine (its
+//     replicas refuse its writes) and reconciles the regions the kill
+//     left dirty. A death here is step 1 again; the next Open opens at a
+//     newer epoch still.
+//  4. RECONFIGURE hands the kernel the new sockets, with no request
+//     timeout (a device an older stor-ctl connected had 30 s) and the
+//     volume's size. Waiting new requests go out at once. A death right
+//     after is step 1 with the new socket: the requests resent to it wait
+//     again, as new requests do.
+//  5. The block-queue timer is set to RequeueInterval again (step 4 reset
+//     it to the kernel's 30 s). At its next check after step 4, within
+//     two seconds, each request that was in flight at the death finds its
+//     connection replaced and is resent; the pause is the time to step 4
+//     and a second or so more (0.5–0.6 s in internal/vmtest). Requests
+//     keep the timer they started with: those started between steps 4
+//     and 5 have 30 s (a death in between costs them that), and after an
+//     upgrade from a stor-ctl that set a 30 s request timeout the first
+//     restart still waits those 30 s. A resent write may already have
+//     been applied by the dead process: stor's writes are idempotent.
+//  6. The record is rewritten (pid, epoch). A death before it leaves the
+//     old record, which names the same device: the next process resumes
+//     it just the same.
+//
+// Several connections: Linux resends on any timer firing of a device with
+// more than one connection, after dropping the connection (even a live
+// one), so they keep the kernel's 30 s timer, and a restart waits for it.
+// Config.IOTimeout set: the kernel's own timeout, with the same cost. The
+// nbd family's link-dead notifications (NBD_CMD_LINK_DEAD) are not used:
+// they tell that a socket died, which a live process learns from its own
+// end and a restarted one from the record, and they make the kernel
+// resend nothing. A clean stop gives the device's queue back the kernel's
+// 30 s timer.
+//
 // A kernel connection that ends while serving is replaced the same way
 // (RECONFIGURE with one new socket, with backoff). A device the kernel no
 // longer takes sockets for was disconnected elsewhere: Run ends with

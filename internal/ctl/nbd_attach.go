@@ -37,14 +37,18 @@ volume with the same --state-dir reopens the volume at a new epoch (fencing
 the dead instance), makes new socket pairs and hands them to the existing
 device (RECONFIGURE) instead of connecting a new one. I/O on the device pauses
 and resumes without errors, if the new process comes within
---dead-conn-timeout: the kernel holds I/O that long and then fails it. The
-pause is at least the time to restart, and up to --io-timeout for requests
-that were in flight when the process died (the kernel resends them when their
-timer fires).
+--dead-conn-timeout: the kernel holds new I/O that long and then fails it.
+The pause is the time to restart and a second or so more: with one connection
+(the default) and no --io-timeout, the kernel resends the requests that were
+in flight when the process died within one to two seconds of the new process
+taking over, and never drops a connection or fails a request for being slow.
+With several connections, or an --io-timeout, they wait for the kernel's
+request timer (--io-timeout, else 30s), which also drops the connection of any
+request slower than that.
 
-A kernel connection that ends while this process serves (a request slower
-than --io-timeout makes the kernel drop it) is replaced the same way. A volume
-that grows is grown on the device too; grow the filesystem with resize2fs.
+A kernel connection that ends while this process serves is replaced the same
+way. A volume that grows is grown on the device too; grow the filesystem with
+resize2fs.
 
 This process serves the kernel's writeback to the device: it sets
 PR_SET_IO_FLUSHER (Linux 5.6+) and oom_score_adj -900 on itself first (both
@@ -61,8 +65,8 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 			if cfg.Connections < 1 || cfg.Connections > 64 {
 				return usageErrorf("--connections %d: want 1 to 64", cfg.Connections)
 			}
-			if cfg.IOTimeout < time.Second || cfg.DeadConnTimeout < time.Second {
-				return usageErrorf("--io-timeout and --dead-conn-timeout must be at least 1s")
+			if (cfg.IOTimeout != 0 && cfg.IOTimeout < time.Second) || cfg.DeadConnTimeout < time.Second {
+				return usageErrorf("--io-timeout (unless 0) and --dead-conn-timeout must be at least 1s")
 			}
 			return a.runVolumeCommand(cmd, "nbd attach", &cfg.NodeID, vflags, func(ctx context.Context, env volumeEnv) error {
 				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
@@ -72,12 +76,12 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 		},
 	}
 	f := cmd.Flags()
-	f.IntVar(&cfg.Connections, "connections", attach.DefaultConnections, "kernel connections (socket pairs) to the device; a restart keeps the recorded number (more than 1 can stall a connection for --io-timeout on Linux 6.1: see nbd/kernel's doc)")
+	f.IntVar(&cfg.Connections, "connections", attach.DefaultConnections, "kernel connections (socket pairs) to the device; a restart keeps the recorded number (more than 1 can stall a connection for the kernel's request timer on Linux 6.1, and makes a restart wait for it: see nbd/kernel's doc)")
 	f.StringVar(&cfg.StateDir, "state-dir", attach.DefaultStateDir, "directory recording attached devices, for restarts and nbd detach")
 	f.BoolVar(&cfg.Takeover, "takeover", false, "attach even if the volume is attached to another node (fences that node)")
 	f.StringVar(&cfg.NodeID, "node", "", "node name to attach as (default: this host's name)")
 	f.BoolVar(&cfg.ReadOnly, "read-only", false, "attach read-only: the device is read-only")
-	f.DurationVar(&cfg.IOTimeout, "io-timeout", kernel.DefaultTimeout, "kernel request timeout: a request unanswered this long is resent on a new connection")
+	f.DurationVar(&cfg.IOTimeout, "io-timeout", 0, "kernel request timeout: a request unanswered this long is resent on a new connection, slow or not; 0: none (a restart resends requests in flight within one to two seconds; a slow request is never dropped)")
 	f.DurationVar(&cfg.DeadConnTimeout, "dead-conn-timeout", kernel.DefaultDeadConnTimeout, "how long the kernel holds I/O while no connection is alive (a restart must come within it)")
 	addIDFlag(cmd, &cfg.VolumeIsID, "VOLUME")
 	addVolumeFlags(cmd, &vflags)

@@ -44,6 +44,8 @@ type fakeDevice struct {
 	backend   string
 	size      uint64
 	flags     uint64
+	timeout   time.Duration // the request timeout: kernel.NoTimeout for none
+	queue     time.Duration // the block queue's timer
 	connected bool
 	socks     []net.Conn // the kernel's ends, live or dead
 	busy      bool       // "mounted": openExclusive fails
@@ -79,7 +81,26 @@ func (k *fakeKernel) ops() *attach.Kernel {
 			}
 			return fakeFile{k}, nil
 		},
+		SetQueueTimeout: func(i int, d time.Duration) error {
+			k.mu.Lock()
+			defer k.mu.Unlock()
+			if k.devs[i] == nil {
+				return kernel.ErrNoDevice
+			}
+			k.devs[i].queue = d
+			return nil
+		},
 	}
+}
+
+// fakeQueueTimer is the kernel's block-queue timer after a CONNECT or
+// RECONFIGURE with a request timeout: the timeout, or 30 s for none
+// (drivers/block/nbd.c, nbd_set_cmd_timeout).
+func fakeQueueTimer(timeout time.Duration) time.Duration {
+	if timeout == kernel.NoTimeout {
+		return 30 * time.Second
+	}
+	return timeout
 }
 
 type fakeFile struct{ k *fakeKernel }
@@ -114,7 +135,8 @@ func (k *fakeKernel) Connect(_ context.Context, o kernel.Options) (int, error) {
 	for k.devs[i] != nil && k.devs[i].connected {
 		i++
 	}
-	k.devs[i] = &fakeDevice{backend: o.Backend, size: o.Size, flags: o.ServerFlags, connected: true, socks: take(k.t, o.Sockets)}
+	k.devs[i] = &fakeDevice{backend: o.Backend, size: o.Size, flags: o.ServerFlags, connected: true, socks: take(k.t, o.Sockets),
+		timeout: o.Timeout, queue: fakeQueueTimer(o.Timeout)}
 	return i, nil
 }
 
@@ -129,6 +151,9 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	}
 	if r.Size != 0 {
 		d.size = r.Size
+	}
+	if r.Timeout != 0 {
+		d.timeout, d.queue = r.Timeout, fakeQueueTimer(r.Timeout)
 	}
 	d.socks = append(d.socks, take(k.t, r.Sockets)...)
 	return nil
@@ -539,6 +564,78 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	rec, _ := attach.LoadRecord(dir, vol.Id)
 	if rec == nil || rec.PID != os.Getpid() || rec.Index != 3 {
 		t.Fatalf("record after the restart: %+v", rec)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The kernel's timers (issue 16): by default a device has no request
+// timeout, and with one connection a short block-queue timer
+// (attach.RequeueInterval) with which the kernel resends the requests a
+// dead process had in flight within a second of a restart; a resume sets
+// the same on a device that had a request timeout; a clean stop gives the
+// queue back the kernel's 30 s. Several connections, or an --io-timeout,
+// keep the kernel's own timer.
+func TestNBDAttachKernelTimers(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "ktimer", 8*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	timers := func(i int) (time.Duration, time.Duration) {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return k.devs[i].timeout, k.devs[i].queue
+	}
+
+	cfg := attachConfig(t, c, k, dir, "ktimer")
+	cfg.Connections = 1
+	r := startAttach(t, cfg)
+	if to, q := timers(0); to != kernel.NoTimeout || q != attach.RequeueInterval {
+		t.Fatalf("one connection, no --io-timeout: request timeout %v, queue timer %v; want none and %v", to, q, attach.RequeueInterval)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, q := timers(0); q != 30*time.Second {
+		t.Fatalf("queue timer %v after a clean stop, want the kernel's 30s back", q)
+	}
+
+	// A device a dead process served with a 30 s request timeout.
+	backend := attach.BackendID(vol.Id)
+	k.devs[2] = &fakeDevice{backend: backend, size: 8 * mib, connected: true, timeout: 30 * time.Second, queue: 30 * time.Second}
+	if err := attach.SaveRecord(dir, &attach.Record{Volume: "ktimer", VolumeID: vol.Id, Device: "/dev/nbd2", Index: 2,
+		Backend: backend, Connections: 1, Node: "test-node", PID: 999999}); err != nil {
+		t.Fatal(err)
+	}
+	r = startAttach(t, attachConfig(t, c, k, dir, "ktimer"))
+	if r.dev != "/dev/nbd2" {
+		t.Fatalf("the restart printed %q, want the recorded /dev/nbd2", r.dev)
+	}
+	if to, q := timers(2); to != kernel.NoTimeout || q != attach.RequeueInterval {
+		t.Fatalf("resumed: request timeout %v, queue timer %v; want none and %v", to, q, attach.RequeueInterval)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Two connections: no request timeout, the kernel's queue timer.
+	r = startAttach(t, attachConfig(t, c, k, dir, "ktimer"))
+	i, _ := kernel.ParseDevice(r.dev)
+	if to, q := timers(i); to != kernel.NoTimeout || q != 30*time.Second {
+		t.Fatalf("two connections: request timeout %v, queue timer %v; want none and 30s", to, q)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+
+	// --io-timeout: the kernel's own timeout, and its timer.
+	cfg = attachConfig(t, c, k, dir, "ktimer")
+	cfg.Connections, cfg.IOTimeout = 1, 10*time.Second
+	r = startAttach(t, cfg)
+	i, _ = kernel.ParseDevice(r.dev)
+	if to, q := timers(i); to != 10*time.Second || q != 10*time.Second {
+		t.Fatalf("--io-timeout 10s: request timeout %v, queue timer %v; want 10s and 10s", to, q)
 	}
 	if err := r.stop(); err != nil {
 		t.Fatal(err)

@@ -5,6 +5,8 @@ import (
 	_ "embed"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -105,7 +107,9 @@ func run(t *testing.T, env *Env, s Scenario) *Result {
 
 // The nbd/kernel package's tests against a real kernel: netlink CONNECT
 // with two sockets, I/O, STATUS, resize by RECONFIGURE, reconnect after
-// every connection died, DISCONNECT.
+// every connection died, DISCONNECT; without a request timeout, a request
+// in flight when its server died resent within a second or so of the
+// reconnect, and a slow request kept on its live connection (issue 16).
 func TestVMNBDKernel(t *testing.T) {
 	env := Skip(t)
 	bins := storBinaries(t)
@@ -122,7 +126,9 @@ grep -q -- '--- SKIP' /tmp/kernel-test.log && fail "the kernel tests skipped in 
 ok "nbd/kernel tests pass against Linux $(uname -r)"
 dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 `,
-		Expect:  []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals", "VMTEST PASS: nbd/kernel tests pass"},
+		Expect: []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals",
+			"--- PASS: TestKernelRequeueOnReconnect", "--- PASS: TestKernelSlowRequest",
+			"VMTEST PASS: nbd/kernel tests pass"},
 		Timeout: 3 * time.Minute,
 	}
 	run(t, env, s)
@@ -150,11 +156,27 @@ func TestVMNBDAttach(t *testing.T) {
 	run(t, env, s)
 }
 
+// restartPauseLimit is the goal of issue 16 for the I/O pause after a
+// kill of the attach process: from the kill to the first write that
+// completes after it, restart included. TestVMNBDRestart holds to it the
+// part of the pause after the kernel took the new process's socket (what
+// the kernel's requeue costs; it was the request timeout, 30 s by
+// default); the part before is the new process's start, which under
+// qemu's TCG is mostly the engine reconciling the regions the kill left
+// dirty (docs/BENCHMARKS.md, "Node-plugin restart (issue 16)").
+const restartPauseLimit = 3 * time.Second
+
+// pauseNote matches the scenario's "I/O pause" note: its label, the
+// seconds from the kill to the first write that completed after it, and
+// from the kernel's reconnect to that write.
+var pauseNote = regexp.MustCompile(`I/O pause \(([^)]*)\): the first write to complete after the kill completed ([0-9.]+)s after it.*the kernel took the new socket ([0-9.]+)s after the kill, the first write completed (-?[0-9.]+)s after that`)
+
 // Scenario (b) of issue 4: kill -9 the stor-ctl nbd attach process under a
 // write loop on a mounted filesystem, start it again; it RECONFIGUREs the
 // device; the loop sees no error, dmesg no I/O error, the data verifies.
-// The I/O pause is measured. Then growing the volume grows the device
-// (RECONFIGURE with a size) and resize2fs grows ext4 online.
+// The I/O pause is measured and held to restartPauseLimit (issue 16).
+// Then growing the volume grows the device (RECONFIGURE with a size) and
+// resize2fs grows ext4 online.
 func TestVMNBDRestart(t *testing.T) {
 	env := Skip(t)
 	bins := storBinaries(t)
@@ -171,9 +193,39 @@ func TestVMNBDRestart(t *testing.T) {
 	}
 	s.Timeout = 7 * time.Minute
 	r := run(t, env, s)
+	pauses := 0
 	for _, m := range r.Markers() {
-		if strings.Contains(m, "I/O pause") {
-			t.Log("measured: " + m)
+		if !strings.Contains(m, "I/O pause") {
+			continue
 		}
+		t.Log("measured: " + m)
+		sm := pauseNote.FindStringSubmatch(m)
+		if sm == nil {
+			t.Errorf("cannot read the pause from %q", m)
+			continue
+		}
+		pauses++
+		var secs [3]time.Duration
+		for i, v := range sm[2:] {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("pause %q: %v", v, err)
+			}
+			secs[i] = time.Duration(f * float64(time.Second)).Round(10 * time.Millisecond)
+		}
+		pause, restart, stall := secs[0], secs[1], secs[2]
+		t.Logf("%s: I/O paused %v: %v until the kernel took the new process's socket, %v more until a write completed", sm[1], pause, restart, stall)
+		if restart <= 0 {
+			t.Errorf("%s: the kernel log shows no reconnect after the kill", sm[1])
+		}
+		if stall > restartPauseLimit {
+			t.Errorf("%s: I/O resumed %v after the kernel took the new socket, more than %v (the kernel did not resend the requests in flight at the kill until their timeout?)", sm[1], stall, restartPauseLimit)
+		}
+		if pause > restartPauseLimit {
+			t.Logf("%s: the whole pause, %v, is above issue 16's goal of %v: the new process took %v to reconnect", sm[1], pause, restartPauseLimit, restart)
+		}
+	}
+	if pauses != 2 {
+		t.Errorf("the scenario reported %d I/O pauses, want 2 (one per restart)", pauses)
 	}
 }

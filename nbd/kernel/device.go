@@ -3,11 +3,13 @@ package kernel
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -64,6 +66,57 @@ func SizeBytes(index int) (uint64, error) {
 		return 0, fmt.Errorf("kernel: %s size %q: %w", Path(index), s, err)
 	}
 	return sectors * 512, nil
+}
+
+// QueueTimeout returns the timer of the device's block queue
+// (/sys/block/nbdN/queue/io_timeout): how long a request runs before the
+// kernel's nbd driver looks at it (SetQueueTimeout).
+func QueueTimeout(index int) (time.Duration, error) {
+	s, err := readSys(index, "queue/io_timeout")
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, fmt.Errorf("%w: %s", ErrNoDevice, Path(index))
+	}
+	if err != nil {
+		return 0, err
+	}
+	ms, err := strconv.ParseUint(s, 10, 32)
+	if err != nil {
+		return 0, fmt.Errorf("kernel: %s io_timeout %q: %w", Path(index), s, err)
+	}
+	return time.Duration(ms) * time.Millisecond, nil
+}
+
+// SetQueueTimeout sets the timer of the device's block queue
+// (/sys/block/nbdN/queue/io_timeout, in milliseconds; at least 1 ms):
+// each request that runs that long is handed to the nbd driver's timeout
+// handler, and again every d while the handler keeps it. With the
+// kernel's request timeout off (NoTimeout) and one connection, the
+// handler keeps a request whose connection is the live one and resends
+// one whose connection was replaced, so d bounds how long requests that
+// were in flight on a dead connection wait once a Reconfigure has given a
+// new one (the package documentation, "Requeue without a request
+// timeout"). It applies to requests started from then on; Connect and a
+// Reconfigure that sets a timeout reset it. Needs root (sysfs).
+func SetQueueTimeout(index int, d time.Duration) error {
+	if d < time.Millisecond || d/time.Millisecond > math.MaxUint32 {
+		return fmt.Errorf("%w: queue timeout %v (want 1ms to %dms)", ErrInvalid, d, uint32(math.MaxUint32))
+	}
+	p := filepath.Join(sysBlock, fmt.Sprintf("nbd%d", index), "queue", "io_timeout")
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_TRUNC, 0) // as the shell's >
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("%w: %s", ErrNoDevice, Path(index))
+	}
+	if err != nil {
+		return fmt.Errorf("kernel: %s queue timeout: %w", Path(index), err)
+	}
+	_, err = f.WriteString(strconv.FormatInt(int64(d/time.Millisecond), 10))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("kernel: %s queue timeout: %w", Path(index), err)
+	}
+	return nil
 }
 
 // ErrBusy: the device is open exclusively elsewhere (mounted, or held by

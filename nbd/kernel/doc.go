@@ -35,31 +35,93 @@
 // ignored there. More than one socket needs CAN_MULTI_CONN.
 //
 // Sockets die when the server closes its end, when a reply cannot be
-// parsed, or when a request times out. A dead socket's requests are not
-// failed: the kernel resends each one when its request timer (Timeout)
-// expires, on a live socket if there is one, otherwise after waiting up to
-// DeadConnTimeout for a Reconfigure to bring one. New requests wait the
-// same way. So a server process can die and a new one take over: it opens
-// new socket pairs and Reconfigures; I/O pauses and resumes. The pause is
-// bounded by Timeout: requests that were in flight on the dead sockets are
-// resent only when their timer fires (the kernel does not resend them on
-// reconnect), so with Timeout 30 s a crash can stall the oldest request up
-// to 30 s, however quickly the server comes back. The resent requests may
-// already have been applied: the server must tolerate replays (stor's
-// writes are idempotent). If nothing reconnects within DeadConnTimeout,
-// the queued requests fail with EIO and the device's sockets are shut
-// down; the device stays configured until Disconnect.
+// parsed, or when a request times out (nbd_mark_nsock_dead: the socket is
+// shut down, the device's count of live connections drops, and an
+// NBD_CMD_LINK_DEAD notification goes to the family's multicast group).
+// A dead socket's requests in flight (sent, unanswered) are not failed
+// and not resent when the socket dies, nor when a Reconfigure replaces
+// it: only the block layer's request timer brings them back
+// (nbd_xmit_timeout). New requests meanwhile wait in nbd_handle_cmd up to
+// DeadConnTimeout for a live connection, then fail with EIO (and every
+// socket is shut down; the device stays configured until Disconnect).
+// Resent requests may already have been applied: the server must
+// tolerate replays (stor's writes are idempotent).
 //
-// With Timeout set (or more than one socket), a request that takes longer
-// than Timeout on a live socket also kills that socket ("Connection timed
-// out, retrying" in the kernel log) and is resent: a server must then
-// Reconfigure a replacement socket, which is what stor-ctl nbd attach does
-// for any socket that ends while it runs.
+// What the timer does depends on the request timeout (Timeout):
+//
+//   - Timeout set (the default, 30 s): a request unanswered for Timeout
+//     marks its socket dead, if it is still the socket the request went
+//     out on (each slot's cookie counts its Reconfigures), and is resent,
+//     on a live socket or, after waiting for one as new requests do, on
+//     the next. So a server that dies and comes back stalls the requests
+//     it had in flight for Timeout, however quickly it comes back; and a
+//     request slower than Timeout on a live socket kills that socket
+//     ("Connection timed out, retrying" in the kernel log): a server must
+//     then Reconfigure a replacement, which is what stor-ctl nbd attach
+//     does for any socket that ends while it runs.
+//   - NoTimeout, with one connection: the timer never kills a socket. It
+//     fires after the block queue's own timeout (30 s unless
+//     SetQueueTimeout set another) and again each time after that; if
+//     the request's slot still has the socket the request went out on,
+//     dead or alive, the timer is re-armed ("Possible stuck request ...
+//     Runtime N seconds" in the kernel log, every time); if a Reconfigure
+//     gave the slot a new socket, the request is resent. See below.
+//   - NoTimeout, with more than one connection: as with Timeout set, at
+//     the block queue's timeout (the kernel's request timeout is not
+//     consulted when a device has several connections).
+//
+// The link-dead notification triggers nothing in the kernel: a listener
+// learns that a socket died, which the server learns from its own end,
+// and the requests in flight still wait for their timer.
 //
 // Reconfigure gives each new socket to the first dead slot; a socket given
 // when no slot is dead is silently dropped (the call still succeeds) and
 // its peer sees end-of-file. A server that sees its end of a freshly
 // reconfigured socket close at once should retry later.
+//
+// # Requeue without a request timeout
+//
+// A restarted server gets I/O going within a second or two of its
+// Reconfigure, without ever turning a slow request into a dead
+// connection, with one connection, Timeout NoTimeout and a short
+// block-queue timer (SetQueueTimeout, e.g. 500 ms):
+//
+//  1. The server dies. Its socket dies; requests in flight stay in
+//     flight; their timer fires and is re-armed (same socket); new
+//     requests wait for a live connection (DeadConnTimeout).
+//  2. A new server Reconfigures a new socket: the slot's cookie changes,
+//     the waiting new requests go out at once.
+//  3. At its next timer each request that was in flight on the old
+//     socket sees the cookie changed and is resent on the new one.
+//
+// The timer is rounded up past the next whole second (blk_add_timer:
+// round_jiffies_up), so with a queue timeout under a second a request is
+// checked every one to two seconds (1.5 s measured in internal/vmtest,
+// where step 3 came 0.56 s after step 2), with one second every two to
+// three. A request that is just slow (its socket alive) is re-armed at
+// every check, for as long as it takes, and logged each time.
+//
+// The cost: a request in flight when the server died waits without limit
+// (no DeadConnTimeout applies to it) until a Reconfigure or a Disconnect,
+// which fails it with EIO; and Connect, and a Reconfigure that sets a
+// timeout, reset the queue's timer to the kernel's choice (Timeout, or
+// 30 s when it is off), so set it after them. Requests keep the timer they started with: a device that
+// had a 30 s timeout when its server died resends its old requests only
+// after those 30 s, whatever the new server sets.
+//
+// Checked in the nbd.ko of Debian 12's 6.1.0-56 (Linux 6.1.192, the VM's
+// in internal/vmtest), by disassembly, against nbd.c: nbd_xmit_timeout tests
+// NBD_CMD_INFLIGHT without clearing it, and its branch for a request
+// timeout of 0 with one connection compares cmd->cookie with the slot's
+// nsock->cookie under tx_lock, resending (nbd_requeue_cmd, BLK_EH_DONE)
+// when they differ and re-arming (BLK_EH_RESET_TIMER) when they do not;
+// nbd_reconnect_socket increments the cookie. A kernel whose
+// nbd_xmit_timeout cleared NBD_CMD_INFLIGHT before re-arming (the bug
+// "nbd: don't clear 'NBD_CMD_INFLIGHT' flag if request is not completed"
+// fixed in 2022) would take a slow request's late reply for a stray one
+// and never complete the request: read an older kernel's nbd.c before
+// relying on this there. internal/vmtest's TestVMNBDKernel checks the
+// resend and a slow request against the VM's kernel.
 //
 // # Several connections on Linux 6.1
 //

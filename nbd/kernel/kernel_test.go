@@ -11,6 +11,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -112,11 +113,13 @@ func needKernel(t *testing.T) *kernel.Client {
 
 // server serves dev over socket pairs handed to the kernel.
 type server struct {
-	t   *testing.T
-	srv *nbd.Server
-	wg  sync.WaitGroup
-	mu  sync.Mutex
-	end []context.CancelFunc
+	t     *testing.T
+	srv   *nbd.Server
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	end   []context.CancelFunc
+	conns int // connections served
+	ended int // of which have ended
 }
 
 func newServer(t *testing.T, dev nbd.Device) *server {
@@ -137,29 +140,45 @@ func newServer(t *testing.T, dev nbd.Device) *server {
 func (s *server) pairs(n int) []*os.File {
 	var ks []*os.File
 	for range n {
-		k, c, err := kernel.SocketPair()
-		if err != nil {
-			s.t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		s.mu.Lock()
-		s.end = append(s.end, cancel)
-		s.mu.Unlock()
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			if err := s.srv.ServeTransmission(ctx, c, "mem"); err != nil {
-				s.t.Logf("connection ended: %v", err)
-			}
-		}()
+		k, _ := s.pair()
 		ks = append(ks, k)
 	}
-	s.t.Cleanup(func() {
-		for _, k := range ks {
-			k.Close()
-		}
-	})
 	return ks
+}
+
+// pair makes a socket pair, serves its server end, and returns both
+// ends. Closing the server end is a server that dies: what it has in
+// flight is never answered.
+func (s *server) pair() (*os.File, net.Conn) {
+	k, c, err := kernel.SocketPair()
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.t.Cleanup(func() { k.Close() })
+	ctx, cancel := context.WithCancel(context.Background())
+	s.mu.Lock()
+	s.end = append(s.end, cancel)
+	s.conns++
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if err := s.srv.ServeTransmission(ctx, c, "mem"); err != nil {
+			s.t.Logf("connection ended: %v", err)
+		}
+		s.mu.Lock()
+		s.ended++
+		s.mu.Unlock()
+	}()
+	return k, c
+}
+
+// connections returns how many connections were served and how many of
+// them have ended.
+func (s *server) connections() (served, ended int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conns, s.ended
 }
 
 // dropAll ends every connection (as a dying server would).
@@ -194,6 +213,30 @@ func writeSync(t *testing.T, path string, p []byte, off int64) {
 	if err := f.Sync(); err != nil {
 		t.Fatalf("fsync %s: %v", path, err)
 	}
+}
+
+// alignedCopy returns p in page-aligned memory, as O_DIRECT wants, and a
+// function that frees it.
+func alignedCopy(t *testing.T, p []byte) ([]byte, func()) {
+	t.Helper()
+	buf, err := unix.Mmap(-1, 0, len(p), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(buf, p)
+	return buf, func() { unix.Munmap(buf) }
+}
+
+// writeDirect writes p at off bypassing the page cache: one request to the
+// server, answered before it returns.
+func writeDirect(path string, p []byte, off int64) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	_, err = f.WriteAt(p, off)
+	return err
 }
 
 // readDirect reads n bytes at off bypassing the page cache.
@@ -409,5 +452,179 @@ func TestKernelRefusals(t *testing.T) {
 	}
 	if err := c.Reconfigure(ctx, free, kernel.Reconfig{Sockets: s.pairs(1)}); !errors.Is(err, unix.EINVAL) {
 		t.Fatalf("reconfigure of disconnected %s: %v, want EINVAL", kernel.Path(free), err)
+	}
+}
+
+// hookDevice is a memDevice that calls before(off) ahead of each write.
+type hookDevice struct {
+	*memDevice
+	before func(off int64)
+}
+
+func (d *hookDevice) WriteAt(ctx context.Context, p []byte, off int64, fua bool) error {
+	d.before(off)
+	return d.memDevice.WriteAt(ctx, p, off, fua)
+}
+
+// connectRequeue connects a device as package attach does by default
+// (issue 16): one connection, no request timeout, a block-queue timer of
+// 500 ms.
+func connectRequeue(t *testing.T, c *kernel.Client, s *server, sock *os.File, size uint64, backend string) int {
+	t.Helper()
+	ctx := context.Background()
+	info, err := s.srv.ExportInfo("mem")
+	if err != nil {
+		t.Fatal(err)
+	}
+	index, err := c.Connect(ctx, kernel.Options{
+		Index: kernel.AnyIndex, Sockets: []*os.File{sock}, Size: size,
+		ServerFlags: uint64(info.Flags), Backend: backend,
+		Timeout: kernel.NoTimeout, DeadConnTimeout: 60 * time.Second,
+	})
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	t.Cleanup(func() { c.Disconnect(context.Background(), index) })
+	if err := kernel.SetQueueTimeout(index, 500*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := kernel.QueueTimeout(index); err != nil || d != 500*time.Millisecond {
+		t.Fatalf("queue timeout %v %v, want 500ms", d, err)
+	}
+	return index
+}
+
+// A request in flight when the server dies is resent within about a
+// second of a RECONFIGURE giving a new socket, not when a request timeout
+// would fire (issue 16): without a request timeout, the kernel's timer
+// keeps the request while its connection is the one it went out on, and
+// resends it once the connection was replaced (nbd/kernel's doc,
+// "Requeue without a request timeout").
+func TestKernelRequeueOnReconnect(t *testing.T) {
+	c := needKernel(t)
+	const size, holdOff = 4 << 20, 1 << 20
+	held := make(chan struct{})
+	gate := make(chan struct{})
+	var mu sync.Mutex
+	writes := 0 // at holdOff
+	dev := &hookDevice{memDevice: &memDevice{data: make([]byte, size)}, before: func(off int64) {
+		if off != holdOff {
+			return
+		}
+		mu.Lock()
+		writes++
+		first := writes == 1
+		mu.Unlock()
+		if first {
+			close(held)
+			<-gate // the dying server never finishes it
+		}
+	}}
+	s := newServer(t, dev)
+	t.Cleanup(func() { close(gate) }) // before the server's cleanup (LIFO)
+	sock, conn := s.pair()
+	const backend = "test:requeue"
+	index := connectRequeue(t, c, s, sock, size, backend)
+	path := kernel.Path(index)
+
+	p := pattern(4096, 5)
+	buf, free := alignedCopy(t, p)
+	defer free()
+	wrote := make(chan error, 1)
+	go func() { wrote <- writeDirect(path, buf, holdOff) }()
+	select {
+	case <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the write did not reach the server")
+	}
+	conn.Close() // the server dies with the write in flight
+	// The request's timer fires (each second) and keeps it: its
+	// connection is still the one it went out on.
+	select {
+	case err := <-wrote:
+		t.Fatalf("the write in flight finished (%v) before any reconnect", err)
+	case <-time.After(2500 * time.Millisecond):
+	}
+	start := time.Now()
+	if err := c.Reconfigure(context.Background(), index, kernel.Reconfig{Sockets: s.pairs(1), Backend: backend}); err != nil {
+		t.Fatalf("reconfigure: %v", err)
+	}
+	select {
+	case err := <-wrote:
+		if err != nil {
+			t.Fatalf("the write in flight when the server died failed: %v", err)
+		}
+	case <-time.After(40 * time.Second):
+		t.Fatal("the write in flight when the server died did not complete within 40s of the reconnect")
+	}
+	took := time.Since(start)
+	t.Logf("a write in flight when the server died completed %v after RECONFIGURE handed over a new socket", took.Round(time.Millisecond))
+	if took > 3*time.Second {
+		t.Fatalf("the write in flight completed %v after the reconnect, want within 3s (the kernel resends it at its next timer, each second)", took.Round(time.Millisecond))
+	}
+	mu.Lock()
+	n := writes
+	mu.Unlock()
+	if n != 2 {
+		t.Fatalf("the server got the write %d times, want 2 (the dead server's, and the resend)", n)
+	}
+	if got := dev.at(holdOff, len(p)); !bytes.Equal(got, p) {
+		t.Fatal("the resent write did not land")
+	}
+}
+
+// A request slower than the block-queue timer on a live connection is
+// neither failed nor resent, and its connection is not dropped: without a
+// request timeout the kernel's timer keeps it for as long as it takes
+// (issue 16: a slow replica must not become an I/O error). With a request
+// timeout of a second, the kernel would drop the connection and resend.
+func TestKernelSlowRequest(t *testing.T) {
+	c := needKernel(t)
+	const size, slowOff, slow = 4 << 20, 2 << 20, 3500 * time.Millisecond
+	var mu sync.Mutex
+	writes := 0 // at slowOff
+	dev := &hookDevice{memDevice: &memDevice{data: make([]byte, size)}, before: func(off int64) {
+		if off != slowOff {
+			return
+		}
+		mu.Lock()
+		writes++
+		mu.Unlock()
+		time.Sleep(slow)
+	}}
+	s := newServer(t, dev)
+	sock, _ := s.pair()
+	index := connectRequeue(t, c, s, sock, size, "test:slow")
+	path := kernel.Path(index)
+
+	p := pattern(4096, 11)
+	buf, free := alignedCopy(t, p)
+	defer free()
+	start := time.Now()
+	if err := writeDirect(path, buf, slowOff); err != nil {
+		t.Fatalf("a write slower than the queue timer failed: %v", err)
+	}
+	took := time.Since(start)
+	t.Logf("a write the server took %v for completed in %v", slow, took.Round(time.Millisecond))
+	if took < slow {
+		t.Fatalf("the write completed in %v, before the server answered it (%v)", took, slow)
+	}
+	mu.Lock()
+	n := writes
+	mu.Unlock()
+	if n != 1 {
+		t.Fatalf("the server got the slow write %d times, want once (not resent)", n)
+	}
+	if served, ended := s.connections(); served != 1 || ended != 0 {
+		t.Fatalf("%d connections served, %d ended; want the one, alive", served, ended)
+	}
+	if got := dev.at(slowOff, len(p)); !bytes.Equal(got, p) {
+		t.Fatal("the slow write did not land")
+	}
+	// The device still serves.
+	q := pattern(4096, 12)
+	writeSync(t, path, q, 0)
+	if got := dev.at(0, len(q)); !bytes.Equal(got, q) {
+		t.Fatal("a write after the slow one did not land")
 	}
 }

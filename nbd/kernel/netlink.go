@@ -97,6 +97,14 @@ const (
 	DefaultDeadConnTimeout = 120 * time.Second
 )
 
+// NoTimeout, as Options.Timeout or Reconfig.Timeout, turns the kernel's
+// request timeout off (NBD_ATTR_TIMEOUT 0): on a device with one
+// connection the kernel then never declares a live connection dead for a
+// slow request, and its block-queue timer, which SetQueueTimeout sets,
+// only resends requests whose connection was replaced (see the package
+// documentation, "Requeue without a request timeout").
+const NoTimeout time.Duration = -1
+
 // Options configures Connect.
 type Options struct {
 	// Index is the device to connect (/dev/nbd<Index>), or AnyIndex for
@@ -116,7 +124,7 @@ type Options struct {
 	// Timeout is the request timeout: a request unanswered that long is
 	// resent (its socket is declared dead). It also bounds the I/O pause
 	// after a server restart (see the package documentation). Whole
-	// seconds (rounded up). Default 30s.
+	// seconds (rounded up). Default 30s; NoTimeout turns it off.
 	Timeout time.Duration
 	// DeadConnTimeout is how long I/O waits for a Reconfigure once every
 	// socket is dead, before it fails with EIO. Whole seconds (rounded
@@ -140,7 +148,10 @@ type Reconfig struct {
 	Sockets []*os.File
 	// Size is the new size in bytes (a multiple of the block size).
 	Size uint64
-	// Timeout and DeadConnTimeout, as for Options.
+	// Timeout and DeadConnTimeout, as for Options (NoTimeout turns the
+	// request timeout off). Either one given also resets the block
+	// queue's timer (SetQueueTimeout) to the kernel's choice: Timeout,
+	// or 30s when it is off.
 	Timeout         time.Duration
 	DeadConnTimeout time.Duration
 	// Backend must equal the device's backend identifier when it has
@@ -234,6 +245,14 @@ func seconds(d time.Duration) uint64 {
 	return uint64((d + time.Second - 1) / time.Second)
 }
 
+// timeoutAttr is NBD_ATTR_TIMEOUT for a request timeout: 0 is off.
+func timeoutAttr(d time.Duration) uint64 {
+	if d == NoTimeout {
+		return 0
+	}
+	return seconds(d)
+}
+
 func validBlockSize(bs uint64) bool {
 	return bs >= 512 && bs <= uint64(os.Getpagesize()) && bs&(bs-1) == 0
 }
@@ -273,7 +292,7 @@ func (c *Client) Connect(ctx context.Context, o Options) (int, error) {
 		return 0, fmt.Errorf("%w: block size %d is not a power of two from 512 to %d", ErrInvalid, o.BlockSize, os.Getpagesize())
 	case o.Size == 0 || o.Size%o.BlockSize != 0:
 		return 0, fmt.Errorf("%w: size %d is not a positive multiple of the block size %d", ErrInvalid, o.Size, o.BlockSize)
-	case o.Timeout < 0 || o.DeadConnTimeout < 0:
+	case (o.Timeout < 0 && o.Timeout != NoTimeout) || o.DeadConnTimeout < 0:
 		return 0, fmt.Errorf("%w: negative timeout", ErrInvalid)
 	}
 	ae := netlink.NewAttributeEncoder()
@@ -282,7 +301,7 @@ func (c *Client) Connect(ctx context.Context, o Options) (int, error) {
 	}
 	ae.Uint64(attrSizeBytes, o.Size)
 	ae.Uint64(attrBlockSizeBytes, o.BlockSize)
-	ae.Uint64(attrTimeout, seconds(o.Timeout))
+	ae.Uint64(attrTimeout, timeoutAttr(o.Timeout))
 	ae.Uint64(attrDeadConnTimeout, seconds(o.DeadConnTimeout))
 	ae.Uint64(attrServerFlags, o.ServerFlags)
 	ae.Uint64(attrClientFlags, o.ClientFlags)
@@ -317,7 +336,7 @@ func (c *Client) Reconfigure(ctx context.Context, index int, r Reconfig) error {
 	if index < 0 || index > math.MaxInt32 {
 		return fmt.Errorf("%w: device index %d", ErrInvalid, index)
 	}
-	if r.Timeout < 0 || r.DeadConnTimeout < 0 {
+	if (r.Timeout < 0 && r.Timeout != NoTimeout) || r.DeadConnTimeout < 0 {
 		return fmt.Errorf("%w: negative timeout", ErrInvalid)
 	}
 	ae := netlink.NewAttributeEncoder()
@@ -329,7 +348,7 @@ func (c *Client) Reconfigure(ctx context.Context, index int, r Reconfig) error {
 		ae.Uint64(attrSizeBytes, r.Size)
 	}
 	if r.Timeout != 0 {
-		ae.Uint64(attrTimeout, seconds(r.Timeout))
+		ae.Uint64(attrTimeout, timeoutAttr(r.Timeout))
 	}
 	if r.DeadConnTimeout != 0 {
 		ae.Uint64(attrDeadConnTimeout, seconds(r.DeadConnTimeout))

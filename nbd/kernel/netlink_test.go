@@ -379,4 +379,67 @@ func TestSysfs(t *testing.T) {
 	if _, err := SizeBytes(5); !errors.Is(err, ErrNoDevice) {
 		t.Fatalf("SizeBytes of a missing device: %v", err)
 	}
+
+	// The block queue's timer, in milliseconds.
+	os.MkdirAll(filepath.Join(dir, "queue"), 0o755)
+	os.WriteFile(filepath.Join(dir, "queue", "io_timeout"), []byte("30000\n"), 0o644)
+	if d, err := QueueTimeout(2); err != nil || d != 30*time.Second {
+		t.Fatalf("QueueTimeout: %v %v", d, err)
+	}
+	if err := SetQueueTimeout(2, 500*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "queue", "io_timeout")); string(b) != "500" {
+		t.Fatalf("io_timeout holds %q, want 500", b)
+	}
+	if d, err := QueueTimeout(2); err != nil || d != 500*time.Millisecond {
+		t.Fatalf("QueueTimeout after setting it: %v %v", d, err)
+	}
+	for _, d := range []time.Duration{0, time.Microsecond, -time.Second} {
+		if err := SetQueueTimeout(2, d); !errors.Is(err, ErrInvalid) {
+			t.Errorf("SetQueueTimeout(%v): %v, want ErrInvalid", d, err)
+		}
+	}
+	if err := SetQueueTimeout(5, time.Second); !errors.Is(err, ErrNoDevice) {
+		t.Fatalf("SetQueueTimeout of a missing device: %v", err)
+	}
+	if _, err := QueueTimeout(5); !errors.Is(err, ErrNoDevice) {
+		t.Fatalf("QueueTimeout of a missing device: %v", err)
+	}
+}
+
+// NoTimeout sends a request timeout of 0 (off), on Connect and
+// Reconfigure; other negative timeouts are refused.
+func TestNoTimeout(t *testing.T) {
+	k := &fakeKernel{reply: func(r request) ([]genetlink.Message, error) {
+		if r.cmd == cmdConnect {
+			return indexReply(1), nil
+		}
+		return nil, nil
+	}}
+	c := k.dial(t)
+	socks := sockets(t, 1)
+	if _, err := c.Connect(context.Background(), Options{Index: AnyIndex, Sockets: socks, Size: 4096, Timeout: NoTimeout}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Reconfigure(context.Background(), 1, Reconfig{Backend: "b", Timeout: NoTimeout}); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.reqs) != 2 {
+		t.Fatalf("%d requests, want 2", len(k.reqs))
+	}
+	for _, r := range k.reqs {
+		if got := r.attrs[attrTimeout]; got != uint64(0) {
+			t.Errorf("command %d: NBD_ATTR_TIMEOUT %v, want 0", r.cmd, got)
+		}
+	}
+	if _, err := c.Connect(context.Background(), Options{Index: AnyIndex, Sockets: socks, Size: 4096, Timeout: -2}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("connect with timeout -2ns: %v, want ErrInvalid", err)
+	}
+	if err := c.Reconfigure(context.Background(), 1, Reconfig{Timeout: -time.Second}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("reconfigure with timeout -1s: %v, want ErrInvalid", err)
+	}
+	if len(k.reqs) != 2 {
+		t.Fatalf("invalid requests reached the kernel: %+v", k.reqs[2:])
+	}
 }

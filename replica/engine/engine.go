@@ -1006,6 +1006,9 @@ func (e *Engine) Close(ctx context.Context, detach bool) error {
 	}
 	e.cancel()
 	e.wg.Wait()
+	if len(e.cfg.LocalReaders) > 0 {
+		e.logger.Info("volume closing", "short_circuit_reads", e.localReads.Load())
+	}
 	for _, m := range e.writeSet() {
 		m.local.close()
 		errs = append(errs, m.conn.Close(ctx))

@@ -133,7 +133,7 @@ func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
 	}
 	ref := &localViewRef{v: v}
 	l.view.Store(ref)
-	e.logger.Debug("reading the local replica directly (short-circuit)", "replica", m.info.Id, "server", m.info.ServerId)
+	e.logger.Info("reading the local replica directly (short-circuit)", "replica", m.info.Id, "server", m.info.ServerId, "short_circuit_reads", e.localReads.Load())
 	return ref
 }
 

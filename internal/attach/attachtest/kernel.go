@@ -53,6 +53,19 @@ type device struct {
 	size      uint64
 	connected bool
 	socks     []net.Conn
+	// timeout is the request timeout (kernel.NoTimeout for none), queue
+	// the block queue's timer, as the kernel sets them.
+	timeout, queue time.Duration
+}
+
+// queueTimer is the kernel's block-queue timer after a CONNECT or
+// RECONFIGURE with a request timeout: the timeout, or 30 s for none
+// (drivers/block/nbd.c, nbd_set_cmd_timeout).
+func queueTimer(timeout time.Duration) time.Duration {
+	if timeout == kernel.NoTimeout {
+		return 30 * time.Second
+	}
+	return timeout
 }
 
 // NewKernel returns a fake kernel with no devices.
@@ -76,7 +89,29 @@ func (k *Kernel) Ops() *attach.Kernel {
 			}
 			return file{k, i}, nil
 		},
+		SetQueueTimeout: func(i int, t time.Duration) error {
+			d := k.dev(i)
+			if d == nil {
+				return fmt.Errorf("attachtest: /dev/nbd%d: %w", i, kernel.ErrNoDevice)
+			}
+			d.mu.Lock()
+			defer d.mu.Unlock()
+			d.queue = t
+			return nil
+		},
 	}
+}
+
+// Timers returns /dev/nbd<i>'s request timeout (kernel.NoTimeout for
+// none) and block-queue timer.
+func (k *Kernel) Timers(i int) (timeout, queue time.Duration) {
+	d := k.dev(i)
+	if d == nil {
+		return 0, 0
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.timeout, d.queue
 }
 
 func (k *Kernel) dev(i int) *device {
@@ -129,7 +164,8 @@ func (c conn) Connect(_ context.Context, o kernel.Options) (int, error) {
 	} else if d := k.devs[i]; d != nil && d.connected {
 		return 0, fmt.Errorf("attachtest: /dev/nbd%d: %w", i, unix.EBUSY)
 	}
-	k.devs[i] = &device{backend: o.Backend, size: o.Size, connected: true, socks: socks}
+	k.devs[i] = &device{backend: o.Backend, size: o.Size, connected: true, socks: socks,
+		timeout: o.Timeout, queue: queueTimer(o.Timeout)}
 	return i, nil
 }
 
@@ -149,6 +185,9 @@ func (c conn) Reconfigure(_ context.Context, i int, r kernel.Reconfig) error {
 	}
 	if r.Size != 0 {
 		d.size = r.Size
+	}
+	if r.Timeout != 0 {
+		d.timeout, d.queue = r.Timeout, queueTimer(r.Timeout)
 	}
 	d.socks = append(d.socks, socks...)
 	return nil
