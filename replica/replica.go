@@ -59,6 +59,7 @@ type Replica struct {
 	snapMu sync.Mutex // serialises DeleteSnapshot
 
 	directMu sync.Mutex // serialises the read generation file (shortcircuit.go)
+	noDirect bool       // the head could not be scrubbed at open: no direct reads (shortcircuit.go)
 
 	cache   *fileCache    // the store's; nil: the files stay open until Close
 	lastUse atomic.Uint64 // cache.clock at the latest request
@@ -172,6 +173,7 @@ func openReplica(fsys FS, dir string, log *slog.Logger) (_ *Replica, err error) 
 	if err := r.openHistory(nregions); err != nil {
 		return nil, err
 	}
+	r.scrubHeadLocked()
 	r.filesOpen = true
 	return r, nil
 }

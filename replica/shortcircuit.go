@@ -23,7 +23,17 @@ import (
 // contents: a chain of one layer (a block no layer holds and a block
 // zeroed in the head both read as zeroes, as holes in that one file do),
 // no rebuild in progress, and the request's epoch the replica's current
-// one.
+// one (it never raises the epoch: only the authorised data protocol does).
+//
+// A block the head's index does not hold must be a hole in its file. A
+// write reaches the file before its block enters the index, and the index
+// is made durable only at a flush, so after a crash (of the server or the
+// host) the file may hold data the index never recorded: the server reads
+// such a block as zeroes (or from an older layer), a direct read would
+// not. Opening the replica therefore punches every block of the head that
+// its index does not hold within the regions the dirty-region log still
+// marks, the only ones with writes not yet flushed (scrubHeadLocked); if
+// that fails, the replica is never read directly until it is opened again.
 //
 // Everything that could make the head file stop being the volume's
 // contents as a read by the engine holding the epoch would see them
@@ -64,11 +74,21 @@ func (d *DirectFiles) Close() error {
 // replica cannot be read that way now (snapshots, a rebuild, a store not
 // on the OS filesystem).
 func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
-	if err := r.enter(o); err != nil {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if r.closed {
+		return nil, ErrClosed
+	}
+	if err := r.failed(); err != nil {
 		return nil, err
 	}
-	defer r.mu.RUnlock()
-	switch {
+	switch cur := r.epoch.Load(); {
+	case o.Epoch < cur:
+		return nil, fmt.Errorf("%w: request epoch %d, replica %s is at %d", ErrStaleEpoch, o.Epoch, r.id, cur)
+	case o.Epoch > cur:
+		return nil, fmt.Errorf("%w: replica %s is at epoch %d, not %d: open it through its server first", ErrNotDirect, r.id, cur, o.Epoch)
+	case r.noDirect:
+		return nil, fmt.Errorf("%w: replica %s: its head could not be scrubbed when it was opened", ErrNotDirect, r.id)
 	case len(r.layers) != 1:
 		return nil, fmt.Errorf("%w: replica %s has %d snapshot layers", ErrNotDirect, r.id, len(r.layers)-1)
 	case r.rebuild != nil:
@@ -78,6 +98,12 @@ func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
 	defer r.directMu.Unlock()
 	gen, err := r.readGenLocked(true)
 	if err != nil {
+		return nil, err
+	}
+	// A failure recorded since the check above advanced the counter
+	// before this read of it, or will after directMu is released: either
+	// way no view of a failed replica stays valid.
+	if err := r.failed(); err != nil {
 		return nil, err
 	}
 	// The store's FS is a seam for tests; a descriptor can be handed out
@@ -155,4 +181,36 @@ func (r *Replica) invalidateDirect(why string) error {
 	}
 	r.log.Debug("short-circuit reads invalidated", "why", why, "read_generation", v)
 	return nil
+}
+
+// scrubHeadLocked punches the blocks of the head that its index does not
+// hold within the dirty regions (see OpenDirect). It runs while the
+// replica is opened, before any request; a failure only disables direct
+// reads (the server's reads go through the index and are right anyway).
+func (r *Replica) scrubHeadLocked() {
+	h := r.layers[len(r.layers)-1]
+	size := r.size.Load()
+	blocksPerRegion := uint64(r.regionSize) / BlockSize
+	punched := uint64(0)
+	for _, run := range r.dirty.list() {
+		b, end := run[0]*blocksPerRegion, min(run[1]*blocksPerRegion, size/BlockSize)
+		for b < end {
+			s, e, ok := h.idx.nextRun(b)
+			if !ok || s >= end {
+				s, e = end, end
+			}
+			if s > b {
+				if err := h.punch(int64(b)*BlockSize, int64(s-b)*BlockSize); err != nil {
+					r.noDirect = true
+					r.log.Warn("scrubbing the head's unindexed blocks failed: the replica will not be read directly", "err", err)
+					return
+				}
+				punched += s - b
+			}
+			b = max(e, s)
+		}
+	}
+	if punched > 0 {
+		r.log.Debug("head scrubbed of unindexed blocks in dirty regions", "blocks", punched)
+	}
 }

@@ -152,8 +152,10 @@ func TestDirectInvalidationFailureStopsTheChange(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	o := replica.Op{Epoch: 1}
-	d, err := r.OpenDirect(o)
+	if err := r.Fence(1); err != nil {
+		t.Fatal(err)
+	}
+	d, err := r.OpenDirect(replica.Op{Epoch: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,5 +166,109 @@ func TestDirectInvalidationFailureStopsTheChange(t *testing.T) {
 	}
 	if r.Epoch() != 1 {
 		t.Fatalf("epoch %d after the failed raise, want 1", r.Epoch())
+	}
+}
+
+// TestOpenDirectAfterACrash: a write that reached the head's file but not
+// its index (the index is made durable only at a flush) reads as zeroes
+// through the server after a crash; a direct read must see the same, so
+// opening the replica punches such blocks out of the file.
+func TestOpenDirectAfterACrash(t *testing.T) {
+	dir := t.TempDir()
+	cfg := replica.Config{Dir: dir, Logger: replicatest.Logger(t), RegionSize: testRegionSize}
+	s := openStore(t, cfg)
+	r, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := replica.Op{Epoch: 1}
+	if err := r.WriteAt(o, bytes.Repeat([]byte{0xa5}, 4096), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Flush(o); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.WriteAt(o, bytes.Repeat([]byte{0x5a}, 8192), 65536); err != nil {
+		t.Fatal(err)
+	}
+	// The process dies: the store is abandoned without Close (the page
+	// cache keeps the data; the index's new record was never written).
+	s2 := openStore(t, cfg)
+	defer s2.Close()
+	r2, err := s2.Get("r1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, 1<<17)
+	if err := r2.ReadAt(o, want, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(want[:4096], bytes.Repeat([]byte{0xa5}, 4096)) {
+		t.Fatal("the flushed write is gone")
+	}
+	d, err := r2.OpenDirect(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	got := make([]byte, len(want))
+	if _, err := d.Data.ReadAt(got, 0); err != nil && !errors.Is(err, io.EOF) {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("the data file holds what the server does not read (block 16: %x..., server: %x...)", got[65536:65540], want[65536:65540])
+	}
+}
+
+// TestOpenDirectNeverRaisesTheEpoch: only the data protocol, which the
+// server authorises, may raise a replica's epoch; a direct open at a
+// higher epoch is refused and changes nothing.
+func TestOpenDirectNeverRaisesTheEpoch(t *testing.T) {
+	s := openStore(t, replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t), RegionSize: testRegionSize})
+	defer s.Close()
+	r, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Fence(3); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.OpenDirect(replica.Op{Epoch: 1 << 62}); !errors.Is(err, replica.ErrNotDirect) {
+		t.Fatalf("OpenDirect at a higher epoch: %v, want ErrNotDirect", err)
+	}
+	if e := r.Epoch(); e != 3 {
+		t.Fatalf("epoch %d after a direct open at a higher one, want 3", e)
+	}
+}
+
+// TestFailedReplicaEndsDirectReads: a replica that fails (here: a failed
+// flush) advances the read generation, so a view opened before reads
+// through the server from then on, and refuses new views.
+func TestFailedReplicaEndsDirectReads(t *testing.T) {
+	efs := errorfs.New(replica.OS(), 1)
+	s := openStore(t, replica.Config{Dir: t.TempDir(), FS: efs, Logger: replicatest.Logger(t), RegionSize: testRegionSize})
+	defer s.Close()
+	r, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := replica.Op{Epoch: 1}
+	if err := r.WriteAt(o, make([]byte, 4096), 0); err != nil {
+		t.Fatal(err)
+	}
+	d, err := r.OpenDirect(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	efs.Add(errorfs.Rule{Path: ".data", Ops: errorfs.OpSync})
+	if err := r.Flush(o); err == nil {
+		t.Fatal("the flush did not fail")
+	}
+	if g := readGen(t, d); g == d.Generation {
+		t.Fatal("the replica failed but readgen did not move")
+	}
+	if _, err := r.OpenDirect(o); err == nil {
+		t.Fatal("a failed replica opened for direct reads")
 	}
 }

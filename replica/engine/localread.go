@@ -35,6 +35,10 @@ type LocalView interface {
 // snapshot layers, or being rebuilt, cannot be read directly).
 const localRetry = time.Second
 
+// localOpenTimeout bounds opening a view: reads wait for it (the first
+// one; the others read through the server meanwhile).
+const localOpenTimeout = time.Second
+
 // localRead is the short-circuit state of one opened replica on a local
 // server. It lives as long as the replica's connection: members replaced
 // by a state change carry it over.
@@ -45,6 +49,7 @@ type localRead struct {
 	mu      sync.Mutex // serialises opening
 	retryAt time.Time  // guarded by mu
 	closed  bool       // guarded by mu
+	why     string     // guarded by mu: the last reason no view could be opened
 }
 
 type localViewRef struct{ v LocalView }
@@ -98,17 +103,25 @@ func (e *Engine) readLocal(ctx context.Context, m *member, p []byte, off int64) 
 	// Stale (an epoch, layer, rebuild or server change) or an error: drop
 	// the view; the next read may open a new one.
 	if l.view.CompareAndSwap(ref, nil) {
-		e.logger.Debug("short-circuit read view dropped", "replica", m.info.Id, "err", err)
+		if errors.Is(err, localread.ErrStale) {
+			e.logger.Debug("short-circuit read view dropped", "replica", m.info.Id, "err", err)
+		} else {
+			e.logger.Warn("a direct read of the local replica failed; reading it through its server", "replica", m.info.Id, "err", err)
+		}
 		ref.v.Close()
 	}
 	return false
 }
 
 // openLocal opens a view for m unless one was opened meanwhile, the last
-// attempt failed less than localRetry ago, or the replica was dropped.
+// attempt failed less than localRetry ago, the replica was dropped, or
+// another read is opening one (this read goes through the server rather
+// than wait for it).
 func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
 	l := m.local
-	l.mu.Lock()
+	if !l.mu.TryLock() {
+		return nil
+	}
 	defer l.mu.Unlock()
 	if ref := l.view.Load(); ref != nil {
 		return ref
@@ -116,21 +129,28 @@ func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
 	if l.closed || time.Now().Before(l.retryAt) {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
+	ctx, cancel := context.WithTimeout(ctx, localOpenTimeout)
 	defer cancel()
 	v, err := l.reader.OpenLocal(ctx, wire.OpenRequest{
 		Replica: m.info.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose,
 	})
 	if err != nil {
 		l.retryAt = time.Now().Add(localRetry)
-		lvl := "reading through the server"
+		// Logged when the reason changes (a retained snapshot keeps a
+		// replica from direct reads for as long as it exists).
+		why := err.Error()
 		if errors.Is(err, replica.ErrNotDirect) {
-			e.logger.Debug("replica cannot be read directly now; "+lvl, "replica", m.info.Id, "err", err)
+			why = "not-direct"
+		}
+		if why != l.why {
+			l.why = why
+			e.logger.Info("the local replica cannot be read directly now; reading it through its server", "replica", m.info.Id, "server", m.info.ServerId, "err", err)
 		} else {
-			e.logger.Info("short-circuit read of the local replica could not be opened; "+lvl, "replica", m.info.Id, "err", err)
+			e.logger.Debug("the local replica still cannot be read directly", "replica", m.info.Id, "err", err)
 		}
 		return nil
 	}
+	l.why = ""
 	ref := &localViewRef{v: v}
 	l.view.Store(ref)
 	e.logger.Info("reading the local replica directly (short-circuit)", "replica", m.info.Id, "server", m.info.ServerId, "short_circuit_reads", e.localReads.Load())

@@ -107,7 +107,10 @@ func TestShortCircuitReads(t *testing.T) {
 	requireIdentical(t, c, v.Id, 30*time.Second)
 	untilDirect("after the local server restarted")
 
-	// A takeover fences this engine: its reads fail, direct or not.
+	// A takeover fences this engine: its reads fail, direct or not. (Its
+	// watch usually fences it before the read; that the replica's epoch
+	// raise ends a view by itself is TestOpenDirect's and
+	// TestViewReadsAndGoesStale's to show.)
 	cfg2 := c.EngineConfig("sc", "node-b")
 	cfg2.Takeover = true
 	e2 := c.OpenEngine(cfg2)

@@ -82,6 +82,10 @@ func (c *Client) Open(ctx context.Context, open wire.OpenRequest) (*View, error)
 	}
 	conn.Close()
 	conn = nil
+	if !regular(files[0], 0) || !regular(files[1], 8) {
+		live.Close()
+		return fail(fmt.Errorf("localread: %s sent descriptors that are not a data file and an 8-byte read generation", c.path))
+	}
 	mem, err := unix.Mmap(int(files[1].Fd()), 0, 8, unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
 		live.Close()
@@ -125,10 +129,18 @@ func (c *Client) exchange(ctx context.Context, conn *net.UnixConn, req request) 
 	}
 	buf := make([]byte, maxMessage)
 	oob := make([]byte, unix.CmsgSpace(2*4))
-	n, oobn, _, _, err := conn.ReadMsgUnix(buf, oob)
+	n, oobn, flags, _, err := conn.ReadMsgUnix(buf, oob)
 	var files []*os.File
 	if oobn > 0 {
 		files = parseRights(oob[:oobn])
+	}
+	if err == nil && flags&unix.MSG_CTRUNC != 0 {
+		err = errors.New("more descriptors than expected")
+	}
+	if err == nil {
+		// The descriptors are trusted only from a server that runs as root
+		// or as this process's user.
+		err = checkPeer(conn)
 	}
 	if err != nil {
 		if errors.Is(err, io.EOF) {
@@ -253,4 +265,10 @@ func (v *View) Close() error {
 	}
 	v.closed = true
 	return errors.Join(unix.Munmap(v.mem), v.data.Close(), v.live.Close())
+}
+
+// regular reports whether f is a regular file of at least min bytes.
+func regular(f *os.File, min int64) bool {
+	fi, err := f.Stat()
+	return err == nil && fi.Mode().IsRegular() && fi.Size() >= min
 }

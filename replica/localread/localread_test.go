@@ -183,6 +183,9 @@ func TestListenReplacesOnlySockets(t *testing.T) {
 		t.Fatalf("Listen over a stale socket: %v", err)
 	}
 	defer ln.Close()
+	if _, err := localread.Listen(sock); err == nil {
+		t.Fatal("Listen took over a socket another listener serves")
+	}
 	fi, err := os.Stat(sock)
 	if err != nil {
 		t.Fatal(err)

@@ -67,23 +67,28 @@ func NewServer(store *replica.Store, serverID string, log *slog.Logger) *Server 
 	return &Server{store: store, serverID: serverID, log: log, lns: map[net.Listener]bool{}, views: map[*net.UnixConn]bool{}}
 }
 
-// Listen makes the unix socket at path (replacing a stale socket left by a
-// previous process) with mode 0600.
+// Listen makes the unix socket at path with mode 0600, replacing a stale
+// socket left by a previous process but not one a live process listens
+// on, nor any other kind of file.
 func Listen(path string) (*net.UnixListener, error) {
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {
 			return nil, fmt.Errorf("localread: %s exists and is not a socket", path)
 		}
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("localread: %s is in use by another process (another stor-server with the same --local-socket?)", path)
+		}
 		if err := os.Remove(path); err != nil {
 			return nil, fmt.Errorf("localread: remove stale socket: %w", err)
 		}
 	}
+	// Bound with no permission for group and others, so that no one else
+	// can connect between the bind and the chmod.
+	old := unix.Umask(0o177)
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	unix.Umask(old)
 	if err != nil {
-		return nil, fmt.Errorf("localread: %w", err)
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		ln.Close()
 		return nil, fmt.Errorf("localread: %w", err)
 	}
 	return ln, nil
@@ -118,7 +123,14 @@ func (s *Server) Serve(ln *net.UnixListener) error {
 			}
 			return fmt.Errorf("localread: accept: %w", err)
 		}
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			c.Close()
+			return nil
+		}
 		s.wg.Add(1)
+		s.mu.Unlock()
 		go func() {
 			defer s.wg.Done()
 			s.serveConn(c)
@@ -144,7 +156,7 @@ func (s *Server) Close() error {
 func (s *Server) serveConn(c *net.UnixConn) {
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(connTimeout))
-	if err := s.checkPeer(c); err != nil {
+	if err := checkPeer(c); err != nil {
 		s.log.Warn("short-circuit read refused", "err", err)
 		s.send(c, reply{ServerID: s.serverID, Code: codeDenied, Error: err.Error()}, nil)
 		return
@@ -212,8 +224,9 @@ func (s *Server) open(req request) (*replica.DirectFiles, error) {
 	return r.OpenDirect(replica.Op{Epoch: req.Epoch})
 }
 
-// checkPeer admits root and the server's own user.
-func (s *Server) checkPeer(c *net.UnixConn) error {
+// checkPeer admits root and this process's user at the other end of c
+// (each side checks the other).
+func checkPeer(c *net.UnixConn) error {
 	raw, err := c.SyscallConn()
 	if err != nil {
 		return err
@@ -229,7 +242,7 @@ func (s *Server) checkPeer(c *net.UnixConn) error {
 		return fmt.Errorf("peer credentials: %w", cerr)
 	}
 	if cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
-		return fmt.Errorf("peer pid %d runs as uid %d: only root and uid %d may read replicas directly", cred.Pid, cred.Uid, os.Geteuid())
+		return fmt.Errorf("peer pid %d runs as uid %d: only root and uid %d are trusted with replicas' files", cred.Pid, cred.Uid, os.Geteuid())
 	}
 	return nil
 }
@@ -268,7 +281,7 @@ func codeOf(err error) string {
 func readLine(r io.Reader) ([]byte, error) {
 	buf := make([]byte, 0, 256)
 	var b [1]byte
-	for len(buf) <= maxMessage {
+	for len(buf) < maxMessage {
 		if _, err := r.Read(b[:]); err != nil {
 			return nil, fmt.Errorf("read request: %w", err)
 		}
