@@ -10,20 +10,27 @@ import (
 )
 
 // Short-circuit reads (DESIGN.md, "Data path", point 6). A volume engine on
-// the same host as this replica's server may read the replica's head data
-// file itself, with pread, instead of sending each read to the server. The
+// the same host as this replica's server may read the replica's layers
+// itself, with pread, instead of sending each read to the server. The
 // server hands it read-only descriptors (replica/localread) of
 //
-//   - the head layer's data file, and
+//   - every layer's data file (oldest first, the head last), with each
+//     layer's index as it is at the open: the reader reads a block from
+//     the topmost layer whose index holds it, as readViewLocked does,
+//     zeroes if none does, and adds to the head's the blocks its own
+//     writes touch from then on (it is the volume's only writer, and
+//     opens while none of its writes is in flight);
 //   - the replica's read generation file (readgen): one 8-byte counter in
-//     host byte order, which the engine maps and compares before and after
-//     every read.
+//     host byte order, which the engine maps and compares after every
+//     read.
 //
-// OpenDirect opens them only when the head alone defines the volume's
-// contents: a chain of one layer (a block no layer holds and a block
-// zeroed in the head both read as zeroes, as holes in that one file do),
-// no rebuild in progress, and the request's epoch the replica's current
-// one (it never raises the epoch: only the authorised data protocol does).
+// OpenDirect opens them when no rebuild is in progress, the chain has at
+// most MaxDirectLayers layers and its indexes at most MaxDirectRuns runs,
+// and the request's epoch is the replica's current one (it never raises
+// the epoch: only the authorised data protocol does). A merge of a
+// deleted snapshot into the layer above it leaves an open view right: the
+// blocks it copies up are read from the layer they came from, unchanged
+// until the layer is dropped, which ends the view.
 //
 // A block the head's index does not hold must be a hole in its file. A
 // write reaches the file before its block enters the index, and the index
@@ -35,10 +42,9 @@ import (
 // marks, the only ones with writes not yet flushed (scrubHeadLocked); if
 // that fails, the replica is never read directly until it is opened again.
 //
-// Everything that could make the head file stop being the volume's
-// contents as a read by the engine holding the epoch would see them
-// advances the counter first (invalidateDirect), before the change takes
-// effect: raising the epoch (a newer attach), cutting a snapshot (a new
+// Everything that could make the files stop being the volume's contents
+// as a read by the engine holding the epoch would see them advances the
+// counter first (invalidateDirect), before the change takes effect: raising the epoch (a newer attach), cutting a snapshot (a new
 // head), dropping a merged layer, growing, beginning a rebuild, the
 // replica failing, closing (server stop, deletion) and opening it again
 // (a new server process). So a direct read whose second comparison still
@@ -46,17 +52,28 @@ import (
 // happened, which is what a read through the server at that moment would
 // have returned; one that sees another value is discarded and the engine
 // reads through the server, which applies the epoch and every other rule.
-// The engine's own writes do not advance it: they reach the same file
-// through the server (the page cache is shared), and the engine never
-// reads a block while its write is in flight.
+// The engine's own writes do not advance it: they reach the same files
+// through the server (the page cache is shared), the engine adds the
+// blocks they touch to its copy of the head's index, and it never reads a
+// block while its write is in flight.
 const readGenName = "readgen"
+
+// Limits of a direct open: the descriptors one message carries, and the
+// index runs one open copies.
+const (
+	MaxDirectLayers = 16
+	MaxDirectRuns   = 1 << 20
+)
 
 // DirectFiles are the descriptors of a short-circuit read (see above). The
 // caller owns and closes them.
 type DirectFiles struct {
-	// Data is the head layer's data file, opened read-only. A block past
-	// its end reads as zeroes.
-	Data *os.File
+	// Layers are the chain's data files, oldest first, the head last,
+	// opened read-only. A block past a file's end reads as zeroes.
+	Layers []*os.File
+	// Index is each layer's index at the open, as sorted runs of blocks
+	// [start, end).
+	Index [][][2]uint64
 	// Gen is the read generation file, opened read-only.
 	Gen *os.File
 	// Generation is the counter's value when they were opened: a read is
@@ -64,9 +81,13 @@ type DirectFiles struct {
 	Generation uint64
 }
 
-// Close closes both files.
+// Close closes the files.
 func (d *DirectFiles) Close() error {
-	return errors.Join(d.Data.Close(), d.Gen.Close())
+	errs := []error{d.Gen.Close()}
+	for _, f := range d.Layers {
+		errs = append(errs, f.Close())
+	}
+	return errors.Join(errs...)
 }
 
 // OpenDirect opens r for short-circuit reads at o.Epoch; see above. It
@@ -89,10 +110,24 @@ func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
 		return nil, fmt.Errorf("%w: replica %s is at epoch %d, not %d: open it through its server first", ErrNotDirect, r.id, cur, o.Epoch)
 	case r.noDirect:
 		return nil, fmt.Errorf("%w: replica %s: its head could not be scrubbed when it was opened", ErrNotDirect, r.id)
-	case len(r.layers) != 1:
-		return nil, fmt.Errorf("%w: replica %s has %d snapshot layers", ErrNotDirect, r.id, len(r.layers)-1)
+	case len(r.layers) > MaxDirectLayers:
+		return nil, fmt.Errorf("%w: replica %s has %d layers (at most %d)", ErrNotDirect, r.id, len(r.layers), MaxDirectLayers)
 	case r.rebuild != nil:
 		return nil, fmt.Errorf("%w: replica %s is being rebuilt", ErrNotDirect, r.id)
+	}
+	index := make([][][2]uint64, len(r.layers))
+	runs := 0
+	for i, l := range r.layers {
+		l.mu.RLock()
+		l.idx.runs(func(s, e uint64) bool {
+			index[i] = append(index[i], [2]uint64{s, e})
+			runs++
+			return runs <= MaxDirectRuns
+		})
+		l.mu.RUnlock()
+		if runs > MaxDirectRuns {
+			return nil, fmt.Errorf("%w: replica %s's indexes have more than %d runs", ErrNotDirect, r.id, MaxDirectRuns)
+		}
 	}
 	r.directMu.Lock()
 	defer r.directMu.Unlock()
@@ -112,12 +147,16 @@ func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: replica %s: %v", ErrNotDirect, r.id, err)
 	}
-	data, err := os.Open(r.layers[0].base + ".data")
-	if err != nil {
-		genf.Close()
-		return nil, fmt.Errorf("%w: replica %s: %v", ErrNotDirect, r.id, err)
+	d := &DirectFiles{Index: index, Gen: genf, Generation: gen}
+	for _, l := range r.layers {
+		f, err := os.Open(l.base + ".data")
+		if err != nil {
+			d.Close()
+			return nil, fmt.Errorf("%w: replica %s: %v", ErrNotDirect, r.id, err)
+		}
+		d.Layers = append(d.Layers, f)
 	}
-	return &DirectFiles{Data: data, Gen: genf, Generation: gen}, nil
+	return d, nil
 }
 
 // readGenLocked returns the read generation, creating its file (at 1) if

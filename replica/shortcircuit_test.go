@@ -55,7 +55,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Helper()
 		clear(got)
 		// Past the end of the sparse file the volume reads as zeroes.
-		if _, err := d.Data.ReadAt(got, 0); err != nil && !errors.Is(err, io.EOF) {
+		if _, err := d.Layers[len(d.Layers)-1].ReadAt(got, 0); err != nil && !errors.Is(err, io.EOF) {
 			t.Fatalf("read the data file: %v", err)
 		}
 	}
@@ -111,9 +111,16 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("snapshot cut")
-	if _, err := r.OpenDirect(o); !errors.Is(err, replica.ErrNotDirect) {
-		t.Fatalf("OpenDirect with a snapshot layer: %v, want ErrNotDirect", err)
+	ds, err := r.OpenDirect(o)
+	if err != nil {
+		t.Fatalf("OpenDirect with a snapshot layer: %v", err)
 	}
+	// Two layers: the snapshot's holds blocks 0-3, the new head nothing.
+	if len(ds.Layers) != 2 || len(ds.Index) != 2 || len(ds.Index[1]) != 0 ||
+		len(ds.Index[0]) != 1 || ds.Index[0][0] != [2]uint64{0, 3} {
+		t.Fatalf("OpenDirect with a snapshot layer: %d layers, indexes %v; want the snapshot's [0, 3) and an empty head", len(ds.Layers), ds.Index)
+	}
+	ds.Close()
 	if err := r.DeleteSnapshot(o, "s1"); err != nil {
 		t.Fatal(err)
 	}
@@ -212,7 +219,7 @@ func TestOpenDirectAfterACrash(t *testing.T) {
 	}
 	defer d.Close()
 	got := make([]byte, len(want))
-	if _, err := d.Data.ReadAt(got, 0); err != nil && !errors.Is(err, io.EOF) {
+	if _, err := d.Layers[len(d.Layers)-1].ReadAt(got, 0); err != nil && !errors.Is(err, io.EOF) {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got, want) {

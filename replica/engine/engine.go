@@ -494,6 +494,7 @@ func (e *Engine) beginWrite(ctx context.Context, off, n int64) (*span, error) {
 		return nil, ErrClosed
 	}
 	e.quiesce.RLock()
+	e.trackLocal(off, n)
 	return sp, nil
 }
 

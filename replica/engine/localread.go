@@ -24,9 +24,12 @@ type LocalReader interface {
 
 // LocalView reads one replica directly. ReadAt fails (localread.ErrStale)
 // once the replica changed in a way that ends the view; the engine then
-// drops it and reads through the server.
+// drops it and reads through the server. Track is told of every write,
+// zero and trim before it is sent (the view reads those blocks from the
+// head from then on); false means the view must be dropped.
 type LocalView interface {
 	ReadAt(p []byte, off int64) error
+	Track(off, n int64) bool
 	Close() error
 }
 
@@ -131,9 +134,20 @@ func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
 	}
 	ctx, cancel := context.WithTimeout(ctx, localOpenTimeout)
 	defer cancel()
+	// No write is in flight while the view opens (a write holds quiesce
+	// shared from before it is sent until it is done): every write is
+	// either in the indexes the server sends or tracked by the view
+	// (trackLocal), never neither.
+	e.quiesce.Lock()
 	v, err := l.reader.OpenLocal(ctx, wire.OpenRequest{
 		Replica: m.info.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose,
 	})
+	var ref *localViewRef
+	if err == nil {
+		ref = &localViewRef{v: v}
+		l.view.Store(ref)
+	}
+	e.quiesce.Unlock()
 	if err != nil {
 		l.retryAt = time.Now().Add(localRetry)
 		// Logged when the reason changes (a retained snapshot keeps a
@@ -151,8 +165,6 @@ func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
 		return nil
 	}
 	l.why = ""
-	ref := &localViewRef{v: v}
-	l.view.Store(ref)
 	e.logger.Info("reading the local replica directly (short-circuit)", "replica", m.info.Id, "server", m.info.ServerId, "short_circuit_reads", e.localReads.Load())
 	return ref
 }
@@ -213,4 +225,27 @@ func DialLocalReaders(ctx context.Context, paths []string, log *slog.Logger) []L
 		clients = append(clients, c)
 	}
 	return LocalReadersOf(clients...)
+}
+
+// trackLocal tells every open view that [off, off+n) is about to be
+// written (LocalView.Track); a view that cannot track it is dropped. The
+// caller holds quiesce shared (beginWrite).
+func (e *Engine) trackLocal(off, n int64) {
+	if len(e.cfg.LocalReaders) == 0 {
+		return
+	}
+	for _, m := range e.writeSet() {
+		l := m.local
+		if l == nil {
+			continue
+		}
+		ref := l.view.Load()
+		if ref == nil || ref.v.Track(off, n) {
+			continue
+		}
+		if l.view.CompareAndSwap(ref, nil) {
+			e.logger.Debug("short-circuit read view dropped: it tracked too many writes", "replica", m.info.Id)
+			ref.v.Close()
+		}
+	}
 }

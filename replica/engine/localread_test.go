@@ -91,8 +91,21 @@ func TestShortCircuitReads(t *testing.T) {
 	waitSnapshotReady(t, cl, snap.Snapshot.Id)
 	write(0, 300)
 	write(1, 301)
-	if n := readAll("with a snapshot"); n != 0 {
-		t.Fatalf("%d reads short-circuited while the replica has a snapshot layer", n)
+	// The view of the old chain went stale; one of the new chain (blocks
+	// from the snapshot's layer, or the head once written) is opened
+	// after localRetry at most.
+	untilDirect("with a snapshot")
+	write(4, 304) // written after the view opened: read from the head
+	write(6, 0)
+	if n := readAll("with a snapshot, after more writes"); n != blocks {
+		t.Fatalf("%d of %d reads short-circuited with a snapshot layer", n, blocks)
+	}
+	if err := e.WriteZeroes(ctx10(t), 8*block, block, false); err != nil {
+		t.Fatal(err)
+	}
+	delete(seeds, 8)
+	if n := readAll("with a snapshot, after a zeroed block"); n != blocks {
+		t.Fatalf("%d of %d reads short-circuited after WriteZeroes", n, blocks)
 	}
 	if _, err := cl.Snapshots.DeleteSnapshot(ctx10(t), &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: snap.Snapshot.Id}}); err != nil {
 		t.Fatal(err)

@@ -1,13 +1,17 @@
 package localread
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -71,8 +75,12 @@ func (c *Client) Open(ctx context.Context, open wire.OpenRequest) (*View, error)
 		return fail(err)
 	case rep.ServerID != c.serverID:
 		return fail(fmt.Errorf("localread: %s is now server %q, not %q", c.path, rep.ServerID, c.serverID))
-	case len(files) != 2:
-		return fail(fmt.Errorf("localread: %s sent %d descriptors, want 2", c.path, len(files)))
+	case len(rep.Runs) == 0 || len(rep.Runs) > replica.MaxDirectLayers || len(files) != len(rep.Runs)+1:
+		return fail(fmt.Errorf("localread: %s sent %d descriptors for %d layers", c.path, len(files), len(rep.Runs)))
+	}
+	index, err := readIndex(conn, rep.Runs)
+	if err != nil {
+		return fail(fmt.Errorf("localread: indexes from %s: %w", c.path, err))
 	}
 	// The View checks the server's end of the connection with a
 	// non-blocking peek of its own descriptor.
@@ -82,17 +90,21 @@ func (c *Client) Open(ctx context.Context, open wire.OpenRequest) (*View, error)
 	}
 	conn.Close()
 	conn = nil
-	if !regular(files[0], 0) || !regular(files[1], 8) {
-		live.Close()
-		return fail(fmt.Errorf("localread: %s sent descriptors that are not a data file and an 8-byte read generation", c.path))
+	ok := regular(files[0], 8)
+	for _, f := range files[1:] {
+		ok = ok && regular(f, 0)
 	}
-	mem, err := unix.Mmap(int(files[1].Fd()), 0, 8, unix.PROT_READ, unix.MAP_SHARED)
+	if !ok {
+		live.Close()
+		return fail(fmt.Errorf("localread: %s sent descriptors that are not an 8-byte read generation and data files", c.path))
+	}
+	mem, err := unix.Mmap(int(files[0].Fd()), 0, 8, unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
 		live.Close()
 		return fail(fmt.Errorf("localread: map the read generation: %w", err))
 	}
-	files[1].Close() // the mapping outlives the descriptor
-	v := &View{data: files[0], live: live, mem: mem, want: rep.Generation}
+	files[0].Close() // the mapping outlives the descriptor
+	v := &View{layers: files[1:], index: index, live: live, mem: mem, want: rep.Generation}
 	v.gen = (*uint64)(unsafe.Pointer(&mem[0]))
 	if !v.valid() {
 		v.Close()
@@ -101,25 +113,84 @@ func (c *Client) Open(ctx context.Context, open wire.OpenRequest) (*View, error)
 	return v, nil
 }
 
+// readIndex reads the runs the reply announced, checking that each
+// layer's are sorted, disjoint and not empty.
+func readIndex(r io.Reader, counts []int) ([][][2]uint64, error) {
+	total := 0
+	for _, n := range counts {
+		if n < 0 || n > replica.MaxDirectRuns {
+			return nil, fmt.Errorf("%d runs announced", n)
+		}
+		total += n
+	}
+	if total > replica.MaxDirectRuns {
+		return nil, fmt.Errorf("%d runs announced", total)
+	}
+	br := bufio.NewReaderSize(r, 64<<10)
+	var b [16]byte
+	index := make([][][2]uint64, len(counts))
+	for i, n := range counts {
+		runs := make([][2]uint64, n)
+		for k := range runs {
+			if _, err := io.ReadFull(br, b[:]); err != nil {
+				return nil, err
+			}
+			s, e := binary.LittleEndian.Uint64(b[:8]), binary.LittleEndian.Uint64(b[8:])
+			if e <= s || (k > 0 && s < runs[k-1][1]) {
+				return nil, fmt.Errorf("layer %d: run %d [%d, %d) is empty or out of order", i, k, s, e)
+			}
+			runs[k] = [2]uint64{s, e}
+		}
+		index[i] = runs
+	}
+	if br.Buffered() > 0 {
+		return nil, errors.New("more bytes than the runs announced")
+	}
+	return index, nil
+}
+
 // roundTrip sends req and reads the reply and its descriptors. The
 // connection is returned open (to be closed by the caller) when there is
-// a reply.
-func (c *Client) roundTrip(ctx context.Context, req request) (reply, []*os.File, *net.UnixConn, error) {
+// a reply; what follows the reply's line is still to be read from it.
+func (c *Client) roundTrip(ctx context.Context, req request) (reply, []*os.File, *replyConn, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", c.path)
 	if err != nil {
 		return reply{}, nil, nil, fmt.Errorf("localread: %w", err)
 	}
-	conn := nc.(*net.UnixConn)
-	rep, files, err := c.exchange(ctx, conn, req)
+	conn := &replyConn{UnixConn: nc.(*net.UnixConn)}
+	if dl, ok := ctx.Deadline(); ok {
+		conn.SetDeadline(dl)
+	}
+	rep, files, err := c.exchange(conn, req)
 	return rep, files, conn, err
 }
 
-func (c *Client) exchange(ctx context.Context, conn *net.UnixConn, req request) (reply, []*os.File, error) {
-	if dl, ok := ctx.Deadline(); ok {
-		conn.SetDeadline(dl)
-		defer conn.SetDeadline(time.Time{})
+// replyConn is a connection whose first read (the reply's line and its
+// descriptors) may have taken bytes that follow the line: Read returns
+// them first.
+type replyConn struct {
+	*net.UnixConn
+	rest []byte
+}
+
+func (c *replyConn) Read(p []byte) (int, error) {
+	if len(c.rest) > 0 {
+		n := copy(p, c.rest)
+		c.rest = c.rest[n:]
+		return n, nil
 	}
+	return c.UnixConn.Read(p)
+}
+
+// File returns the connection's descriptor (for the View's liveness
+// check), with no deadline left on it.
+func (c *replyConn) File() (*os.File, error) {
+	c.SetDeadline(time.Time{})
+	return c.UnixConn.File()
+}
+
+func (c *Client) exchange(conn *replyConn, req request) (reply, []*os.File, error) {
 	b, err := json.Marshal(req)
 	if err != nil {
 		return reply{}, nil, err
@@ -128,7 +199,7 @@ func (c *Client) exchange(ctx context.Context, conn *net.UnixConn, req request) 
 		return reply{}, nil, fmt.Errorf("localread: send to %s: %w", c.path, err)
 	}
 	buf := make([]byte, maxMessage)
-	oob := make([]byte, unix.CmsgSpace(2*4))
+	oob := make([]byte, unix.CmsgSpace((replica.MaxDirectLayers+1)*4))
 	n, oobn, flags, _, err := conn.ReadMsgUnix(buf, oob)
 	var files []*os.File
 	if oobn > 0 {
@@ -140,7 +211,7 @@ func (c *Client) exchange(ctx context.Context, conn *net.UnixConn, req request) 
 	if err == nil {
 		// The descriptors are trusted only from a server that runs as root
 		// or as this process's user.
-		err = checkPeer(conn)
+		err = checkPeer(conn.UnixConn)
 	}
 	if err != nil {
 		if errors.Is(err, io.EOF) {
@@ -148,8 +219,13 @@ func (c *Client) exchange(ctx context.Context, conn *net.UnixConn, req request) 
 		}
 		return reply{}, files, fmt.Errorf("localread: reply from %s: %w", c.path, err)
 	}
+	line, rest, found := bytes.Cut(buf[:n], []byte{'\n'})
+	if !found {
+		return reply{}, files, fmt.Errorf("localread: reply from %s: no complete line in %d bytes", c.path, n)
+	}
+	conn.rest = rest
 	var rep reply
-	if err := json.Unmarshal(buf[:n], &rep); err != nil {
+	if err := json.Unmarshal(line, &rep); err != nil {
 		return reply{}, files, fmt.Errorf("localread: malformed reply from %s: %w", c.path, err)
 	}
 	if rep.Code != codeOK {
@@ -203,11 +279,17 @@ func errorOf(code string) error {
 
 // View reads one replica directly while its read generation holds.
 type View struct {
-	data *os.File
-	live *os.File // the connection the server holds open while it runs
-	mem  []byte
-	gen  *uint64 // in mem
-	want uint64
+	layers []*os.File    // oldest first, the head last
+	index  [][][2]uint64 // each layer's runs at the open
+	live   *os.File      // the connection the server holds open while it runs
+	mem    []byte
+	gen    *uint64 // in mem
+	want   uint64
+
+	// written holds the head's blocks the reader's writes touched since
+	// the open (Track); guarded by wmu.
+	wmu     sync.RWMutex
+	written written
 
 	mu     sync.RWMutex // held shared by reads, exclusively by Close
 	closed bool
@@ -215,24 +297,84 @@ type View struct {
 
 func (v *View) valid() bool { return atomic.LoadUint64(v.gen) == v.want }
 
-// ReadAt reads len(p) bytes of the volume at off (a block past the data
-// file's end reads as zeroes). It fails with ErrStale if the read
-// generation moved before the read ended, or the server is gone: then p
-// (which holds what the file held) must not be used.
+// Track records that the reader is about to write, zero or trim n bytes
+// at off: from then on those blocks are read from the head. It must be
+// called before the write is sent, by the volume's only writer; it
+// reports false when the View tracks too much (maxTracked chunks), and
+// the View must then be dropped (a new one starts from the server's
+// index again).
+func (v *View) Track(off, n int64) bool {
+	if n <= 0 {
+		return true
+	}
+	v.wmu.Lock()
+	defer v.wmu.Unlock()
+	return v.written.add(uint64(off)/replica.BlockSize, uint64(off+n-1)/replica.BlockSize+1)
+}
+
+// owner is the layer that holds block b (an index into layers), -1 for
+// none (zeroes).
+func (v *View) owner(b uint64) int {
+	top := len(v.layers) - 1
+	if v.written.has(b) {
+		return top
+	}
+	for i := top; i >= 0; i-- {
+		runs := v.index[i]
+		k, _ := slices.BinarySearchFunc(runs, b, func(r [2]uint64, b uint64) int {
+			switch {
+			case r[1] <= b:
+				return -1
+			case r[0] > b:
+				return 1
+			}
+			return 0
+		})
+		if k < len(runs) && runs[k][0] <= b && b < runs[k][1] {
+			return i
+		}
+	}
+	return -1
+}
+
+// ReadAt reads len(p) bytes of the volume at off: each block from the
+// topmost layer that holds it, zeroes where none does (or past a file's
+// end). It fails with ErrStale if the read generation moved before the
+// read ended, or the server is gone: then p (which holds what the files
+// held) must not be used.
 func (v *View) ReadAt(p []byte, off int64) error {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
 	if v.closed {
 		return ErrStale
 	}
-	n, err := v.data.ReadAt(p, off)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return fmt.Errorf("localread: %w", err)
+	end := off + int64(len(p))
+	bs := int64(replica.BlockSize)
+	v.wmu.RLock()
+	for pos := off; pos < end; {
+		b := uint64(pos / bs)
+		o := v.owner(b)
+		segEnd := min(end, int64(b+1)*bs)
+		for segEnd < end && v.owner(uint64(segEnd/bs)) == o {
+			segEnd = min(end, segEnd+bs)
+		}
+		buf := p[pos-off : segEnd-off]
+		if o < 0 {
+			clear(buf)
+		} else {
+			n, err := v.layers[o].ReadAt(buf, pos)
+			if err != nil && !errors.Is(err, io.EOF) {
+				v.wmu.RUnlock()
+				return fmt.Errorf("localread: %w", err)
+			}
+			clear(buf[n:])
+		}
+		pos = segEnd
 	}
-	clear(p[n:])
+	v.wmu.RUnlock()
 	// The server advances the counter before any change takes effect, so
-	// a read that still sees it unchanged read the file as it was; and a
-	// server that died cannot advance it, but its death closed the
+	// a read that still sees it unchanged read the files as they were;
+	// and a server that died cannot advance it, but its death closed the
 	// connection first.
 	if !v.valid() || !v.alive() {
 		return ErrStale
@@ -264,7 +406,50 @@ func (v *View) Close() error {
 		return nil
 	}
 	v.closed = true
-	return errors.Join(unix.Munmap(v.mem), v.data.Close(), v.live.Close())
+	errs := []error{unix.Munmap(v.mem), v.live.Close()}
+	for _, f := range v.layers {
+		errs = append(errs, f.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// maxTracked bounds a View's written set: chunks of trackChunk blocks
+// (4 KiB of bits each).
+const (
+	trackShift = 15
+	trackChunk = 1 << trackShift
+	maxTracked = 256
+)
+
+// written is a sparse set of blocks: bitmaps of trackChunk blocks.
+type written struct {
+	chunks map[uint64]*[trackChunk / 64]uint64
+}
+
+func (w *written) has(b uint64) bool {
+	c := w.chunks[b>>trackShift]
+	return c != nil && c[(b&(trackChunk-1))/64]&(1<<(b%64)) != 0
+}
+
+// add adds blocks [s, e); false if that would take more than maxTracked
+// chunks.
+func (w *written) add(s, e uint64) bool {
+	if w.chunks == nil {
+		w.chunks = map[uint64]*[trackChunk / 64]uint64{}
+	}
+	for b := s; b < e; b++ {
+		k := b >> trackShift
+		c := w.chunks[k]
+		if c == nil {
+			if len(w.chunks) >= maxTracked {
+				return false
+			}
+			c = new([trackChunk / 64]uint64)
+			w.chunks[k] = c
+		}
+		c[(b&(trackChunk-1))/64] |= 1 << (b % 64)
+	}
+	return true
 }
 
 // regular reports whether f is a regular file of at least min bytes.

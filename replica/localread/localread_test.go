@@ -141,9 +141,32 @@ func TestViewReadsAndGoesStale(t *testing.T) {
 		t.Fatalf("read after a snapshot: %v, want ErrStale", err)
 	}
 	v2.Close()
-	if _, err := e.open(t, "r1", "v1", 6); !errors.Is(err, replica.ErrNotDirect) {
-		t.Fatalf("open with a snapshot layer: %v, want ErrNotDirect", err)
+	// With the snapshot layer: blocks come from the snapshot's layer until
+	// a write the View was told of (Track) puts them in the head.
+	vs, err := e.open(t, "r1", "v1", 6)
+	if err != nil {
+		t.Fatalf("open with a snapshot layer: %v", err)
 	}
+	v = vs
+	check(1<<20, append(make([]byte, 4096), a[4096:]...))
+	c := bytes.Repeat([]byte{3}, 8192)
+	if !vs.Track(1<<20+4096, 8192) {
+		t.Fatal("Track refused two blocks")
+	}
+	if err := r.WriteAt(o, c, 1<<20+4096); err != nil {
+		t.Fatal(err)
+	}
+	want := append(append(make([]byte, 4096), c...), a[12288:]...)
+	check(1<<20, want)
+	if !vs.Track(1<<20+16384, 4096) {
+		t.Fatal("Track refused a block")
+	}
+	if err := r.WriteZeroes(o, 1<<20+16384, 4096); err != nil {
+		t.Fatal(err)
+	}
+	copy(want[16384:20480], make([]byte, 4096))
+	check(1<<20, want) // zeroed in the head: the snapshot's data is masked
+	vs.Close()
 	if err := r.DeleteSnapshot(o, "s1"); err != nil {
 		t.Fatal(err)
 	}

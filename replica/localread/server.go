@@ -1,6 +1,8 @@
 package localread
 
 import (
+	"bufio"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -42,8 +44,11 @@ type request struct {
 type reply struct {
 	ServerID   string `json:"server_id"`
 	Generation uint64 `json:"generation,omitempty"`
-	Code       string `json:"code,omitempty"`
-	Error      string `json:"error,omitempty"`
+	// Runs is, per layer (oldest first), how many index runs follow the
+	// reply's line.
+	Runs  []int  `json:"runs,omitempty"`
+	Code  string `json:"code,omitempty"`
+	Error string `json:"error,omitempty"`
 }
 
 // Server hands out short-circuit reads of a store's replicas.
@@ -181,7 +186,11 @@ func (s *Server) serveConn(c *net.UnixConn) {
 		s.send(c, reply{ServerID: s.serverID, Code: codeOf(err), Error: err.Error()}, nil)
 		return
 	}
-	err = s.send(c, reply{ServerID: s.serverID, Generation: files.Generation}, files)
+	rep := reply{ServerID: s.serverID, Generation: files.Generation}
+	for _, runs := range files.Index {
+		rep.Runs = append(rep.Runs, len(runs))
+	}
+	err = s.send(c, rep, files)
 	files.Close()
 	if err != nil {
 		return
@@ -252,12 +261,34 @@ func (s *Server) send(c *net.UnixConn, rep reply, files *replica.DirectFiles) er
 	if err != nil {
 		return err
 	}
+	b = append(b, '\n')
 	var oob []byte
 	if files != nil {
-		oob = unix.UnixRights(int(files.Data.Fd()), int(files.Gen.Fd()))
+		fds := []int{int(files.Gen.Fd())}
+		for _, f := range files.Layers {
+			fds = append(fds, int(f.Fd()))
+		}
+		oob = unix.UnixRights(fds...)
 	}
 	if _, _, err := c.WriteMsgUnix(b, oob, nil); err != nil {
 		s.log.Debug("short-circuit read: reply not sent", "err", err)
+		return err
+	}
+	if files == nil {
+		return nil
+	}
+	// The indexes: 16 bytes per run (start, end; little-endian).
+	w := bufio.NewWriterSize(c, 64<<10)
+	var run [16]byte
+	for _, runs := range files.Index {
+		for _, x := range runs {
+			binary.LittleEndian.PutUint64(run[:8], x[0])
+			binary.LittleEndian.PutUint64(run[8:], x[1])
+			w.Write(run[:])
+		}
+	}
+	if err := w.Flush(); err != nil {
+		s.log.Debug("short-circuit read: indexes not sent", "err", err)
 		return err
 	}
 	return nil
