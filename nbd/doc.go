@@ -46,9 +46,11 @@
 // its own goroutine, so a slow read does not hold up the requests behind
 // it; at most Config.MaxInFlight requests and Config.MaxInFlightBytes of
 // READ/WRITE payload are in flight per connection (the reader waits when
-// either is exhausted, which pushes back on the client). One writer
-// goroutine per connection writes replies in the order requests complete,
-// batching them into one flush under load. A connection's memory is thus
+// either is exhausted, which pushes back on the client). Each request's
+// goroutine writes its own reply, in the order requests complete: replies
+// that complete together are queued and written by one of them in one
+// writev, with no writer goroutine to hand them to (one wake-up less per
+// request). A connection's memory is thus
 // bounded by MaxInFlightBytes plus fixed buffers, whatever the client
 // declares.
 //
