@@ -57,9 +57,11 @@
 // Bounds across connections: every READ and WRITE buffer is charged to
 // Config.MaxMemory, shared by all connections (a connection that needs
 // more waits for others to release theirs). A WRITE of more than 256 KiB
-// is received in 256 KiB chunks and its whole buffer taken only once half
-// of it has arrived, so a client that announces a large write and stalls
-// holds what it sent, not what it announced. Connections from Serve
+// from a client of Serve is received in 256 KiB chunks and its whole
+// buffer taken only once half of it has arrived, so a client that
+// announces a large write and stalls holds what it sent, not what it
+// announced. (On a socket pair the peer is the kernel, which sends whole
+// requests: its payloads go straight into their buffers, with no copy.) Connections from Serve
 // (network and unix listeners) are counted against Config.MaxConns (one
 // beyond it is closed on accept), must send each request whole within
 // Config.FrameTimeout of its first byte (a wait for memory has a

@@ -218,14 +218,17 @@ const fillChunk = 256 << 10
 // readPayload reads a WRITE's n payload bytes into a buffer of length n
 // from the pool, charging MaxMemory for every buffer it holds. Time spent
 // waiting for memory does not count against the client's FrameTimeout;
-// each wait is bounded by a FrameTimeout of its own (getFrameBuf).
+// each wait is bounded by a FrameTimeout of its own (getFrameBuf). On a
+// socket pair the payload goes straight into its whole buffer: the peer
+// there is the kernel, which sends whole requests, so the chunked fill
+// (and its copy of half the payload) would guard against nothing.
 func (t *transmission) readPayload(n int) (*[]byte, error) {
 	refresh := func() {
 		if t.c.accepted && t.c.s.cfg.FrameTimeout > 0 {
 			t.c.setReadDeadline(time.Now().Add(t.c.s.cfg.FrameTimeout))
 		}
 	}
-	if n <= fillChunk {
+	if n <= fillChunk || !t.c.accepted {
 		buf, err := t.getFrameBuf(n)
 		if err != nil {
 			return nil, err
