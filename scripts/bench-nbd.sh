@@ -88,7 +88,7 @@
 #                         gets its share: Go runtimes each sized to every
 #                         core wake idle threads for every goroutine
 #                         hand-off and spin on the CPU the others need (on
-#                         2 cores, one P each costs 15-40% less CPU per
+#                         2 cores, one P each costs 15-30% less CPU per
 #                         request: docs/BENCHMARKS.md, "Fewer hand-offs
 #                         (issue 16)"). Set it to measure another value.
 set -euo pipefail

@@ -22,7 +22,7 @@
 # cores / 4, at least 1, unless GOMAXPROCS is set already. Four Go runtimes
 # each sized to every core wake idle threads for every goroutine hand-off
 # and spin looking for work on the CPU the others need; on a 2-core machine
-# one P each costs 15-40% less CPU per request (docs/BENCHMARKS.md, "Fewer
+# one P each costs 15-30% less CPU per request (docs/BENCHMARKS.md, "Fewer
 # hand-offs (issue 16)").
 set -euo pipefail
 
