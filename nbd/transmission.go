@@ -132,7 +132,7 @@ func (t *transmission) readRequests() error {
 				return t.frameErr(err)
 			}
 			t.slots.acquire(1)
-			t.send(reply{handle: r.handle, errno: EINVAL})
+			t.refuse(reply{handle: r.handle, errno: EINVAL})
 			continue
 		case r.typ == cmdWrite:
 			cost = int64(r.length)
@@ -156,7 +156,7 @@ func (t *transmission) readRequests() error {
 
 		if errno := t.check(r); errno != 0 {
 			t.log.Debug("nbd: request refused", "cmd", cmdName(r.typ), "offset", r.off, "length", r.length, "flags", r.flags, "err", errno)
-			t.send(reply{handle: r.handle, errno: errno, buf: buf, cost: cost})
+			t.refuse(reply{handle: r.handle, errno: errno, buf: buf, cost: cost})
 			continue
 		}
 		t.workers.Add(1)
@@ -414,6 +414,18 @@ func (t *transmission) do(r request, buf *[]byte, cost int64) reply {
 		}
 	}
 	return rep
+}
+
+// refuse sends the reply to a request the reader refused, from a goroutine
+// of its own: the reader must never wait for the client to read a reply
+// (it may become the writer in send), since the client may be blocked
+// sending it the next request.
+func (t *transmission) refuse(rep reply) {
+	t.workers.Add(1)
+	go func() {
+		defer t.workers.Done()
+		t.send(rep)
+	}()
 }
 
 // send writes one reply, batched with the replies of other requests that
