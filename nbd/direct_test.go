@@ -13,7 +13,7 @@ import (
 
 // socketPair returns both ends of a unix stream socket pair, as the
 // kernel attach uses: the server's end and the "kernel's" end.
-func socketPair(t *testing.T) (server, client net.Conn) {
+func socketPair(t testing.TB) (server, client net.Conn) {
 	t.Helper()
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -36,7 +36,7 @@ func socketPair(t *testing.T) (server, client net.Conn) {
 // serveTransmission serves one end of a socket pair with
 // ServeTransmission and returns a raw client on the other end, already in
 // transmission.
-func serveTransmission(t *testing.T, ctx context.Context, s *Server, export string) (*rawClient, <-chan error) {
+func serveTransmission(t testing.TB, ctx context.Context, s *Server, export string) (*rawClient, <-chan error) {
 	t.Helper()
 	ss, cs := socketPair(t)
 	done := make(chan error, 1)

@@ -46,18 +46,22 @@
 // its own goroutine, so a slow read does not hold up the requests behind
 // it; at most Config.MaxInFlight requests and Config.MaxInFlightBytes of
 // READ/WRITE payload are in flight per connection (the reader waits when
-// either is exhausted, which pushes back on the client). One writer
-// goroutine per connection writes replies in the order requests complete,
-// batching them into one flush under load. A connection's memory is thus
+// either is exhausted, which pushes back on the client). Each request's
+// goroutine writes its own reply, in the order requests complete: replies
+// that complete together are queued and written by one of them in one
+// writev, with no writer goroutine to hand them to (one wake-up less per
+// request). A connection's memory is thus
 // bounded by MaxInFlightBytes plus fixed buffers, whatever the client
 // declares.
 //
 // Bounds across connections: every READ and WRITE buffer is charged to
 // Config.MaxMemory, shared by all connections (a connection that needs
 // more waits for others to release theirs). A WRITE of more than 256 KiB
-// is received in 256 KiB chunks and its whole buffer taken only once half
-// of it has arrived, so a client that announces a large write and stalls
-// holds what it sent, not what it announced. Connections from Serve
+// from a client of Serve is received in 256 KiB chunks and its whole
+// buffer taken only once half of it has arrived, so a client that
+// announces a large write and stalls holds what it sent, not what it
+// announced. (On a socket pair the peer is the kernel, which sends whole
+// requests: its payloads go straight into their buffers, with no copy.) Connections from Serve
 // (network and unix listeners) are counted against Config.MaxConns (one
 // beyond it is closed on accept), must send each request whole within
 // Config.FrameTimeout of its first byte (a wait for memory has a

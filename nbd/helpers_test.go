@@ -179,7 +179,7 @@ func (w tWriter) Write(p []byte) (int, error) {
 
 // newTestServer returns a server with one export "mem" of dev (nil: a new
 // 1 MiB device); edit adjusts the config. Closed in t.Cleanup.
-func newTestServer(t *testing.T, dev Device, edit func(*Config)) *Server {
+func newTestServer(t testing.TB, dev Device, edit func(*Config)) *Server {
 	t.Helper()
 	if dev == nil {
 		dev = newMemDevice(1 << 20)

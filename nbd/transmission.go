@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
+	"runtime"
 	"sync"
 	"time"
 )
@@ -21,9 +23,9 @@ type request struct {
 	length uint32
 }
 
-// reply is one answer queued for the writer. The writer releases what the
-// request held (its slot, its payload bytes, its buffer) once the reply is
-// on the wire.
+// reply is one answer queued for writing. Whoever writes it releases what
+// the request held (its slot, its payload bytes, its buffer) once the
+// reply is on the wire.
 type reply struct {
 	handle uint64
 	errno  Errno
@@ -39,16 +41,15 @@ var zeroes = make([]byte, 1<<20)
 // transmit serves requests until the client disconnects or the stream
 // breaks. One goroutine (this one) reads requests; each request runs in
 // its own goroutine, at most MaxInFlight at once and MaxInFlightBytes of
-// payload; one writer goroutine writes the replies in completion order.
+// payload, and writes its own reply (see send), so replies go out in
+// completion order.
 func (c *conn) transmit(exp *Export, log *slog.Logger) error {
 	t := &transmission{
 		c: c, exp: exp, log: log,
-		slots:   newBudget(int64(c.s.cfg.MaxInFlight)),
-		bytes:   newBudget(c.s.cfg.MaxInFlightBytes),
-		replies: make(chan reply, c.s.cfg.MaxInFlight),
+		slots: newBudget(int64(c.s.cfg.MaxInFlight)),
+		bytes: newBudget(c.s.cfg.MaxInFlightBytes),
 	}
-	writerDone := make(chan error, 1)
-	go func() { writerDone <- t.writeReplies() }()
+	t.werr = c.bw.Flush() // replies bypass bw: nothing of the handshake may stay behind
 
 	err := t.readRequests()
 	if err != nil && c.isDraining() && errors.Is(err, os.ErrDeadlineExceeded) {
@@ -57,11 +58,9 @@ func (c *conn) transmit(exp *Export, log *slog.Logger) error {
 	// Requests in flight are answered before the connection closes, after
 	// NBD_CMD_DISC as after a broken stream (their replies may still
 	// reach a client that only half-closed).
-	t.workers.Wait()
-	close(t.replies)
-	werr := <-writerDone
-	if err == nil && werr != nil {
-		err = werr
+	t.workers.Wait() // and so every reply has been written (send)
+	if err == nil && t.werr != nil {
+		err = t.werr
 	}
 	return err
 }
@@ -73,8 +72,17 @@ type transmission struct {
 
 	slots   *budget // requests in flight
 	bytes   *budget // payload bytes in flight
-	replies chan reply
 	workers sync.WaitGroup
+
+	qmu     sync.Mutex
+	queue   []reply // guarded by qmu: replies waiting to be written (send)
+	writing bool    // guarded by qmu: a goroutine is writing replies
+	spare   []reply // guarded by qmu: the last batch's slice, for reuse
+
+	// Owned by the goroutine writing replies (send).
+	werr error       // the first write error
+	hdrs []byte      // the batch's reply headers
+	iov  net.Buffers // the batch's headers and payloads
 }
 
 // readRequests reads requests until NBD_CMD_DISC (nil), a drain (nil), the
@@ -124,7 +132,7 @@ func (t *transmission) readRequests() error {
 				return t.frameErr(err)
 			}
 			t.slots.acquire(1)
-			t.replies <- reply{handle: r.handle, errno: EINVAL}
+			t.refuse(reply{handle: r.handle, errno: EINVAL})
 			continue
 		case r.typ == cmdWrite:
 			cost = int64(r.length)
@@ -148,13 +156,13 @@ func (t *transmission) readRequests() error {
 
 		if errno := t.check(r); errno != 0 {
 			t.log.Debug("nbd: request refused", "cmd", cmdName(r.typ), "offset", r.off, "length", r.length, "flags", r.flags, "err", errno)
-			t.replies <- reply{handle: r.handle, errno: errno, buf: buf, cost: cost}
+			t.refuse(reply{handle: r.handle, errno: errno, buf: buf, cost: cost})
 			continue
 		}
 		t.workers.Add(1)
 		go func() {
 			defer t.workers.Done()
-			t.replies <- t.do(r, buf, cost)
+			t.send(t.do(r, buf, cost))
 		}()
 	}
 }
@@ -210,14 +218,17 @@ const fillChunk = 256 << 10
 // readPayload reads a WRITE's n payload bytes into a buffer of length n
 // from the pool, charging MaxMemory for every buffer it holds. Time spent
 // waiting for memory does not count against the client's FrameTimeout;
-// each wait is bounded by a FrameTimeout of its own (getFrameBuf).
+// each wait is bounded by a FrameTimeout of its own (getFrameBuf). On a
+// socket pair the payload goes straight into its whole buffer: the peer
+// there is the kernel, which sends whole requests, so the chunked fill
+// (and its copy of half the payload) would guard against nothing.
 func (t *transmission) readPayload(n int) (*[]byte, error) {
 	refresh := func() {
 		if t.c.accepted && t.c.s.cfg.FrameTimeout > 0 {
 			t.c.setReadDeadline(time.Now().Add(t.c.s.cfg.FrameTimeout))
 		}
 	}
-	if n <= fillChunk {
+	if n <= fillChunk || !t.c.accepted {
 		buf, err := t.getFrameBuf(n)
 		if err != nil {
 			return nil, err
@@ -405,37 +416,95 @@ func (t *transmission) do(r request, buf *[]byte, cost int64) reply {
 	return rep
 }
 
-// writeReplies writes replies as they come until the channel closes. After
-// a write error it keeps draining (releasing what each reply holds) so no
-// request goroutine blocks, and closes the connection so the reader stops.
-func (t *transmission) writeReplies() error {
-	var werr error
-	var hdr [replyHeaderLen]byte
-	bw := t.c.bw
-	for rep := range t.replies {
-		if werr == nil {
-			binary.BigEndian.PutUint32(hdr[0:], magicSimpleReply)
-			binary.BigEndian.PutUint32(hdr[4:], uint32(rep.errno))
-			binary.BigEndian.PutUint64(hdr[8:], rep.handle)
-			bw.Write(hdr[:])
+// refuse sends the reply to a request the reader refused, from a goroutine
+// of its own: the reader must never wait for the client to read a reply
+// (it may become the writer in send), since the client may be blocked
+// sending it the next request.
+func (t *transmission) refuse(rep reply) {
+	t.workers.Add(1)
+	go func() {
+		defer t.workers.Done()
+		t.send(rep)
+	}()
+}
+
+// send writes one reply, batched with the replies of other requests that
+// complete at the same time, without a goroutine of its own and without
+// ever waiting for another writer: the reply is queued, and the request
+// whose reply lands in a queue nobody is writing becomes the writer. When
+// other requests are in flight it yields once, so that request goroutines
+// already runnable (the completions of one burst of replica replies) can
+// queue theirs (alone, at queue depth 1, a yield only costs latency); then
+// it writes the whole queue in one system call (writev of every header
+// and READ payload), releases what each request held, and goes on while
+// more replies were queued meanwhile. So when every goroutine that called
+// send has returned, every reply has been written (or the connection has
+// failed).
+//
+// After a write error the connection is closed (so the reader stops) and
+// later replies are only released.
+func (t *transmission) send(rep reply) {
+	t.qmu.Lock()
+	t.queue = append(t.queue, rep)
+	if t.writing {
+		t.qmu.Unlock()
+		return
+	}
+	t.writing = true
+	t.qmu.Unlock()
+	if t.slots.held() > 1 {
+		runtime.Gosched() // let runnable request goroutines join this batch
+	}
+	for {
+		t.qmu.Lock()
+		batch := t.queue
+		if len(batch) == 0 {
+			t.writing = false
+			t.qmu.Unlock()
+			return
+		}
+		t.queue, t.spare = t.spare[:0], nil
+		t.qmu.Unlock()
+		t.write(batch)
+	}
+}
+
+// write writes a batch of replies and releases what they held; only the
+// goroutine that set t.writing calls it.
+func (t *transmission) write(batch []reply) {
+	if t.werr == nil {
+		t.hdrs = t.hdrs[:0]
+		for _, rep := range batch {
+			t.hdrs = binary.BigEndian.AppendUint32(t.hdrs, magicSimpleReply)
+			t.hdrs = binary.BigEndian.AppendUint32(t.hdrs, uint32(rep.errno))
+			t.hdrs = binary.BigEndian.AppendUint64(t.hdrs, rep.handle)
+		}
+		// One buffer per run of headers, each READ payload its own.
+		iov, from := t.iov[:0], 0
+		for i, rep := range batch {
 			if rep.errno == 0 && len(rep.data) > 0 {
-				bw.Write(rep.data)
-			}
-			// Flush when nothing else is ready: replies batch under load
-			// and go out at once otherwise.
-			if len(t.replies) == 0 {
-				werr = bw.Flush()
-			}
-			if werr != nil {
-				t.c.nc.Close()
+				to := (i + 1) * replyHeaderLen
+				iov = append(iov, t.hdrs[from:to], rep.data)
+				from = to
 			}
 		}
+		if from < len(t.hdrs) {
+			iov = append(iov, t.hdrs[from:])
+		}
+		t.iov = iov
+		if _, err := iov.WriteTo(t.c.nc); err != nil {
+			t.werr = err
+			t.c.nc.Close()
+		}
+		clear(t.iov[:cap(t.iov)]) // WriteTo consumed iov; drop the payload references
+	}
+	for i, rep := range batch {
 		t.putBuf(rep.buf)
 		t.bytes.release(rep.cost)
 		t.slots.release(1)
+		batch[i] = reply{}
 	}
-	if werr == nil {
-		werr = bw.Flush()
-	}
-	return werr
+	t.qmu.Lock()
+	t.spare = batch[:0]
+	t.qmu.Unlock()
 }

@@ -538,3 +538,43 @@ func (l *syncLog) String() string {
 	defer l.mu.Unlock()
 	return l.buf.String()
 }
+
+// The reader never waits for the client to read a reply: a client may send
+// a run of requests, some refused, before it reads any reply. Over
+// net.Pipe (no buffering) a reader that wrote a refusal itself would block
+// until the client read it, while the client blocks sending the next
+// request to that reader.
+func TestRefusalsDoNotBlockTheReader(t *testing.T) {
+	dev := newMemDevice(1 << 20)
+	s := newTestServer(t, dev, nil)
+	c, _ := connect(t, s)
+	c.nc.SetDeadline(time.Now().Add(5 * time.Second))
+
+	want := map[uint64]Errno{}
+	for i := range 6 {
+		want[c.send(cmdRead, 0, 3, 512, nil)] = EINVAL // unaligned: refused by the reader
+		want[c.send(cmdWrite, 0, uint64(i)*4096, 4096, pattern(4096, byte(i)))] = 0
+		want[c.send(99, 0, 0, 0, nil)] = EINVAL // unknown command
+	}
+	for range len(want) {
+		r, err := c.recv()
+		if err != nil {
+			t.Fatalf("reply: %v (the reader blocked writing a refusal?)", err)
+		}
+		e, ok := want[r.handle]
+		if !ok {
+			t.Fatalf("reply for handle %d, not asked or answered twice", r.handle)
+		}
+		if r.errno != e {
+			t.Errorf("handle %d: errno %d, want %d", r.handle, r.errno, e)
+		}
+		delete(want, r.handle)
+	}
+	for i := range 6 {
+		got, e := c.read(uint64(i)*4096, 4096)
+		if e != 0 {
+			t.Fatalf("read back %d: errno %d", i, e)
+		}
+		mustEqual(t, "read back", got, pattern(4096, byte(i)))
+	}
+}

@@ -16,6 +16,14 @@
 # Every port uses mutual TLS: on first start a local CA and certificates for
 # s1..s3 and for stor-ctl are made in $data/tls (stor-ctl certs local), and
 # stor-ctl finds its own there (./stor-data/tls, or $STOR_DATA/tls).
+#
+# The three servers (and a stor-ctl nbd serve run beside them) share this
+# machine's cores, so each runs Go with its share of them: GOMAXPROCS =
+# cores / 4, at least 1, unless GOMAXPROCS is set already. Four Go runtimes
+# each sized to every core wake idle threads for every goroutine hand-off
+# and spin looking for work on the CPU the others need; on a 2-core machine
+# one P each costs 15-30% less CPU per request (docs/BENCHMARKS.md, "Fewer
+# hand-offs (issue 16)").
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -24,6 +32,10 @@ servers=127.0.0.1:7400,127.0.0.1:7410,127.0.0.1:7420
 ready_timeout=30 # seconds
 
 make build
+if [[ -z ${GOMAXPROCS:-} ]]; then
+	cores=$(nproc)
+	export GOMAXPROCS=$((cores / 4 > 0 ? cores / 4 : 1))
+fi
 mkdir -p "$data"
 bin/stor-ctl certs local --dir "$data/tls" --server s1 --server s2 --server s3 >/dev/null
 export STOR_DATA=$data # stor-ctl's certificate: $STOR_DATA/tls
@@ -107,6 +119,8 @@ In another shell:
   bin/stor-ctl volume list
 
 Without --server or \$STOR_SERVER, stor-ctl asks 127.0.0.1:7400 (s1) only.
+The servers run with GOMAXPROCS=$GOMAXPROCS (their share of this machine's
+cores); give a stor-ctl nbd serve beside them the same.
 stor-ctl presents $data/tls/operator-stor-ctl.crt (run it from this directory,
 or export STOR_DATA=$data).
 Ctrl-C stops all three servers.
