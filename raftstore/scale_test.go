@@ -188,6 +188,30 @@ func TestScaleSnapshots(t *testing.T) {
 			seen, size, pages, el.Round(time.Millisecond), float64(el.Microseconds())/1000/float64(pages), maxBytes>>10)
 	}
 
+	// What every server's data-plane reconcile reads (internal/server,
+	// once a second and after every change): every volume and snapshot.
+	var full []time.Duration
+	for range 5 {
+		s := time.Now()
+		err := g.View(func(r *Reader) error {
+			vols, _, err := r.Volumes("", 0)
+			if err != nil || len(vols) != nVol {
+				return fmt.Errorf("%d volumes, %v", len(vols), err)
+			}
+			snaps, _, err := r.Snapshots("", "", 0)
+			if err != nil || len(snaps) != nSnap {
+				return fmt.Errorf("%d snapshots, %v", len(snaps), err)
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		full = append(full, time.Since(s))
+	}
+	slices.Sort(full)
+	t.Logf("read every volume and snapshot (a data-plane reconcile's view): median of 5 %v", full[2].Round(time.Millisecond))
+
 	// One volume's snapshots, and one snapshot by name (GetSnapshot), for
 	// 1,000 random volumes each.
 	rnd := rand.New(rand.NewPCG(1, 2))
