@@ -25,7 +25,7 @@ var (
 	// bucketVolumeSnapshots indexes snapshots by volume (snapshotsOf):
 	// derived from bucketSnapshots, kept by writer.put and writer.del,
 	// and rebuilt when a state file or image is opened without it or with
-	// a count that disagrees (fsm.go, checkSnapshotIndex).
+	// a count that disagrees (fsm.go, snapshotIndexAgrees).
 	bucketVolumeSnapshots = []byte("volume_snapshots")
 
 	// requiredBuckets must be in every state image; the buckets added
