@@ -29,7 +29,7 @@ import (
 // heap in use with the store open and every replica read once (the
 // test's own included):
 //
-//	go test ./replica -run '^$' -bench OpenStore -benchtime 3x
+//	go test ./replica -run '^$' -bench 'OpenStore$' -benchtime 3x
 func BenchmarkOpenStore(b *testing.B) {
 	const n = 10000
 	cfg := storeOfCopies(b, n, 0)
