@@ -49,8 +49,8 @@ type RebuildPlan struct {
 	// which the target is complete, so an interrupted rebuild resumes
 	// there. Default 256 MiB.
 	CheckpointBytes int64
-	// ChunkBytes is how much one copy request carries (at most
-	// replica.MaxIO); default DefaultRebuildChunk.
+	// ChunkBytes is how much one copy request carries (rounded down to
+	// whole sectors, at most replica.MaxIO); default DefaultRebuildChunk.
 	ChunkBytes int64
 	// InFlight is how many chunks are copied at once; default
 	// DefaultRebuildInFlight.
@@ -140,7 +140,8 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if cp.chunk <= 0 {
 		cp.chunk = DefaultRebuildChunk
 	}
-	cp.chunk = max(min(cp.chunk, total, replica.MaxIO), replica.SectorSize)
+	// Whole sectors (every range is), at most what one request carries.
+	cp.chunk = max(min(cp.chunk, total, replica.MaxIO)/replica.SectorSize*replica.SectorSize, replica.SectorSize)
 	cp.inFlight = plan.InFlight
 	if cp.inFlight <= 0 {
 		cp.inFlight = DefaultRebuildInFlight

@@ -423,3 +423,28 @@ func TestPipelinedRebuildCopiesNoChunkOverAWriteInFlight(t *testing.T) {
 		t.Fatal("the rebuilt replica differs from its source")
 	}
 }
+
+// A chunk size that is not whole sectors is rounded down to whole sectors:
+// every copy request is one a replica takes.
+func TestRebuildChunkIsWholeSectors(t *testing.T) {
+	const size = 6 << 20
+	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
+	o := replica.Op{Epoch: 1, Generation: 1}
+	full := randomBytes(60, size)
+	if err := (conn{src}).WriteAt(context.Background(), o, full, 0); err != nil {
+		t.Fatal(err)
+	}
+	plan := engine.RebuildPlan{Size: size, ChunkBytes: 3<<19 + 100, InFlight: 3} // 1.5 MiB and 100 bytes
+	st, err := engine.Rebuild(context.Background(), o, engine.RebuildSource{Read: conn{src}, History: []engine.ReplicaConn{conn{src}}}, conn{dst}, plan, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst.snapshot(), full) || st.Bytes != size {
+		t.Fatalf("the target differs from the source (%d bytes copied)", st.Bytes)
+	}
+	dst.mu.Lock()
+	defer dst.mu.Unlock()
+	if dst.rebuildOps != 4 {
+		t.Fatalf("%d copy requests, want 4 of 1.5 MiB", dst.rebuildOps)
+	}
+}
