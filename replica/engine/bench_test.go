@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -160,7 +161,9 @@ func waitState(b *testing.B, c *servertest.Cluster, volumeID, replicaID string, 
 // during the rebuild beside the baseline. full-copy is the engine's own
 // record of the copy (from its start to the target's last flush), full
 // the control plane's (from ReplaceReplica to the replica recorded
-// healthy). Run with -benchtime=1x.
+// healthy), full-cpu the CPU time the whole cluster (this process) spent
+// meanwhile, which a busy machine disturbs less than the wall time.
+// Run with -benchtime=1x.
 func BenchmarkRebuild(b *testing.B) {
 	type benchCase struct {
 		size  int64
@@ -224,6 +227,7 @@ func BenchmarkRebuild(b *testing.B) {
 				}
 				// Full: move replica 0 to the server that holds none.
 				stopProfile := profileRebuild(b)
+				cpu0 := cpuTime(b)
 				start := time.Now()
 				moved, err := cl.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id})
 				if err != nil {
@@ -236,6 +240,7 @@ func BenchmarkRebuild(b *testing.B) {
 					}
 				}
 				full := waitState(b, c, v.Id, fresh, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute).Sub(start)
+				cpu := cpuTime(b) - cpu0
 				stopProfile()
 				if load != nil {
 					base, during, p99base, p99 := load.stop(b)
@@ -248,6 +253,7 @@ func BenchmarkRebuild(b *testing.B) {
 				b.ReportMetric(full.Seconds()/(float64(size)/(1<<30)), "full-s/GiB")
 				b.ReportMetric(float64(full.Milliseconds()), "full-ms")
 				b.ReportMetric(fullCopy.Seconds()/(float64(size)/(1<<30)), "full-copy-s/GiB")
+				b.ReportMetric(cpu.Seconds()/(float64(size)/(1<<30)), "full-cpu-s/GiB")
 				if bc.load {
 					// The writes left every replica dirty all over: a
 					// delta now copies them all, and says nothing.
@@ -275,11 +281,18 @@ func BenchmarkRebuild(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				// The leader starts the delta (its server reports); the
-				// engine's own record of the rebuild gives its duration.
+				// The leader starts the delta as soon as the replica's
+				// server reports (its heartbeat); on a busy machine that
+				// can be before the 8 writes are done, and the later ones
+				// reach the returning replica as writes, not in the delta.
+				rejoined := e.Generation() != faulted.Volume.Generation
+				// The engine's own record of the rebuild gives its duration.
 				waitState(b, c, v.Id, out, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute)
 				delta, copied := rebuilds.last(b, out)
-				if copied < 8<<20 {
+				switch {
+				case rejoined:
+					b.Logf("the replica rejoined while the 8 MiB were written; the delta copied %d bytes", copied)
+				case copied < 8<<20:
 					b.Fatalf("the delta copied %d bytes; the replica missed 8 MiB", copied)
 				}
 				b.ReportMetric(float64(copied)/(1<<20), "delta-copied-MiB")
@@ -345,6 +358,16 @@ func profileRebuild(b *testing.B) func() {
 }
 
 var profileRuns int
+
+// cpuTime is the CPU time (user and system) this process has used: the
+// whole benchmark cluster's, since it all runs in this process.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
 
 // writeLoad runs writers of random 4 KiB writes on an engine and keeps
 // their latencies, split at mark.
