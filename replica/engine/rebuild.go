@@ -173,9 +173,10 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 // most of it waiting on the other side: serial, they left both replicas
 // idle most of the time. The checkpoints stay where a serial copy puts
 // them: a chunk is retired in offset order, and each checkpoint (after
-// every checkpoint bytes retired) flushes the target, then reports the end
-// of the last chunk retired, below which every chunk was written before
-// the flush began. The copy goes on while a checkpoint's flush runs; the
+// every checkpoint bytes retired, but not after the last chunk, where the
+// rebuild's last flush follows at once) flushes the target, then reports
+// the end of the last chunk retired, below which every chunk was written
+// before the flush began. The copy goes on while a checkpoint's flush runs; the
 // next checkpoint waits for it.
 type copier struct {
 	o          replica.Op
@@ -190,12 +191,11 @@ type copier struct {
 
 // copyJob is one chunk of a range, from launch to retirement.
 type copyJob struct {
-	off, n  int64
-	lastOf  bool // the last chunk of its range
-	buf     []byte
-	err     error
-	done    bool
-	success bool
+	off, n int64
+	lastOf bool // the last chunk of its range
+	buf    []byte
+	err    error
+	done   bool
 }
 
 // run copies ranges (ascending, disjoint) and returns the first failure.
@@ -265,14 +265,14 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 		if len(queue) == 0 {
 			break
 		}
-		j := <-results
-		j.done = true
+		got := <-results
+		got.done = true
 		switch {
-		case j.err == nil:
+		case got.err == nil:
 		case parent.Err() != nil:
 			fail(fmt.Errorf("rebuild: %w", parent.Err()))
 		default:
-			fail(j.err)
+			fail(got.err)
 		}
 		for len(queue) > 0 && queue[0].done {
 			j := queue[0]
@@ -287,7 +287,9 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 			}
 			since += j.n
 			switch {
-			case c.checkpoint > 0 && since >= c.checkpoint:
+			case c.checkpoint > 0 && since >= c.checkpoint && (ri < len(ranges) || len(queue) > 0):
+				// (Not after the last chunk: the rebuild's last flush
+				// follows at once.)
 				// Every chunk below j's end is on the target: make it
 				// durable, then say so (waitFlush).
 				if flushing {
