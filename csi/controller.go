@@ -9,6 +9,8 @@ import (
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -378,6 +380,27 @@ func (c *controllerServer) allNodes(ctx context.Context) ([]*storpb.Node, error)
 	}
 }
 
+// maxListBytes bounds the entries of one List* response: a CO's gRPC
+// client takes at most 4 MiB a message by default, and 50,000 snapshots
+// are 5 MB as CSI entries. A page cut by it ends early with a next_token,
+// also when max_entries is 0 (no limit asked): the CO follows next_token
+// whenever it is set.
+var maxListBytes = 1 << 20
+
+// fitPage cuts entries, the page that starts at offset start, to those
+// whose encoded size fits maxListBytes (at least one), and returns the
+// token of the first one cut, or next if none was.
+func fitPage[E proto.Message](entries []E, start int, next string) ([]E, string) {
+	size := 0
+	for i, e := range entries {
+		size += protowire.SizeBytes(proto.Size(e)) + 1 // and its field tag
+		if i > 0 && size > maxListBytes {
+			return entries[:i], strconv.Itoa(start + i)
+		}
+	}
+	return entries, next
+}
+
 // page cuts entries [start, start+max) with the token of the next page.
 // The token is the decimal offset of the next entry; a token that is not
 // one is ABORTED, as the spec asks.
@@ -409,13 +432,14 @@ func (c *controllerServer) ListVolumes(ctx context.Context, req *csipb.ListVolum
 	if err != nil {
 		return nil, err
 	}
-	resp := &csipb.ListVolumesResponse{NextToken: next}
+	resp := &csipb.ListVolumesResponse{}
 	for _, v := range vols[start:end] {
 		resp.Entries = append(resp.Entries, &csipb.ListVolumesResponse_Entry{
 			Volume: c.csiVolume(v),
 			Status: &csipb.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
 		})
 	}
+	resp.Entries, resp.NextToken = fitPage(resp.Entries, start, next)
 	return resp, nil
 }
 
@@ -469,7 +493,8 @@ func (c *controllerServer) ControllerListVolumeHealth(ctx context.Context, req *
 	if err != nil {
 		return nil, err
 	}
-	return &csipb.ControllerListVolumeHealthResponse{Entries: bad[start:end], NextToken: next}, nil
+	entries, next := fitPage(bad[start:end], start, next)
+	return &csipb.ControllerListVolumeHealthResponse{Entries: entries, NextToken: next}, nil
 }
 
 // GetCapacity answers what a claim from the given topology segment can
@@ -707,9 +732,10 @@ func (c *controllerServer) ListSnapshots(ctx context.Context, req *csipb.ListSna
 	if err != nil {
 		return nil, err
 	}
-	resp := &csipb.ListSnapshotsResponse{NextToken: next}
+	resp := &csipb.ListSnapshotsResponse{}
 	for _, s := range snaps[start:end] {
 		resp.Entries = append(resp.Entries, &csipb.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
 	}
+	resp.Entries, resp.NextToken = fitPage(resp.Entries, start, next)
 	return resp, nil
 }

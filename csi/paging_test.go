@@ -7,6 +7,7 @@ import (
 	"time"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/protobuf/proto"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/server"
@@ -71,5 +72,55 @@ func TestListingsFollowClusterPages(t *testing.T) {
 	snapResp, err := u.ctrl.ListSnapshots(ctx, &csipb.ListSnapshotsRequest{SourceVolumeId: first})
 	if err != nil || len(snapResp.Entries) != snaps {
 		t.Fatalf("ListSnapshots: %d entries, err %v; want %d", len(snapResp.GetEntries()), err, snaps)
+	}
+}
+
+// TestListSnapshotsPagesUnderTheMessageLimit: with no max_entries, a
+// listing larger than maxListBytes comes in pages that fit it, each
+// snapshot exactly once. Without the bound the controller answered every
+// snapshot in one response: 50,000 are 5.0 MB as CSI entries, over the 4
+// MiB a CO's gRPC client takes (issue 16). The bound is set here to
+// about two entries.
+func TestListSnapshotsPagesUnderTheMessageLimit(t *testing.T) {
+	const snaps = 7
+	defer func(n int) { maxListBytes = n }(maxListBytes)
+	maxListBytes = 200
+	u := newDriverUnderTestOn(t, servertest.Options{Servers: 1})
+	cl := clusterClient(t, u.c)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	vol, err := cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: "pv", SizeBytes: 1 << 20, ReplicaCount: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range snaps {
+		if _, err := cl.Snapshots.CreateSnapshot(ctx, &storpb.CreateSnapshotRequest{Name: fmt.Sprintf("snap-%d", i), VolumeId: vol.Volume.Id}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := map[string]bool{}
+	token, pages := "", 0
+	for ; pages == 0 || token != ""; pages++ {
+		if pages > snaps {
+			t.Fatal("ListSnapshots: no last page")
+		}
+		resp, err := u.ctrl.ListSnapshots(ctx, &csipb.ListSnapshotsRequest{StartingToken: token})
+		if err != nil {
+			t.Fatalf("ListSnapshots page %d: %v", pages, err)
+		}
+		if n := proto.Size(resp); n > maxListBytes+100 && len(resp.Entries) > 1 {
+			t.Errorf("ListSnapshots page %d: %d entries, %d bytes, over the bound %d", pages, len(resp.Entries), n, maxListBytes)
+		}
+		for _, e := range resp.Entries {
+			if id := e.GetSnapshot().GetSnapshotId(); seen[id] {
+				t.Fatalf("snapshot %s listed twice", id)
+			} else {
+				seen[id] = true
+			}
+		}
+		token = resp.NextToken
+	}
+	if len(seen) != snaps || pages < 3 {
+		t.Errorf("ListSnapshots listed %d snapshots in %d pages, want %d in several", len(seen), pages, snaps)
 	}
 }

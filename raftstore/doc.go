@@ -25,6 +25,11 @@
 //	snapshot_names  snapshot name -> snapshot id
 //	nodes           node id     -> storpb.Node (hosts that attach volumes; added
 //	                later: opening a file or snapshot without it creates it)
+//	volume_snapshots  uvarint length of the volume id, volume id, snapshot id -> empty:
+//	                the snapshots of each volume, so that counting or listing one
+//	                volume's snapshots does not read every snapshot (derived from
+//	                snapshots, kept with it; added later: opening a file or snapshot
+//	                without it, or whose count disagrees, rebuilds it)
 //
 // # Applying, restarting, replaying
 //

@@ -64,13 +64,15 @@ func openStateDB(path string) (*bolt.DB, error) {
 		}
 		return nil, fmt.Errorf("%w: open %s: %v", ErrCorrupt, path, err)
 	}
-	// Create missing buckets; a complete file is not written to, so that a
-	// start that is refused later leaves the directory as it found it.
+	// Create missing buckets and the snapshot index; a complete file is
+	// not written to, so that a start that is refused later leaves the
+	// directory as it found it.
 	complete := true
 	_ = db.View(func(tx *bolt.Tx) error {
 		for _, b := range allBuckets {
 			complete = complete && tx.Bucket(b) != nil
 		}
+		complete = complete && snapshotIndexAgrees(tx)
 		return nil
 	})
 	if complete {
@@ -82,13 +84,43 @@ func openStateDB(path string) (*bolt.DB, error) {
 				return err
 			}
 		}
-		return nil
+		if snapshotIndexAgrees(tx) {
+			return nil
+		}
+		return rebuildSnapshotIndex(tx)
 	})
 	if err != nil {
 		db.Close()
 		return nil, fmt.Errorf("%w: init %s: %v", ErrCorrupt, path, err)
 	}
 	return db, nil
+}
+
+// snapshotIndexAgrees reports whether bucketVolumeSnapshots holds as many
+// entries as bucketSnapshots. It is missing in a file or image from
+// before it (or holds another count if a server that did not keep it
+// wrote to it); the FSM keeps the two in step (writer.put, writer.del).
+func snapshotIndexAgrees(tx *bolt.Tx) bool {
+	idx, snaps := tx.Bucket(bucketVolumeSnapshots), tx.Bucket(bucketSnapshots)
+	return idx != nil && snaps != nil && idx.Stats().KeyN == snaps.Stats().KeyN
+}
+
+// rebuildSnapshotIndex refills bucketVolumeSnapshots from bucketSnapshots.
+func rebuildSnapshotIndex(tx *bolt.Tx) error {
+	if err := tx.DeleteBucket(bucketVolumeSnapshots); err != nil {
+		return err
+	}
+	idx, err := tx.CreateBucket(bucketVolumeSnapshots)
+	if err != nil {
+		return err
+	}
+	return tx.Bucket(bucketSnapshots).ForEach(func(k, v []byte) error {
+		s := &storpb.Snapshot{}
+		if err := proto.Unmarshal(v, s); err != nil {
+			return fmt.Errorf("%w: snapshot %q: %v", ErrCorrupt, k, err)
+		}
+		return idx.Put(snapshotIndexKey(s.VolumeId, string(k)), nil)
+	})
 }
 
 func (f *FSM) readApplied() uint64 {

@@ -97,7 +97,7 @@ func (r *Reader) Nodes() ([]*storpb.Node, error) {
 // ListVolumes does.
 func (r *Reader) ListNodes(p Page) ([]*storpb.Node, string, error) {
 	var out []*storpb.Node
-	next, err := r.page(bucketNodes, p, func(v []byte) (func(), error) {
+	next, err := r.page(r.tx.Bucket(bucketNodes).Cursor(), p, func(v []byte) (func(), error) {
 		n := &storpb.Node{}
 		if err := proto.Unmarshal(v, n); err != nil {
 			return nil, fmt.Errorf("%w: node: %v", ErrCorrupt, err)

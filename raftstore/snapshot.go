@@ -1,6 +1,7 @@
 package raftstore
 
 import (
+	"bytes"
 	"fmt"
 	"slices"
 	"strings"
@@ -241,19 +242,38 @@ func (w *writer) deleteSnapshot(ref *storpb.SnapshotRef) (proto.Message, error) 
 	if err != nil {
 		return nil, err
 	}
-	vols, _, err := w.Volumes("", 0)
-	if err != nil {
-		return nil, err
-	}
-	for _, v := range vols {
-		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == s.Id {
-			return nil, fmt.Errorf("%w: snapshot %q has clone %q still copying from it", ErrFailedPrecondition, s.Name, v.Name)
+	if v, err := w.cloneCopying(s.Id); err != nil || v != nil {
+		if err == nil {
+			err = fmt.Errorf("%w: snapshot %q has clone %q still copying from it", ErrFailedPrecondition, s.Name, v.Name)
 		}
+		return nil, err
 	}
 	if err := w.removeSnapshot(s, nil); err != nil {
 		return nil, err
 	}
 	return s, nil
+}
+
+// cloneCopying returns a clone still being filled from snapshot id
+// (CREATING), or nil. It walks every volume, but decodes only the records
+// that hold id's bytes (a clone's names its snapshot), so that deleting
+// a snapshot in a cluster of 10,000 volumes does not decode 10,000
+// volume records.
+func (r *Reader) cloneCopying(id string) (*storpb.Volume, error) {
+	c := r.tx.Bucket(bucketVolumes).Cursor()
+	for k, b := c.First(); k != nil; k, b = c.Next() {
+		if !bytes.Contains(b, []byte(id)) {
+			continue
+		}
+		v := &storpb.Volume{}
+		if err := proto.Unmarshal(b, v); err != nil {
+			return nil, fmt.Errorf("%w: volume %q: %v", ErrCorrupt, k, err)
+		}
+		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == id {
+			return v, nil
+		}
+	}
+	return nil, nil
 }
 
 // recordCut applies a data-path report of cuts (see the file comment).

@@ -22,12 +22,17 @@ var (
 	bucketSnapshots     = []byte("snapshots")
 	bucketSnapshotNames = []byte("snapshot_names")
 	bucketNodes         = []byte("nodes")
+	// bucketVolumeSnapshots indexes snapshots by volume (snapshotsOf):
+	// derived from bucketSnapshots, kept by writer.put and writer.del,
+	// and rebuilt when a state file or image is opened without it or with
+	// a count that disagrees (fsm.go, snapshotIndexAgrees).
+	bucketVolumeSnapshots = []byte("volume_snapshots")
 
 	// requiredBuckets must be in every state image; the buckets added
-	// later (nodes) are created when a file or snapshot from before them
-	// is opened.
+	// later (nodes, volume_snapshots) are created when a file or snapshot
+	// from before them is opened.
 	requiredBuckets = [][]byte{bucketMeta, bucketServers, bucketVolumes, bucketVolumeNames, bucketSnapshots, bucketSnapshotNames}
-	allBuckets      = append(slices.Clone(requiredBuckets), bucketNodes, bucketEvents)
+	allBuckets      = append(slices.Clone(requiredBuckets), bucketNodes, bucketEvents, bucketVolumeSnapshots)
 
 	keyAppliedIndex = []byte("applied_index")
 	keyClusterID    = []byte("cluster_id")
@@ -137,7 +142,7 @@ type Page struct {
 // their snapshots only if includeDeleted.
 func (r *Reader) ListVolumes(p Page, includeDeleted bool) ([]*storpb.Volume, string, error) {
 	var out []*storpb.Volume
-	next, err := r.page(bucketVolumes, p, func(v []byte) (func(), error) {
+	next, err := r.page(r.tx.Bucket(bucketVolumes).Cursor(), p, func(v []byte) (func(), error) {
 		vol := &storpb.Volume{}
 		if err := proto.Unmarshal(v, vol); err != nil {
 			return nil, fmt.Errorf("%w: volume: %v", ErrCorrupt, err)
@@ -182,10 +187,17 @@ func (r *Reader) Snapshots(volumeID, token string, limit int) ([]*storpb.Snapsho
 	return r.ListSnapshots(volumeID, Page{Token: token, Limit: limit})
 }
 
-// ListSnapshots is Snapshots bounded by a Page.
+// ListSnapshots is Snapshots bounded by a Page. With a volume id it walks
+// that volume's part of the index only, so a page costs the same however
+// many snapshots other volumes have; its tokens are snapshot ids as
+// without one.
 func (r *Reader) ListSnapshots(volumeID string, p Page) ([]*storpb.Snapshot, string, error) {
 	var out []*storpb.Snapshot
-	next, err := r.page(bucketSnapshots, p, func(v []byte) (func(), error) {
+	var c keyCursor = r.tx.Bucket(bucketSnapshots).Cursor()
+	if volumeID != "" {
+		c = r.snapshotsOf(volumeID)
+	}
+	next, err := r.page(c, p, func(v []byte) (func(), error) {
 		s := &storpb.Snapshot{}
 		if err := proto.Unmarshal(v, s); err != nil {
 			return nil, fmt.Errorf("%w: snapshot: %v", ErrCorrupt, err)
@@ -198,10 +210,64 @@ func (r *Reader) ListSnapshots(volumeID string, p Page) ([]*storpb.Snapshot, str
 	return out, next, err
 }
 
-// snapshotCount counts the snapshots of one volume.
+// snapshotCount counts the snapshots of one volume (from the index: it
+// reads no snapshot record).
 func (r *Reader) snapshotCount(volumeID string) (int, error) {
-	s, _, err := r.Snapshots(volumeID, "", 0)
-	return len(s), err
+	n := 0
+	c := r.snapshotsOf(volumeID)
+	for k, _ := c.c.Seek(c.prefix); k != nil && bytes.HasPrefix(k, c.prefix); k, _ = c.c.Next() {
+		n++
+	}
+	return n, nil
+}
+
+// snapshotIndexKey is snapshot id's key in bucketVolumeSnapshots: the
+// length of volumeID (uvarint), volumeID, id. The length keeps one
+// volume's keys apart from those of a volume whose id extends its id;
+// within a volume the keys are in snapshot id order, as in
+// bucketSnapshots.
+func snapshotIndexKey(volumeID, id string) []byte {
+	k := binary.AppendUvarint(nil, uint64(len(volumeID)))
+	return append(append(k, volumeID...), id...)
+}
+
+// keyCursor walks keys in order, as a bbolt cursor does; page reads
+// through it.
+type keyCursor interface {
+	First() (k, v []byte)
+	Seek(seek []byte) (k, v []byte)
+	Next() (k, v []byte)
+}
+
+// volumeSnapshots walks one volume's snapshots through the index, in
+// snapshot id order: its keys are snapshot ids and its values their
+// records.
+type volumeSnapshots struct {
+	c      *bolt.Cursor // over bucketVolumeSnapshots
+	prefix []byte       // snapshotIndexKey(volume, "")
+	snaps  *bolt.Bucket
+}
+
+func (r *Reader) snapshotsOf(volumeID string) *volumeSnapshots {
+	return &volumeSnapshots{
+		c:      r.tx.Bucket(bucketVolumeSnapshots).Cursor(),
+		prefix: snapshotIndexKey(volumeID, ""),
+		snaps:  r.tx.Bucket(bucketSnapshots),
+	}
+}
+
+func (c *volumeSnapshots) First() ([]byte, []byte) { return c.record(c.c.Seek(c.prefix)) }
+func (c *volumeSnapshots) Next() ([]byte, []byte)  { return c.record(c.c.Next()) }
+func (c *volumeSnapshots) Seek(id []byte) ([]byte, []byte) {
+	return c.record(c.c.Seek(append(slices.Clip(c.prefix), id...)))
+}
+
+func (c *volumeSnapshots) record(k, _ []byte) ([]byte, []byte) {
+	if k == nil || !bytes.HasPrefix(k, c.prefix) {
+		return nil, nil
+	}
+	id := k[len(c.prefix):]
+	return id, c.snaps.Get(id)
 }
 
 const pageTokenPrefix = "v1:"
@@ -218,11 +284,10 @@ func decodePageToken(token string) ([]byte, error) {
 	return b[len(pageTokenPrefix):], nil
 }
 
-// page walks bucket in key order after p.Token's key. match decides an
+// page walks c in key order after p.Token's key. match decides an
 // entry: nil to skip it, else the function that takes it into the page
 // (called only if it fits p's bounds).
-func (r *Reader) page(bucket []byte, p Page, match func(v []byte) (func(), error)) (string, error) {
-	c := r.tx.Bucket(bucket).Cursor()
+func (r *Reader) page(c keyCursor, p Page, match func(v []byte) (func(), error)) (string, error) {
 	k, v := c.First()
 	if p.Token != "" {
 		after, err := decodePageToken(p.Token)
@@ -289,6 +354,10 @@ func (w *writer) put(bucket []byte, key string, m proto.Message) {
 		panic(fmt.Sprintf("raftstore: marshal %s/%s: %v", bucket, key, err))
 	}
 	w.must(w.tx.Bucket(bucket).Put([]byte(key), b))
+	if s, ok := m.(*storpb.Snapshot); ok && bytes.Equal(bucket, bucketSnapshots) {
+		// A snapshot's volume never changes: putting it again is a no-op.
+		w.must(w.tx.Bucket(bucketVolumeSnapshots).Put(snapshotIndexKey(s.VolumeId, key), nil))
+	}
 }
 
 func (w *writer) putRaw(bucket []byte, key, value string) {
@@ -297,6 +366,11 @@ func (w *writer) putRaw(bucket []byte, key, value string) {
 
 func (w *writer) del(bucket []byte, key string) {
 	w.recordChange(bucket, key, nil)
+	if bytes.Equal(bucket, bucketSnapshots) {
+		if s, err := w.Snapshot(key); err == nil {
+			w.must(w.tx.Bucket(bucketVolumeSnapshots).Delete(snapshotIndexKey(s.VolumeId, key)))
+		}
+	}
 	w.must(w.tx.Bucket(bucket).Delete([]byte(key)))
 }
 

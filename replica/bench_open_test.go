@@ -29,9 +29,37 @@ import (
 // heap in use with the store open and every replica read once (the
 // test's own included):
 //
-//	go test ./replica -run '^$' -bench OpenStore -benchtime 3x
+//	go test ./replica -run '^$' -bench 'OpenStore$' -benchtime 3x
 func BenchmarkOpenStore(b *testing.B) {
 	const n = 10000
+	cfg := storeOfCopies(b, n, 0)
+	b.Run("warm", func(b *testing.B) { benchOpenStore(b, cfg, n, nil) })
+	b.Run("cold", func(b *testing.B) { benchOpenStore(b, cfg, n, func() { dropPageCache(b, cfg.Dir) }) })
+}
+
+// BenchmarkOpenStoreSnapshots is BenchmarkOpenStore with 5 snapshot
+// layers under every replica's head: a server's share of 50,000
+// snapshots of 10,000 volumes of 3 replicas on 3 servers (issue 16). Each
+// layer holds one written block; the block read first is in the oldest
+// layer, under the other five. A replica open holds 15 files (3, and 2
+// per layer), so the default budget of 4096 keeps about 270 open.
+// MaxFDs is the most descriptors the process had open, sampled after
+// OpenStore and after every 1,000th first read:
+//
+//	go test ./replica -run '^$' -bench OpenStoreSnapshots -benchtime 3x
+func BenchmarkOpenStoreSnapshots(b *testing.B) {
+	const n = 10000
+	cfg := storeOfCopies(b, n, 5)
+	b.Run("warm", func(b *testing.B) { benchOpenStore(b, cfg, n, nil) })
+	b.Run("cold", func(b *testing.B) { benchOpenStore(b, cfg, n, func() { dropPageCache(b, cfg.Dir) }) })
+}
+
+// storeOfCopies makes a store of n replicas of 16 MiB, each with
+// snapshots layers under its head: one made by the store (a block written
+// in each layer, the first at offset 0, the k-th at k blocks), and n-1
+// copies of its files with the ids changed, because creating 10,000
+// takes minutes of fsyncs. It returns the store's configuration.
+func storeOfCopies(b *testing.B, n, snapshots int) replica.Config {
 	dir := b.TempDir()
 	cfg := replica.Config{Dir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	s, err := replica.OpenStore(cfg)
@@ -42,8 +70,15 @@ func BenchmarkOpenStore(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	if err := r.WriteAt(op, make([]byte, replica.BlockSize), 0); err != nil {
-		b.Fatal(err)
+	for k := range snapshots + 1 {
+		if err := r.WriteAt(op, make([]byte, replica.BlockSize), int64(k)*replica.BlockSize); err != nil {
+			b.Fatal(err)
+		}
+		if k < snapshots {
+			if err := r.CreateSnapshot(op, fmt.Sprintf("snap-%d", k)); err != nil {
+				b.Fatal(err)
+			}
+		}
 	}
 	if err := s.Close(); err != nil {
 		b.Fatal(err)
@@ -72,8 +107,7 @@ func BenchmarkOpenStore(b *testing.B) {
 			}
 		}
 	}
-	b.Run("warm", func(b *testing.B) { benchOpenStore(b, cfg, n, nil) })
-	b.Run("cold", func(b *testing.B) { benchOpenStore(b, cfg, n, func() { dropPageCache(b, dir) }) })
+	return cfg
 }
 
 // benchOpenStore opens the store of n replicas b.N times, each after
@@ -82,6 +116,12 @@ func benchOpenStore(b *testing.B, cfg replica.Config, n int, prepare func()) {
 	buf := make([]byte, replica.BlockSize)
 	var firstRead time.Duration
 	var heap uint64 // with every replica open and read once
+	maxFDs := 0
+	sampleFDs := func() {
+		if fds, err := os.ReadDir("/proc/self/fd"); err == nil {
+			maxFDs = max(maxFDs, len(fds))
+		}
+	}
 	b.ResetTimer()
 	for range b.N {
 		if prepare != nil {
@@ -101,10 +141,16 @@ func benchOpenStore(b *testing.B, cfg replica.Config, n int, prepare func()) {
 			}
 			b.Fatalf("%d replicas open, want %d", got, n)
 		}
+		sampleFDs()
 		start := time.Now()
-		for _, r := range s.List() {
+		for i, r := range s.List() {
 			if err := r.ReadAt(op, buf, 0); err != nil {
 				b.Fatal(err)
+			}
+			if i%1000 == 999 {
+				firstRead += time.Since(start)
+				sampleFDs()
+				start = time.Now()
 			}
 		}
 		firstRead += time.Since(start)
@@ -119,6 +165,7 @@ func benchOpenStore(b *testing.B, cfg replica.Config, n int, prepare func()) {
 	}
 	b.ReportMetric(float64(firstRead.Milliseconds())/float64(b.N), "ms-first-reads/op")
 	b.ReportMetric(float64(heap)/float64(b.N)/(1<<20), "MiB-heap")
+	b.ReportMetric(float64(maxFDs), "MaxFDs")
 	b.ReportMetric(0, "ns/op")
 	b.ReportMetric(float64(b.Elapsed().Milliseconds())/float64(b.N), "ms-open/op")
 }

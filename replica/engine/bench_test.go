@@ -5,9 +5,13 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"os"
+	"runtime/pprof"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -151,10 +155,37 @@ func waitState(b *testing.B, c *servertest.Cluster, volumeID, replicaID string, 
 // delta must cost about the same at both sizes: it copies the regions
 // written while the replica was out plus the regions the returning
 // replica itself still marks dirty (writes not yet two flushes old).
+// With load=writes, 4 writers of random 4 KiB writes run on the engine
+// for the whole full rebuild (and 2 s before it, their baseline), as an
+// attached volume's rebuild runs; it reports their rate and p99 latency
+// during the rebuild beside the baseline. full-copy is the engine's own
+// record of the copy (from its start to the target's last flush), full
+// the control plane's (from ReplaceReplica to the replica recorded
+// healthy), full-cpu the CPU time the whole cluster (this process) spent
+// meanwhile, which a busy machine disturbs less than the wall time.
 // Run with -benchtime=1x.
 func BenchmarkRebuild(b *testing.B) {
-	for _, size := range []int64{256 << 20, 1 << 30} {
-		b.Run(fmt.Sprintf("size=%dMiB", size>>20), func(b *testing.B) {
+	type benchCase struct {
+		size  int64
+		load  bool
+		shape rebuildShape
+	}
+	var cases []benchCase
+	for _, c := range []benchCase{{size: 256 << 20}, {size: 1 << 30}, {size: 1 << 30, load: true}} {
+		for _, c.shape = range rebuildShapes(b) {
+			cases = append(cases, c)
+		}
+	}
+	for _, bc := range cases {
+		size, shape := bc.size, bc.shape
+		name := fmt.Sprintf("size=%dMiB", size>>20)
+		if bc.load {
+			name += "/load=writes"
+		}
+		if shape.name != "" {
+			name += "/shape=" + shape.name
+		}
+		b.Run(name, func(b *testing.B) {
 			for range b.N {
 				b.StopTimer()
 				c := servertest.NewCluster(b, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
@@ -168,6 +199,7 @@ func BenchmarkRebuild(b *testing.B) {
 				}
 				v := resp.Volume
 				ecfg := c.EngineConfig("r", "bench")
+				ecfg.RebuildInFlight, ecfg.RebuildChunkBytes = shape.inFlight, shape.chunk
 				rebuilds := &rebuildLog{}
 				ecfg.Logger = slog.New(rebuilds)
 				e := c.OpenEngine(ecfg)
@@ -187,7 +219,15 @@ func BenchmarkRebuild(b *testing.B) {
 					}
 				}
 
+				var load *writeLoad
+				if bc.load {
+					load = startWriteLoad(e, size, 4)
+					time.Sleep(2 * time.Second)
+					load.mark()
+				}
 				// Full: move replica 0 to the server that holds none.
+				stopProfile := profileRebuild(b)
+				cpu0 := cpuTime(b)
 				start := time.Now()
 				moved, err := cl.Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id})
 				if err != nil {
@@ -200,6 +240,26 @@ func BenchmarkRebuild(b *testing.B) {
 					}
 				}
 				full := waitState(b, c, v.Id, fresh, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute).Sub(start)
+				cpu := cpuTime(b) - cpu0
+				stopProfile()
+				if load != nil {
+					base, during, p99base, p99 := load.stop(b)
+					b.ReportMetric(base, "load-base-IOPS")
+					b.ReportMetric(during, "load-IOPS")
+					b.ReportMetric(float64(p99base.Microseconds())/1000, "load-base-p99-ms")
+					b.ReportMetric(float64(p99.Microseconds())/1000, "load-p99-ms")
+				}
+				fullCopy, _ := rebuilds.last(b, fresh)
+				b.ReportMetric(full.Seconds()/(float64(size)/(1<<30)), "full-s/GiB")
+				b.ReportMetric(float64(full.Milliseconds()), "full-ms")
+				b.ReportMetric(fullCopy.Seconds()/(float64(size)/(1<<30)), "full-copy-s/GiB")
+				b.ReportMetric(cpu.Seconds()/(float64(size)/(1<<30)), "full-cpu-s/GiB")
+				if bc.load {
+					// The writes left every replica dirty all over: a
+					// delta now copies them all, and says nothing.
+					b.StartTimer()
+					continue
+				}
 
 				// Delta: replica 1 is out while 8 MiB are written, then returns.
 				out := v.Replicas[1].Id
@@ -221,22 +281,158 @@ func BenchmarkRebuild(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				// The leader starts the delta (its server reports); the
-				// engine's own record of the rebuild gives its duration.
+				// The leader starts the delta as soon as the replica's
+				// server reports (its heartbeat); on a busy machine that
+				// can be before the 8 writes are done, and the later ones
+				// reach the returning replica as writes, not in the delta.
+				rejoined := e.Generation() != faulted.Volume.Generation
+				// The engine's own record of the rebuild gives its duration.
 				waitState(b, c, v.Id, out, storpb.ReplicaState_REPLICA_STATE_HEALTHY, 5*time.Minute)
 				delta, copied := rebuilds.last(b, out)
-				if copied < 8<<20 {
+				switch {
+				case rejoined:
+					b.Logf("the replica rejoined while the 8 MiB were written; the delta copied %d bytes", copied)
+				case copied < 8<<20:
 					b.Fatalf("the delta copied %d bytes; the replica missed 8 MiB", copied)
 				}
 				b.ReportMetric(float64(copied)/(1<<20), "delta-copied-MiB")
-
-				b.ReportMetric(full.Seconds()/(float64(size)/(1<<30)), "full-s/GiB")
-				b.ReportMetric(float64(full.Milliseconds()), "full-ms")
 				b.ReportMetric(float64(delta.Milliseconds()), "delta-8MiB-ms")
 				b.StartTimer()
 			}
 		})
 	}
+}
+
+// rebuildShape is a rebuild's copy shape (Config.RebuildInFlight and
+// RebuildChunkBytes); zero is the defaults.
+type rebuildShape struct {
+	name     string
+	inFlight int
+	chunk    int64
+}
+
+// rebuildShapes are the shapes STOR_BENCH_REBUILD_SHAPES names, as
+// "<in flight>x<chunk MiB>" separated by commas (e.g. "1x1,4x1,4x4"), or
+// the defaults alone.
+func rebuildShapes(b *testing.B) []rebuildShape {
+	env := os.Getenv("STOR_BENCH_REBUILD_SHAPES")
+	if env == "" {
+		return []rebuildShape{{}}
+	}
+	var out []rebuildShape
+	for _, f := range strings.Split(env, ",") {
+		var s rebuildShape
+		var mib int64
+		if _, err := fmt.Sscanf(f, "%dx%d", &s.inFlight, &mib); err != nil {
+			b.Fatalf("STOR_BENCH_REBUILD_SHAPES: %q: %v", f, err)
+		}
+		s.name, s.chunk = f, mib<<20
+		out = append(out, s)
+	}
+	return out
+}
+
+// profileRebuild writes a CPU profile of the full rebuild alone (all of
+// the cluster's processes are this one) to the file named by
+// STOR_BENCH_REBUILD_PROFILE, if set, numbered by run; the returned
+// function stops it.
+func profileRebuild(b *testing.B) func() {
+	name := os.Getenv("STOR_BENCH_REBUILD_PROFILE")
+	if name == "" {
+		return func() {}
+	}
+	profileRuns++
+	f, err := os.Create(fmt.Sprintf("%s.%d", name, profileRuns))
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		b.Fatal(err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+var profileRuns int
+
+// cpuTime is the CPU time (user and system) this process has used: the
+// whole benchmark cluster's, since it all runs in this process.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// writeLoad runs writers of random 4 KiB writes on an engine and keeps
+// their latencies, split at mark.
+type writeLoad struct {
+	stopped atomic.Bool
+	marked  atomic.Int64 // time of mark, unix ns
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	before  []time.Duration
+	after   []time.Duration
+	t0, t1  time.Time
+	errs    []error
+}
+
+func startWriteLoad(e *engine.Engine, size int64, writers int) *writeLoad {
+	l := &writeLoad{t0: time.Now()}
+	for g := range writers {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 11))
+			buf := randomBytes(uint64(g)+100, 4096)
+			for !l.stopped.Load() {
+				t0 := time.Now()
+				err := e.WriteAt(context.Background(), buf, rng.Int64N(size/4096)*4096, false)
+				d := time.Since(t0)
+				l.mu.Lock()
+				if err != nil {
+					l.errs = append(l.errs, err)
+				} else if m := l.marked.Load(); m != 0 && t0.UnixNano() >= m {
+					l.after = append(l.after, d)
+				} else {
+					l.before = append(l.before, d)
+				}
+				l.mu.Unlock()
+				if err != nil {
+					return
+				}
+			}
+		}()
+	}
+	return l
+}
+
+func (l *writeLoad) mark() {
+	l.t1 = time.Now()
+	l.marked.Store(l.t1.UnixNano())
+}
+
+// stop returns the writes' rate and p99 before and after mark.
+func (l *writeLoad) stop(b *testing.B) (base, during float64, p99base, p99 time.Duration) {
+	end := time.Now()
+	l.stopped.Store(true)
+	l.wg.Wait()
+	if len(l.errs) > 0 {
+		b.Fatalf("a write under load failed: %v", l.errs[0])
+	}
+	p := func(xs []time.Duration) time.Duration {
+		if len(xs) == 0 {
+			return 0
+		}
+		slices.Sort(xs)
+		return xs[len(xs)*99/100]
+	}
+	return float64(len(l.before)) / l.t1.Sub(l.t0).Seconds(), float64(len(l.after)) / end.Sub(l.t1).Seconds(), p(l.before), p(l.after)
 }
 
 // rebuildLog is a slog.Handler that keeps the engine's "rebuild complete"

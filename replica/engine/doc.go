@@ -70,7 +70,10 @@
 //     for the writes that took the set before (they miss the target and
 //     may not yet be on any source when the copy is planned), and copies
 //     each chunk while holding its range against writes: the copy of a
-//     block and a write to that block never interleave (rebuild.go).
+//     block and a write to that block never interleave. Several chunks
+//     are copied at once, each under its own hold; a checkpoint names
+//     only an offset below which every chunk was copied before the
+//     target's flush (rebuild.go).
 //
 // The ordering of writes, reads and rebuild copies to overlapping ranges
 // is one first-come, first-served set (overlap.go).

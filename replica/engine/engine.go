@@ -100,6 +100,10 @@ type Config struct {
 	FaultTimeout time.Duration
 	// Logger; default slog.Default().
 	Logger *slog.Logger
+	// RebuildChunkBytes and RebuildInFlight shape the rebuilds the engine
+	// drives (RebuildPlan.ChunkBytes and InFlight); 0 is the default.
+	RebuildChunkBytes int64
+	RebuildInFlight   int
 
 	// UnsafeUnorderedRebuild is for fault tests only (the jepsen harness's
 	// broken mode "rebuild overwrites tracked writes"): it lets rebuild

@@ -23,6 +23,13 @@ type RebuildSource struct {
 	History []ReplicaConn
 }
 
+// The copy's defaults (RebuildPlan): measured in docs/BENCHMARKS.md,
+// "Rebuild".
+const (
+	DefaultRebuildChunk    = 1 << 20
+	DefaultRebuildInFlight = 4
+)
+
 // RebuildPlan says what to copy.
 type RebuildPlan struct {
 	// FromGeneration > 0 asks for a delta: the regions written at or after
@@ -42,6 +49,12 @@ type RebuildPlan struct {
 	// which the target is complete, so an interrupted rebuild resumes
 	// there. Default 256 MiB.
 	CheckpointBytes int64
+	// ChunkBytes is how much one copy request carries (rounded down to
+	// whole sectors, at most replica.MaxIO); default DefaultRebuildChunk.
+	ChunkBytes int64
+	// InFlight is how many chunks are copied at once; default
+	// DefaultRebuildInFlight.
+	InFlight int
 	// Order orders the copy against the writes of the engine that serves
 	// the volume while it is copied; nil when nothing writes the volume
 	// meanwhile (a detached volume, whose replicas an attach would fence
@@ -89,8 +102,9 @@ type RebuildStats struct {
 // block a normal write touches after BeginRebuild from the copy (replica
 // invariant 4); that alone does not suffice, since the target may have
 // taken a write before BeginRebuild that the source had not yet applied
-// when the chunk was read (ISSUE13 C). progress, if set, is called about
-// once a second.
+// when the chunk was read (ISSUE13 C). Chunks are copied several at once
+// (copier). progress, if set, is called about once a second, on the
+// caller's goroutine.
 func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(Progress)) (RebuildStats, error) {
 	var st RebuildStats
 	if plan.ResumeFrom == 0 {
@@ -116,43 +130,30 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	for _, r := range ranges {
 		total += r.Len
 	}
-	buf := make([]byte, max(min(total, replica.MaxIO, 1<<20), replica.SectorSize))
-	last := time.Now()
-	var sinceCheckpoint int64
-	checkpoint := plan.CheckpointBytes
-	if checkpoint <= 0 {
-		checkpoint = 256 << 20
-	}
 	report := func(resume int64) {
 		if progress != nil {
 			progress(Progress{Done: st.Bytes, Total: total, ResumeOffset: resume})
 		}
 	}
-	for _, r := range ranges {
-		for _, c := range chunksOf(r.Off, r.Len, int64(len(buf))) {
-			if err := ctx.Err(); err != nil {
-				return st, fmt.Errorf("rebuild: %w", err)
-			}
-			if err := copyChunk(ctx, o, src.Read, dst, plan.Order, buf[:c.Len], c.Off); err != nil {
-				return st, err
-			}
-			st.Bytes += c.Len
-			sinceCheckpoint += c.Len
-			switch {
-			case !delta && sinceCheckpoint >= checkpoint:
-				// Everything below the end of this chunk is on the target;
-				// make it durable, then say so.
-				if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
-					return st, err
-				}
-				report(c.Off + c.Len)
-				sinceCheckpoint, last = 0, time.Now()
-			case time.Since(last) > time.Second:
-				report(0)
-				last = time.Now()
-			}
+	cp := copier{o: o, src: src.Read, dst: dst, order: plan.Order, report: report, st: &st}
+	cp.chunk = plan.ChunkBytes
+	if cp.chunk <= 0 {
+		cp.chunk = DefaultRebuildChunk
+	}
+	// Whole sectors (every range is), at most what one request carries.
+	cp.chunk = max(min(cp.chunk, total, replica.MaxIO)/replica.SectorSize*replica.SectorSize, replica.SectorSize)
+	cp.inFlight = plan.InFlight
+	if cp.inFlight <= 0 {
+		cp.inFlight = DefaultRebuildInFlight
+	}
+	if !delta {
+		cp.checkpoint = plan.CheckpointBytes
+		if cp.checkpoint <= 0 {
+			cp.checkpoint = 256 << 20
 		}
-		st.Ranges++
+	}
+	if err := cp.run(ctx, ranges); err != nil {
+		return st, err
 	}
 	if err := dst.EndRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: end: %w", err)
@@ -162,6 +163,158 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	}
 	report(0)
 	return st, nil
+}
+
+// copier runs a rebuild's copy: up to inFlight chunks at once, each read
+// from the source and written to the target under its own hold on the
+// write order (copyChunk), so the rule for a copy and a write to the same
+// block is the one a single copy keeps; chunks in flight together never
+// overlap. A copy is a round trip to the source and one to the target,
+// most of it waiting on the other side: serial, they left both replicas
+// idle most of the time. The checkpoints stay where a serial copy puts
+// them: a chunk is retired in offset order, and each checkpoint (after
+// every checkpoint bytes retired, but not after the last chunk, where the
+// rebuild's last flush follows at once) flushes the target, then reports
+// the end of the last chunk retired, below which every chunk was written
+// before the flush began. The copy goes on while a checkpoint's flush runs; the
+// next checkpoint waits for it.
+type copier struct {
+	o          replica.Op
+	src, dst   ReplicaConn
+	order      WriteOrder
+	chunk      int64 // bytes per copy request
+	inFlight   int   // copies at once
+	checkpoint int64 // bytes between checkpoints; 0: none (a delta)
+	report     func(resume int64)
+	st         *RebuildStats
+}
+
+// copyJob is one chunk of a range, from launch to retirement.
+type copyJob struct {
+	off, n int64
+	lastOf bool // the last chunk of its range
+	buf    []byte
+	err    error
+	done   bool
+}
+
+// run copies ranges (ascending, disjoint) and returns the first failure.
+// The progress report is called on the caller's goroutine only.
+func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
+	ctx, cancel := context.WithCancel(parent)
+	defer cancel()
+	results := make(chan *copyJob, c.inFlight)
+	type flushResult struct {
+		resume int64
+		err    error
+	}
+	flushed := make(chan flushResult, 1)
+	flushing := false
+	var first error
+	fail := func(err error) {
+		if first == nil {
+			first = err
+			cancel()
+		}
+	}
+	// waitFlush takes the running checkpoint flush's result.
+	waitFlush := func() {
+		r := <-flushed
+		flushing = false
+		switch {
+		case r.err != nil:
+			fail(r.err)
+		case first == nil:
+			c.report(r.resume)
+		}
+	}
+	var free [][]byte
+	var queue []*copyJob // launched, in offset order, not yet retired
+	ri, pos := 0, int64(0)
+	if len(ranges) > 0 {
+		pos = ranges[0].Off
+	}
+	var since int64
+	last := time.Now()
+	for {
+		for first == nil && len(queue) < c.inFlight && ri < len(ranges) {
+			if err := ctx.Err(); err != nil {
+				fail(fmt.Errorf("rebuild: %w", err))
+				break
+			}
+			r := ranges[ri]
+			j := &copyJob{off: pos, n: min(c.chunk, r.Off+r.Len-pos)}
+			pos += j.n
+			if pos == r.Off+r.Len {
+				j.lastOf = true
+				if ri++; ri < len(ranges) {
+					pos = ranges[ri].Off
+				}
+			}
+			if n := len(free); n > 0 {
+				j.buf, free = free[n-1], free[:n-1]
+			} else {
+				j.buf = make([]byte, c.chunk)
+			}
+			queue = append(queue, j)
+			go func() {
+				j.err = copyChunk(ctx, c.o, c.src, c.dst, c.order, j.buf[:j.n], j.off)
+				results <- j
+			}()
+		}
+		if len(queue) == 0 {
+			break
+		}
+		got := <-results
+		got.done = true
+		switch {
+		case got.err == nil:
+		case parent.Err() != nil:
+			fail(fmt.Errorf("rebuild: %w", parent.Err()))
+		default:
+			fail(got.err)
+		}
+		for len(queue) > 0 && queue[0].done {
+			j := queue[0]
+			queue = queue[1:]
+			free = append(free, j.buf)
+			if j.err != nil || first != nil {
+				continue
+			}
+			c.st.Bytes += j.n
+			if j.lastOf {
+				c.st.Ranges++
+			}
+			since += j.n
+			switch {
+			case c.checkpoint > 0 && since >= c.checkpoint && (ri < len(ranges) || len(queue) > 0):
+				// (Not after the last chunk: the rebuild's last flush
+				// follows at once.)
+				// Every chunk below j's end is on the target: make it
+				// durable, then say so (waitFlush).
+				if flushing {
+					if waitFlush(); first != nil {
+						continue
+					}
+				}
+				if err := ctx.Err(); err != nil {
+					fail(fmt.Errorf("rebuild: %w", err))
+					continue
+				}
+				flushing = true
+				resume := j.off + j.n
+				go func() { flushed <- flushResult{resume, flushTarget(ctx, c.o, c.dst, c.order)} }()
+				since, last = 0, time.Now()
+			case time.Since(last) > time.Second:
+				c.report(0)
+				last = time.Now()
+			}
+		}
+	}
+	if flushing {
+		waitFlush()
+	}
+	return first
 }
 
 // copyChunk copies p's worth of bytes at off from src to dst, holding the
@@ -401,7 +554,8 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	var copied, left int64
 	defer func() { e.rebuildLeft.Add(-left) }()
 	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, History: history}, target.conn,
-		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset), Order: engineOrder{e}},
+		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset), Order: engineOrder{e},
+			ChunkBytes: e.cfg.RebuildChunkBytes, InFlight: e.cfg.RebuildInFlight},
 		func(p Progress) {
 			e.rebuildCopied.Add(p.Done - copied)
 			copied = p.Done
