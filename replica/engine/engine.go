@@ -546,6 +546,11 @@ func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
 		return err
 	}
 	defer e.overlaps.unlock(sp)
+	// A write this read waited for may have stopped the engine (a
+	// replica's failure it could not record).
+	if err := e.usable(); err != nil {
+		return err
+	}
 	for {
 		set := e.readSet()
 		if len(set) == 0 {
@@ -902,6 +907,7 @@ var faultAnswers = map[codes.Code]faultAnswer{
 // again by this engine, whatever the control plane answered.
 func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error {
 	e.logger.Warn("replica failed; recording it faulty", "replica", replicaID, "reason", reason)
+	e.stopLocal(replicaID)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.FaultTimeout)
 	defer cancel()
 	e.faultMu.Lock()

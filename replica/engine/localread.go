@@ -24,19 +24,24 @@ type LocalReader interface {
 
 // LocalView reads one replica directly. ReadAt fails (localread.ErrStale)
 // once the replica changed in a way that ends the view; the engine then
-// drops it and reads through the server. Track is told of every write,
-// zero and trim before it is sent (the view reads those blocks from the
-// head from then on); false means the view must be dropped.
+// drops it and reads through the server. A view of several layers
+// (Layers > 1) is told of every write, zero and trim before it is sent
+// (Track: it reads those blocks from the head from then on); false means
+// the view must be dropped.
 type LocalView interface {
 	ReadAt(p []byte, off int64) error
+	Layers() int
 	Track(off, n int64) bool
 	Close() error
 }
 
 // localRetry is how long after a failed open the engine reads a replica
-// through its server before trying to open a view again (a replica with
-// snapshot layers, or being rebuilt, cannot be read directly).
-const localRetry = time.Second
+// through its server before trying to open a view again; localRefused
+// after the server refused (ErrNotDirect: a rebuild, too many layers).
+const (
+	localRetry   = time.Second
+	localRefused = 5 * time.Second
+)
 
 // localOpenTimeout bounds opening a view: reads wait for it (the first
 // one; the others read through the server meanwhile).
@@ -48,10 +53,13 @@ const localOpenTimeout = time.Second
 type localRead struct {
 	reader LocalReader
 	view   atomic.Pointer[localViewRef] // nil: none open
+	// closed: never again (the replica failed or left the set, or the
+	// engine closed). Set without mu, so that closing never waits for an
+	// open (which may wait for quiesce).
+	closed atomic.Bool
 
 	mu      sync.Mutex // serialises opening
 	retryAt time.Time  // guarded by mu
-	closed  bool       // guarded by mu
 	why     string     // guarded by mu: the last reason no view could be opened
 }
 
@@ -129,27 +137,44 @@ func (e *Engine) openLocal(ctx context.Context, m *member) *localViewRef {
 	if ref := l.view.Load(); ref != nil {
 		return ref
 	}
-	if l.closed || time.Now().Before(l.retryAt) {
+	if l.closed.Load() || time.Now().Before(l.retryAt) {
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, localOpenTimeout)
 	defer cancel()
-	// No write is in flight while the view opens (a write holds quiesce
-	// shared from before it is sent until it is done): every write is
-	// either in the indexes the server sends or tracked by the view
-	// (trackLocal), never neither.
-	e.quiesce.Lock()
-	v, err := l.reader.OpenLocal(ctx, wire.OpenRequest{
-		Replica: m.info.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose,
-	})
+	open := wire.OpenRequest{Replica: m.info.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose}
+	// A view of one layer reads every block from the head, whatever is
+	// written meanwhile: it opens as it is. A view of several must know
+	// every write the server's indexes do not show yet: it is opened
+	// again with no write in flight (a write holds quiesce shared from
+	// before it is sent until it is done), so each write is either in the
+	// indexes or tracked by the view (trackLocal), never neither.
+	v, err := l.reader.OpenLocal(ctx, open)
 	var ref *localViewRef
-	if err == nil {
+	if err == nil && v.Layers() == 1 {
 		ref = &localViewRef{v: v}
 		l.view.Store(ref)
+	} else if err == nil {
+		v.Close()
+		e.quiesce.Lock()
+		if v, err = l.reader.OpenLocal(ctx, open); err == nil {
+			ref = &localViewRef{v: v}
+			l.view.Store(ref)
+		}
+		e.quiesce.Unlock()
 	}
-	e.quiesce.Unlock()
+	if ref != nil && l.closed.Load() {
+		// Closed while it opened: close drops what it finds, this is ours.
+		if l.view.CompareAndSwap(ref, nil) {
+			ref.v.Close()
+		}
+		return nil
+	}
 	if err != nil {
 		l.retryAt = time.Now().Add(localRetry)
+		if errors.Is(err, replica.ErrNotDirect) {
+			l.retryAt = time.Now().Add(localRefused)
+		}
 		// Logged when the reason changes (a retained snapshot keeps a
 		// replica from direct reads for as long as it exists).
 		why := err.Error()
@@ -175,9 +200,7 @@ func (l *localRead) close() {
 	if l == nil {
 		return
 	}
-	l.mu.Lock()
-	l.closed = true
-	l.mu.Unlock()
+	l.closed.Store(true)
 	if ref := l.view.Swap(nil); ref != nil {
 		ref.v.Close()
 	}
@@ -234,18 +257,32 @@ func (e *Engine) trackLocal(off, n int64) {
 	if len(e.cfg.LocalReaders) == 0 {
 		return
 	}
-	for _, m := range e.writeSet() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, m := range e.members {
 		l := m.local
 		if l == nil {
 			continue
 		}
 		ref := l.view.Load()
-		if ref == nil || ref.v.Track(off, n) {
+		if ref == nil || ref.v.Layers() == 1 || ref.v.Track(off, n) {
 			continue
 		}
 		if l.view.CompareAndSwap(ref, nil) {
 			e.logger.Debug("short-circuit read view dropped: it tracked too many writes", "replica", m.info.Id)
 			ref.v.Close()
 		}
+	}
+}
+
+// stopLocal ends direct reads of replica id for good, before its failure
+// is recorded: a write it failed may have left its files without what
+// the others hold, and nothing on its server tells a view so.
+func (e *Engine) stopLocal(id string) {
+	e.mu.Lock()
+	m := e.members[id]
+	e.mu.Unlock()
+	if m != nil {
+		m.local.close()
 	}
 }

@@ -279,6 +279,12 @@ func TestShortCircuitReadsUnderFaults(t *testing.T) {
 	if _, err := cl.Volumes.ExpandVolume(ctx10(t), &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}, SizeBytes: 8 << 20}); err != nil {
 		t.Fatal(err)
 	}
+	// The engine grows every replica before it takes the new size.
+	for deadline := time.Now().Add(20 * time.Second); e.Size() != 8<<20; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the engine did not grow to 8 MiB within 20s (size %d)", e.Size())
+		}
+	}
 	phase("expanded")
 
 	close(stop)

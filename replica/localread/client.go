@@ -228,6 +228,9 @@ func (c *Client) exchange(conn *replyConn, req request) (reply, []*os.File, erro
 	if err := json.Unmarshal(line, &rep); err != nil {
 		return reply{}, files, fmt.Errorf("localread: malformed reply from %s: %w", c.path, err)
 	}
+	if rep.Version != protocolVersion {
+		return reply{}, files, fmt.Errorf("localread: %s speaks version %d of the protocol, not %d", c.path, rep.Version, protocolVersion)
+	}
 	if rep.Code != codeOK {
 		return rep, files, fmt.Errorf("localread: %s: %w", rep.Error, errorOf(rep.Code))
 	}
@@ -286,10 +289,10 @@ type View struct {
 	gen    *uint64 // in mem
 	want   uint64
 
-	// written holds the head's blocks the reader's writes touched since
-	// the open (Track); guarded by wmu.
+	// tracked holds the block ranges the reader's writes touched since
+	// the open (Track), sorted and coalesced; guarded by wmu.
 	wmu     sync.RWMutex
-	written written
+	tracked [][2]uint64
 
 	mu     sync.RWMutex // held shared by reads, exclusively by Close
 	closed bool
@@ -297,51 +300,88 @@ type View struct {
 
 func (v *View) valid() bool { return atomic.LoadUint64(v.gen) == v.want }
 
+// Layers is the number of layers the View reads.
+func (v *View) Layers() int { return len(v.layers) }
+
+// maxTracked bounds a View's tracked ranges.
+const maxTracked = 1 << 16
+
 // Track records that the reader is about to write, zero or trim n bytes
 // at off: from then on those blocks are read from the head. It must be
-// called before the write is sent, by the volume's only writer; it
-// reports false when the View tracks too much (maxTracked chunks), and
-// the View must then be dropped (a new one starts from the server's
-// index again).
+// called before the write is sent, by the volume's only writer, which
+// opened the View while none of its writes was in flight. A View of one
+// layer needs none of it (every block is read from the head). It reports
+// false when the View would track more than maxTracked ranges: drop it
+// (a new one starts from the server's indexes again).
 func (v *View) Track(off, n int64) bool {
-	if n <= 0 {
+	if n <= 0 || len(v.layers) == 1 {
 		return true
 	}
+	s, e := uint64(off)/replica.BlockSize, uint64(off+n-1)/replica.BlockSize+1
 	v.wmu.Lock()
 	defer v.wmu.Unlock()
-	return v.written.add(uint64(off)/replica.BlockSize, uint64(off+n-1)/replica.BlockSize+1)
+	t := v.tracked
+	// The ranges from i to j-1 overlap or touch [s, e): merge them.
+	i, _ := slices.BinarySearchFunc(t, s, func(r [2]uint64, s uint64) int {
+		if r[1] < s {
+			return -1
+		}
+		return 1
+	})
+	j := i
+	for j < len(t) && t[j][0] <= e {
+		s, e = min(s, t[j][0]), max(e, t[j][1])
+		j++
+	}
+	if i == j && len(t) >= maxTracked {
+		return false
+	}
+	v.tracked = slices.Replace(t, i, j, [2]uint64{s, e})
+	return true
 }
 
-// owner is the layer that holds block b (an index into layers), -1 for
-// none (zeroes).
+// in reports whether block b is in the sorted runs.
+func in(runs [][2]uint64, b uint64) bool {
+	k, _ := slices.BinarySearchFunc(runs, b, func(r [2]uint64, b uint64) int {
+		if r[1] <= b {
+			return -1
+		}
+		return 1
+	})
+	return k < len(runs) && runs[k][0] <= b
+}
+
+// owner is the layer block b is read from (an index into layers): the
+// head for a block the reader wrote since the open or one the head's
+// index held then; else the topmost older layer whose index held it;
+// else the head, where such a block is a hole (the server punches
+// unindexed head blocks when it opens a replica) or, with one layer,
+// whatever the reader wrote since. The caller holds wmu.
 func (v *View) owner(b uint64) int {
 	top := len(v.layers) - 1
-	if v.written.has(b) {
+	if top == 0 || in(v.tracked, b) || in(v.index[top], b) {
 		return top
 	}
-	for i := top; i >= 0; i-- {
-		runs := v.index[i]
-		k, _ := slices.BinarySearchFunc(runs, b, func(r [2]uint64, b uint64) int {
-			switch {
-			case r[1] <= b:
-				return -1
-			case r[0] > b:
-				return 1
-			}
-			return 0
-		})
-		if k < len(runs) && runs[k][0] <= b && b < runs[k][1] {
+	for i := top - 1; i >= 0; i-- {
+		if in(v.index[i], b) {
 			return i
 		}
 	}
-	return -1
+	return top
+}
+
+// segment is a part of a read served from one layer.
+type segment struct {
+	from, to int64 // volume offsets
+	layer    int
 }
 
 // ReadAt reads len(p) bytes of the volume at off: each block from the
-// topmost layer that holds it, zeroes where none does (or past a file's
-// end). It fails with ErrStale if the read generation moved before the
-// read ended, or the server is gone: then p (which holds what the files
-// held) must not be used.
+// layer owner names (zeroes past a file's end). It fails with ErrStale if
+// the read generation moved before the read ended, or the server is gone:
+// then p (which holds what the files held) must not be used. The caller
+// keeps writes to the range out while it reads (the engine's overlaps),
+// so the tracked ranges it looks at hold still.
 func (v *View) ReadAt(p []byte, off int64) error {
 	v.mu.RLock()
 	defer v.mu.RUnlock()
@@ -350,28 +390,27 @@ func (v *View) ReadAt(p []byte, off int64) error {
 	}
 	end := off + int64(len(p))
 	bs := int64(replica.BlockSize)
+	var segBuf [8]segment
+	segs := segBuf[:0]
 	v.wmu.RLock()
 	for pos := off; pos < end; {
-		b := uint64(pos / bs)
-		o := v.owner(b)
-		segEnd := min(end, int64(b+1)*bs)
-		for segEnd < end && v.owner(uint64(segEnd/bs)) == o {
-			segEnd = min(end, segEnd+bs)
+		o := v.owner(uint64(pos / bs))
+		next := min(end, (pos/bs+1)*bs)
+		for next < end && v.owner(uint64(next/bs)) == o {
+			next = min(end, next+bs)
 		}
-		buf := p[pos-off : segEnd-off]
-		if o < 0 {
-			clear(buf)
-		} else {
-			n, err := v.layers[o].ReadAt(buf, pos)
-			if err != nil && !errors.Is(err, io.EOF) {
-				v.wmu.RUnlock()
-				return fmt.Errorf("localread: %w", err)
-			}
-			clear(buf[n:])
-		}
-		pos = segEnd
+		segs = append(segs, segment{pos, next, o})
+		pos = next
 	}
 	v.wmu.RUnlock()
+	for _, sg := range segs {
+		buf := p[sg.from-off : sg.to-off]
+		n, err := v.layers[sg.layer].ReadAt(buf, sg.from)
+		if err != nil && !errors.Is(err, io.EOF) {
+			return fmt.Errorf("localread: %w", err)
+		}
+		clear(buf[n:])
+	}
 	// The server advances the counter before any change takes effect, so
 	// a read that still sees it unchanged read the files as they were;
 	// and a server that died cannot advance it, but its death closed the
@@ -411,45 +450,6 @@ func (v *View) Close() error {
 		errs = append(errs, f.Close())
 	}
 	return errors.Join(errs...)
-}
-
-// maxTracked bounds a View's written set: chunks of trackChunk blocks
-// (4 KiB of bits each).
-const (
-	trackShift = 15
-	trackChunk = 1 << trackShift
-	maxTracked = 256
-)
-
-// written is a sparse set of blocks: bitmaps of trackChunk blocks.
-type written struct {
-	chunks map[uint64]*[trackChunk / 64]uint64
-}
-
-func (w *written) has(b uint64) bool {
-	c := w.chunks[b>>trackShift]
-	return c != nil && c[(b&(trackChunk-1))/64]&(1<<(b%64)) != 0
-}
-
-// add adds blocks [s, e); false if that would take more than maxTracked
-// chunks.
-func (w *written) add(s, e uint64) bool {
-	if w.chunks == nil {
-		w.chunks = map[uint64]*[trackChunk / 64]uint64{}
-	}
-	for b := s; b < e; b++ {
-		k := b >> trackShift
-		c := w.chunks[k]
-		if c == nil {
-			if len(w.chunks) >= maxTracked {
-				return false
-			}
-			c = new([trackChunk / 64]uint64)
-			w.chunks[k] = c
-		}
-		c[(b&(trackChunk-1))/64] |= 1 << (b % 64)
-	}
-	return true
 }
 
 // regular reports whether f is a regular file of at least min bytes.

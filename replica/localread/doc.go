@@ -11,8 +11,8 @@
 //
 //	request  one JSON line: {"replica", "volume", "epoch"}; an empty
 //	         replica asks only for the server id
-//	reply    one JSON line {"server_id", "generation", "runs", "code",
-//	         "error"} sent with, on success, the descriptors (SCM_RIGHTS)
+//	reply    one JSON line {"version" (1), "server_id", "generation",
+//	         "runs", "code", "error"} sent with, on success, the descriptors (SCM_RIGHTS)
 //	         of the replica's read generation file and of each layer's
 //	         data file, oldest first, all read-only; then each layer's
 //	         index, "runs"[i] runs of 16 bytes (start and end block,

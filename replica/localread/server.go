@@ -41,7 +41,12 @@ type request struct {
 	Epoch   uint64 `json:"epoch"`
 }
 
+// protocolVersion is the reply's version: a client refuses any other (the
+// descriptors' order and the index's encoding are this version's).
+const protocolVersion = 1
+
 type reply struct {
+	Version    int    `json:"version"`
 	ServerID   string `json:"server_id"`
 	Generation uint64 `json:"generation,omitempty"`
 	// Runs is, per layer (oldest first), how many index runs follow the
@@ -163,30 +168,30 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	c.SetDeadline(time.Now().Add(connTimeout))
 	if err := checkPeer(c); err != nil {
 		s.log.Warn("short-circuit read refused", "err", err)
-		s.send(c, reply{ServerID: s.serverID, Code: codeDenied, Error: err.Error()}, nil)
+		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID, Code: codeDenied, Error: err.Error()}, nil)
 		return
 	}
 	line, err := readLine(c)
 	if err != nil {
 		s.log.Debug("short-circuit read: bad request", "err", err)
-		s.send(c, reply{ServerID: s.serverID, Code: codeInvalid, Error: err.Error()}, nil)
+		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID, Code: codeInvalid, Error: err.Error()}, nil)
 		return
 	}
 	var req request
 	if err := json.Unmarshal(line, &req); err != nil {
-		s.send(c, reply{ServerID: s.serverID, Code: codeInvalid, Error: "malformed request: " + err.Error()}, nil)
+		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID, Code: codeInvalid, Error: "malformed request: " + err.Error()}, nil)
 		return
 	}
 	if req.Replica == "" {
-		s.send(c, reply{ServerID: s.serverID}, nil)
+		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID}, nil)
 		return
 	}
 	files, err := s.open(req)
 	if err != nil {
-		s.send(c, reply{ServerID: s.serverID, Code: codeOf(err), Error: err.Error()}, nil)
+		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID, Code: codeOf(err), Error: err.Error()}, nil)
 		return
 	}
-	rep := reply{ServerID: s.serverID, Generation: files.Generation}
+	rep := reply{Version: protocolVersion, ServerID: s.serverID, Generation: files.Generation}
 	for _, runs := range files.Index {
 		rep.Runs = append(rep.Runs, len(runs))
 	}
