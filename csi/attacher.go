@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"path/filepath"
+	"slices"
 	"sync"
 
 	"github.com/stor-io/stor/internal/attach"
@@ -49,7 +51,13 @@ type KernelAttacherConfig struct {
 	// DataDial opens connections to the servers' data ports. Default
 	// net.Dialer; under TLS a pki Dialer.
 	DataDial func(ctx context.Context, network, addr string) (net.Conn, error)
-	Logger   *slog.Logger
+	// LocalSockets are the short-circuit read sockets of the stor-servers
+	// on this node (stor-server --local-socket), dialled at each attach;
+	// LocalSocketDir, if set, adds every *.sock in it, as it is at each
+	// attach (deploy/ shares one host directory with the servers).
+	LocalSockets   []string
+	LocalSocketDir string
+	Logger         *slog.Logger
 	// Metrics gets each served volume's I/O series while it is served.
 	// Default nil: none.
 	Metrics *metrics.Volumes
@@ -92,8 +100,9 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	at, err := attach.Open(ctx, attach.Config{
 		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true, RequireAttached: true,
 		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger, Metrics: k.cfg.Metrics,
-		Control: engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
-		Connect: engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
+		Control:      engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
+		Connect:      engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
+		LocalReaders: engine.DialLocalReaders(ctx, k.localSockets(), k.cfg.Logger),
 	})
 	if err != nil {
 		return "", err
@@ -166,4 +175,18 @@ func (k *kernelAttacher) Close() {
 		}()
 	}
 	wg.Wait()
+}
+
+// localSockets lists the short-circuit read sockets to dial for an attach:
+// LocalSockets and the sockets in LocalSocketDir now.
+func (k *kernelAttacher) localSockets() []string {
+	paths := slices.Clone(k.cfg.LocalSockets)
+	if k.cfg.LocalSocketDir != "" {
+		found, err := filepath.Glob(filepath.Join(k.cfg.LocalSocketDir, "*.sock"))
+		if err != nil {
+			k.cfg.Logger.Warn("listing the local servers' sockets", "dir", k.cfg.LocalSocketDir, "err", err)
+		}
+		paths = append(paths, found...)
+	}
+	return paths
 }

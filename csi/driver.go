@@ -107,6 +107,11 @@ type Config struct {
 	// DataDial opens the default Attacher's connections to the servers'
 	// data ports (node mode). Default net.Dialer; under TLS a pki Dialer.
 	DataDial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// LocalSockets and LocalSocketDir name the short-circuit read sockets
+	// of the stor-servers on this node (node mode;
+	// KernelAttacherConfig's).
+	LocalSockets   []string
+	LocalSocketDir string
 	// CallTimeout bounds one cluster call. Default DefaultCallTimeout.
 	CallTimeout time.Duration
 	// Attacher serves volumes to kernel block devices (node mode).

@@ -68,7 +68,7 @@ func newNodeServer(d *Driver) (*nodeServer, error) {
 		d.log.Info("the kernel's nbd netlink family is reachable")
 		n.attacher = NewKernelAttacher(KernelAttacherConfig{
 			StateDir: filepath.Join(d.cfg.StateDir, "nbd"), NodeID: d.cfg.NodeID,
-			Cluster: d.cfg.Cluster, Kernel: k, Logger: d.log, DataDial: d.cfg.DataDial,
+			Cluster: d.cfg.Cluster, Kernel: k, Logger: d.log, DataDial: d.cfg.DataDial, LocalSockets: d.cfg.LocalSockets, LocalSocketDir: d.cfg.LocalSocketDir,
 			Metrics: d.volumes,
 		})
 	}

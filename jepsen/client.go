@@ -36,6 +36,9 @@ type Request struct {
 	Volume  string   `json:"volume,omitempty"`
 	Node    string   `json:"node,omitempty"`
 	Servers []string `json:"servers,omitempty"`
+	// LocalSockets, for open: the short-circuit read sockets of the
+	// servers on this client's machine (ClusterConfig.LocalReads).
+	LocalSockets []string `json:"local_sockets,omitempty"`
 	// TLS, for open: the certificate the process presents to the control
 	// API and the data ports (the harness's operator certificate).
 	TLS pki.Files `json:"tls"`
@@ -90,6 +93,8 @@ var BrokenModes = map[string]BrokenMode{
 		Engine: rebuildFromLatestFault},
 	"unordered-rebuild": {Doc: "a rebuild's copies overwrite newer writes: they are ordered neither against the engine's writes in flight nor by the target's tracking of what was written since the rebuild began (issue 13, C)",
 		Engine: unorderedRebuild, Conn: untrackedRebuildWrites},
+	"stale-local-reads": {Doc: "a short-circuit read of the co-located server's replica uses what it read even after the server stopped vouching for the file (a snapshot cut, a newer epoch, a rebuild)",
+		Engine: func(cfg *engine.Config) { cfg.UnsafeStaleLocalReads = true }},
 }
 
 type clientProc struct {
@@ -246,6 +251,7 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 		IOTimeout:    3 * time.Second,
 		FaultTimeout: 20 * time.Second,
 		Logger:       p.log,
+		LocalReaders: engine.DialLocalReaders(ctx, req.LocalSockets, p.log),
 	}
 	if mode.Engine != nil {
 		mode.Engine(&cfg)

@@ -31,6 +31,8 @@ type Server struct {
 	Host  *Host
 	Proc  *Proc
 	Proxy *Proc
+	// LocalSocket is its short-circuit read socket (LocalReads), or "".
+	LocalSocket string
 	// proxyIn is the proxy's command pipe.
 	proxyMu sync.Mutex
 }
@@ -43,6 +45,9 @@ type ClientHost struct {
 	Name string
 	Host *Host
 	Proc *Proc
+	// Local is the server on the same machine (ClusterConfig.LocalReads),
+	// or nil.
+	Local *Server
 
 	mu      sync.Mutex
 	session *Session
@@ -66,6 +71,8 @@ type Cluster struct {
 	// present; tls is it loaded.
 	TLS pki.Files
 	tls *pki.Source
+	// sockDir holds the servers' LocalSockets.
+	sockDir string
 }
 
 // Operator is the identity of everything the harness runs besides the
@@ -99,6 +106,12 @@ type ClusterConfig struct {
 	Broken string
 	// ServerEnv is added to every server's environment.
 	ServerEnv []string
+	// LocalReads co-locates client host ci with server si (for i below
+	// both counts): the server offers short-circuit reads on a unix socket
+	// (stor-server --local-socket) and the client's engine reads its
+	// replica directly, as the CSI node plugin on a storage node does. The
+	// two are one machine: partitions never separate them (colocated).
+	LocalReads bool
 }
 
 // StartCluster creates the hosts, starts the servers and their proxies,
@@ -149,6 +162,15 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 			return nil, err
 		}
 		s := &Server{ID: id, Host: h}
+		if cfg.LocalReads {
+			// Socket paths are short (108 bytes): not under cfg.Dir.
+			if c.sockDir == "" {
+				if c.sockDir, err = os.MkdirTemp("", "stor-jepsen"); err != nil {
+					return nil, err
+				}
+			}
+			s.LocalSocket = filepath.Join(c.sockDir, id+".sock")
+		}
 		certs := pki.LocalFiles(tlsDir, pki.Identity{Role: pki.RoleServer, Name: id})
 		s.Proc = &Proc{Name: id, Host: h, Bin: cfg.ServerBin, LogPath: filepath.Join(cfg.Dir, id+".log"), Env: cfg.ServerEnv,
 			Args: []string{
@@ -162,6 +184,9 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 				"--server-down-timeout", "5s", "--capacity", "10GiB",
 				"--tls-cert", certs.Cert, "--tls-key", certs.Key, "--tls-ca", certs.CA,
 			}}
+		if s.LocalSocket != "" {
+			s.Proc.Args = append(s.Proc.Args, "--local-socket", s.LocalSocket)
+		}
 		s.Proxy = &Proc{Name: id + "-proxy", Host: h, Bin: cfg.SelfBin, LogPath: filepath.Join(cfg.Dir, id+"-proxy.log"),
 			Env: []string{"STOR_JEPSEN_ROLE=proxy"},
 			Args: []string{
@@ -190,6 +215,9 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 		h := n.Host(name)
 		ch := &ClientHost{Name: name, Host: h, Proc: &Proc{Name: name, Host: h, Bin: cfg.SelfBin,
 			LogPath: filepath.Join(cfg.Dir, name+".log"), Env: []string{"STOR_JEPSEN_ROLE=client"}}}
+		if cfg.LocalReads && i < len(c.Servers) {
+			ch.Local = c.Servers[i]
+		}
 		c.Clients = append(c.Clients, ch)
 	}
 	return c, nil
@@ -292,7 +320,11 @@ func (c *Cluster) Open(ctx context.Context, ch *ClientHost) (uint64, error) {
 		ch.session = s
 	}
 	ch.mu.Unlock()
-	r, err := s.Call(ctx, Request{Op: "open", Volume: c.Volume, Node: ch.Name, Servers: c.ServerAddrs(), TLS: c.TLS, Broken: c.Broken, TimeoutMS: 30000})
+	req := Request{Op: "open", Volume: c.Volume, Node: ch.Name, Servers: c.ServerAddrs(), TLS: c.TLS, Broken: c.Broken, TimeoutMS: 30000}
+	if ch.Local != nil {
+		req.LocalSockets = []string{ch.Local.LocalSocket}
+	}
+	r, err := s.Call(ctx, req)
 	if err != nil {
 		return 0, err
 	}
@@ -328,4 +360,18 @@ func (c *Cluster) Close() {
 		c.Control.Close()
 	}
 	c.Net.Close()
+	if c.sockDir != "" {
+		os.RemoveAll(c.sockDir)
+	}
+}
+
+// colocated reports whether hosts a and b are one machine (a client host
+// and its Local server).
+func (c *Cluster) colocated(a, b *Host) bool {
+	for _, ch := range c.Clients {
+		if ch.Local != nil && (ch.Host == a && ch.Local.Host == b || ch.Host == b && ch.Local.Host == a) {
+			return true
+		}
+	}
+	return false
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -80,6 +81,10 @@ func (p partition) Inject(ctx context.Context, r *runner, rng *rand.Rand) (strin
 		return "", err
 	}
 	var desc []string
+	pairs = slices.DeleteFunc(pairs, func(pr [2]*Host) bool { return r.c.colocated(pr[0], pr[1]) })
+	if len(pairs) == 0 {
+		return "no partition (the hosts picked are one machine)", nil
+	}
 	for _, pr := range pairs {
 		if oneway {
 			err = Drop(ctx, pr[0], pr[1])
@@ -128,10 +133,13 @@ func isolateLeader(ctx context.Context, r *runner, _ *rand.Rand) ([][2]*Host, bo
 
 var errNoLeader = errors.New("no leader right now")
 
-// isolateClientFromOne cuts the active client host off from one server.
+// isolateClientFromOne cuts the active client host off from one server
+// (not the one on its machine).
 func isolateClientFromOne(_ context.Context, r *runner, rng *rand.Rand) ([][2]*Host, bool, error) {
-	s := r.c.Servers[rng.IntN(len(r.c.Servers))]
-	return [][2]*Host{{r.active().Host, s.Host}}, false, nil
+	ch := r.active()
+	others := slices.DeleteFunc(slices.Clone(r.c.Servers), func(s *Server) bool { return s == ch.Local })
+	s := others[rng.IntN(len(others))]
+	return [][2]*Host{{ch.Host, s.Host}}, false, nil
 }
 
 // majorityRing arranges every host in a random ring in which each sees

@@ -127,17 +127,32 @@ func healthy(v *storpb.Volume) []*storpb.Replica {
 	return out
 }
 
-// rebuildSource is the replica the engine copies from: the first healthy
-// replica by id (the engine's read order, engine.readSet, with no local
-// server). It is not in the control plane's view, so this mirrors the
-// engine's rule; if the rule changes, the fault still lands on a healthy
-// replica other than the target.
-func rebuildSource(v *storpb.Volume, target string) *storpb.Replica {
+// rebuildSource is the replica the engine copies from: the healthy
+// replica on the engine's own machine (local, a server id or ""), else the
+// first healthy replica by id (the engine's read order, engine.readSet).
+// It is not in the control plane's view, so this mirrors the engine's
+// rule; if the rule changes, the fault still lands on a healthy replica
+// other than the target.
+func rebuildSource(v *storpb.Volume, target, local string) *storpb.Replica {
 	h := slices.DeleteFunc(healthy(v), func(rep *storpb.Replica) bool { return rep.Id == target })
 	if len(h) == 0 {
 		return nil
 	}
+	for _, rep := range h {
+		if local != "" && rep.ServerId == local {
+			return rep
+		}
+	}
 	return slices.MinFunc(h, func(a, b *storpb.Replica) int { return strings.Compare(a.Id, b.Id) })
+}
+
+// localServer is the id of the server on the active client's machine, or
+// "".
+func (r *runner) localServer() string {
+	if s := r.active().Local; s != nil {
+		return s.ID
+	}
+	return ""
 }
 
 func replicaIn(v *storpb.Volume, id string) *storpb.Replica {
@@ -199,10 +214,11 @@ func (r *runner) startRebuild(ctx context.Context, rng *rand.Rand) (*storpb.Repl
 }
 
 // faultServer kills s with SIGKILL or cuts it off from the active client
-// host (the engine), holds that 1-2 s, and undoes it.
+// host (the engine), holds that 1-2 s, and undoes it. A server on the
+// engine's own machine cannot be cut off from it: it is killed.
 func (r *runner) faultServer(ctx context.Context, rng *rand.Rand, s *Server, partition bool) (string, error) {
 	hold := time.Duration(1000+rng.IntN(1000)) * time.Millisecond
-	if partition {
+	if partition && s != r.active().Local {
 		ch := r.active()
 		if err := Cut(ctx, ch.Host, s.Host); err != nil {
 			return "", err
@@ -271,7 +287,7 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 		}
 		victim := now
 		if n.source {
-			if victim = rebuildSource(v, target.Id); victim == nil || len(healthy(v)) < 2 {
+			if victim = rebuildSource(v, target.Id, r.localServer()); victim == nil || len(healthy(v)) < 2 {
 				// Faulting the only healthy replica would stop the volume,
 				// not test the rebuild.
 				done = append(done, fmt.Sprintf("round %d: fewer than two healthy replicas", i+1))
@@ -490,7 +506,7 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	// the read, the wider the window in which the copy and a write to its
 	// block can interleave, unless the engine orders them.
 	if v, err := r.volume(ctx); err == nil {
-		if src := rebuildSource(v, target.Id); src != nil {
+		if src := rebuildSource(v, target.Id, r.localServer()); src != nil {
 			defer slowLink(r.server(src.ServerId))()
 		}
 	}

@@ -57,6 +57,10 @@ type RunConfig struct {
 	// tests set it: a clone of a snapshot whose recorded cut was never
 	// made can never be filled, and would hold the run for 90 s.
 	NoClones bool
+	// NoLocalReads runs without short-circuit reads: by default each
+	// client host shares a machine with a server and reads its replica
+	// directly (ClusterConfig.LocalReads).
+	NoLocalReads bool
 	// Dir receives the data dirs, logs, history and report.
 	Dir string
 	// ServerBin, SelfBin: see ClusterConfig.
@@ -431,7 +435,7 @@ func Run(ctx context.Context, cfg RunConfig) (*Report, error) {
 		return nil, err
 	}
 	c, err := StartCluster(ctx, ClusterConfig{Servers: 3, Clients: 2, ServerBin: cfg.ServerBin, SelfBin: cfg.SelfBin,
-		Dir: filepath.Join(cfg.Dir, "data"), Broken: cfg.Broken, ServerEnv: BrokenModes[cfg.Broken].ServerEnv})
+		Dir: filepath.Join(cfg.Dir, "data"), Broken: cfg.Broken, ServerEnv: BrokenModes[cfg.Broken].ServerEnv, LocalReads: !cfg.NoLocalReads})
 	if err != nil {
 		return nil, err
 	}

@@ -30,4 +30,7 @@ var (
 	ErrHistoryLost = errors.New("replica: write history lost")
 	// ErrClosed: the replica or store was closed.
 	ErrClosed = errors.New("replica: closed")
+	// ErrNotDirect: the replica cannot be read directly (short-circuit)
+	// now; read it through its server (shortcircuit.go).
+	ErrNotDirect = errors.New("replica: not readable directly")
 )

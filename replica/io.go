@@ -350,6 +350,9 @@ func (r *Replica) growLocked(size uint64) error {
 	case size == cur:
 		return nil
 	}
+	if err := r.invalidateDirect("grown"); err != nil {
+		return err
+	}
 	m := r.meta.clone()
 	m.Size = size
 	if err := writeMeta(r.fs, r.dir, m); err != nil {

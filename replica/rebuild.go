@@ -41,6 +41,9 @@ func (r *Replica) BeginRebuild(o Op) error {
 	}
 	defer r.mu.Unlock()
 	if r.rebuild == nil {
+		if err := r.invalidateDirect("rebuild begun"); err != nil {
+			return err
+		}
 		r.rebuild = &rebuildState{}
 		r.log.Info("rebuild begun")
 	}

@@ -58,6 +58,9 @@ type Replica struct {
 
 	snapMu sync.Mutex // serialises DeleteSnapshot
 
+	directMu sync.Mutex // serialises the read generation file (shortcircuit.go)
+	noDirect bool       // the head could not be scrubbed at open: no direct reads (shortcircuit.go)
+
 	cache   *fileCache    // the store's; nil: the files stay open until Close
 	lastUse atomic.Uint64 // cache.clock at the latest request
 	pins    atomic.Int64  // Pin calls not yet undone: the cache does not close the files
@@ -71,6 +74,9 @@ type failure struct{ err error }
 func (r *Replica) fail(err error) error {
 	if r.failure.CompareAndSwap(nil, &failure{err}) {
 		r.log.Error("replica failed: refusing all further requests until reopened", "err", err)
+		if ierr := r.invalidateDirect("replica failed"); ierr != nil {
+			r.log.Error("short-circuit reads of the failed replica could not be invalidated", "err", ierr)
+		}
 	}
 	return err
 }
@@ -155,6 +161,10 @@ func openReplica(fsys FS, dir string, log *slog.Logger) (_ *Replica, err error) 
 		r.layers = append(r.layers, l)
 	}
 	r.removeOrphans()
+	// A new process: short-circuit reads opened by the last one end.
+	if err := r.invalidateDirect("opened"); err != nil {
+		return nil, err
+	}
 
 	nregions := r.regionCount(m.Size)
 	if r.dirty, err = openDirtyLog(fsys, filepath.Join(dir, dirtyName), m.RegionSize, nregions); err != nil {
@@ -163,6 +173,7 @@ func openReplica(fsys FS, dir string, log *slog.Logger) (_ *Replica, err error) 
 	if err := r.openHistory(nregions); err != nil {
 		return nil, err
 	}
+	r.scrubHeadLocked()
 	r.filesOpen = true
 	return r, nil
 }
@@ -352,6 +363,9 @@ func (r *Replica) raiseEpochLocked(epoch uint64) error {
 	if epoch == cur {
 		return nil
 	}
+	if err := r.invalidateDirect("epoch raised"); err != nil {
+		return err
+	}
 	r.genMu.Lock()
 	defer r.genMu.Unlock()
 	next := r.epochSt
@@ -406,6 +420,7 @@ func (r *Replica) Close() error {
 	}
 	r.closed = true
 	var errs []error
+	errs = append(errs, r.invalidateDirect("closed"))
 	if r.filesOpen && r.failure.Load() == nil {
 		// (Files closed while idle were synced before they were closed.)
 		errs = append(errs, r.flushLocked())

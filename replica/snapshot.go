@@ -40,6 +40,9 @@ func (r *Replica) CreateSnapshot(o Op, id string) error {
 		return err
 	}
 
+	if err := r.invalidateDirect("snapshot cut"); err != nil {
+		return err
+	}
 	m := r.meta.clone()
 	newID := m.NextLayer
 	nl, err := createLayer(r.fs, r.dir, newID)
@@ -171,6 +174,10 @@ func (r *Replica) DeleteSnapshot(o Op, id string) error {
 		return err
 	}
 	i = slices.Index(r.layers, l)
+	if err := r.invalidateDirect("snapshot layer dropped"); err != nil {
+		r.mu.Unlock()
+		return err
+	}
 	m := r.meta.clone()
 	m.Layers = slices.Delete(m.Layers, i, i+1)
 	if err := writeMeta(r.fs, r.dir, m); err != nil {

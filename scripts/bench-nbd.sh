@@ -10,6 +10,19 @@
 #            stor-ctl nbd serve
 #   stor-r3  a 3-replica volume of the same cluster, the same way
 #
+# Every server offers short-circuit reads (stor-server --local-socket), and
+# with BENCH_LOCAL=1 (the default) two more targets use them:
+#
+#   stor-r1-local, stor-r3-local   as stor-r1 and stor-r3 (their own volumes
+#            of the same cluster), served by stor-ctl nbd serve with
+#            --local-socket of all three servers: every server is on this
+#            host, so whichever replica a read goes to is read from its
+#            files by nbd serve itself (replica/localread)
+#
+# They run the read workloads only (their writes take the same path as
+# stor-r1's and stor-r3's); a third table compares them with nbdkit and
+# with the reads through the servers.
+#
 # With BENCH_TLS=1, a second 3-server cluster runs beside the first with
 # mutual TLS on every port (its CA and certificates made by stor-ctl certs
 # local), and two more targets are served from it by stor-ctl nbd serve
@@ -69,13 +82,14 @@
 #                         removed at the end unless BENCH_KEEP=1 (after a
 #                         failure only the logs are kept)
 #   BENCH_OUT [bench-results]  where the result files go
-#   BENCH_DEADLINE [900]  seconds; no new fio run starts after this
+#   BENCH_DEADLINE [1200] seconds; no new fio run starts after this
 #   BENCH_OTHERS [qemu-system]  pgrep -f pattern of other heavy work on the
 #                         machine (a VM test): how many such processes ran
 #                         at the start of each run is recorded
 #   BENCH_QUIET_WAIT [0]  seconds: before each run, wait at most this long
 #                         while a BENCH_OTHERS process runs (the wait does
 #                         not count towards BENCH_DEADLINE)
+#   BENCH_LOCAL [1]       0: without the two short-circuit read targets
 #   BENCH_TLS [0]         1: also the TLS cluster and its two targets
 #                         (ports BENCH_PORT+30 to +52)
 #   BENCH_HOLD [0]        1: after the cluster, the servers and the
@@ -102,14 +116,19 @@ numjobs=${BENCH_NUMJOBS:-1}
 size_mib=${BENCH_SIZE_MIB:-1024}
 port=${BENCH_PORT:-27400}
 out_dir=${BENCH_OUT:-bench-results}
-deadline=${BENCH_DEADLINE:-900}
+deadline=${BENCH_DEADLINE:-1200}
 others_pattern=${BENCH_OTHERS:-qemu-system}
 quiet_wait=${BENCH_QUIET_WAIT:-0}
 all_workloads="randwrite-4k-qd32 randread-4k-qd32 write-1m-qd8 read-1m-qd8 randwrite-4k-qd1"
 workloads=${BENCH_WORKLOADS:-$all_workloads}
 targets=(nbdkit stor-r1 stor-r3)
 tls=${BENCH_TLS:-0}
+local_reads=${BENCH_LOCAL:-1}
 stor_targets=(stor-r1 stor-r3)
+if [[ $local_reads == 1 ]]; then
+	targets+=(stor-r1-local stor-r3-local)
+	stor_targets+=(stor-r1-local stor-r3-local)
+fi
 if [[ $tls == 1 ]]; then
 	targets+=(stor-r1-tls stor-r3-tls)
 	stor_targets+=(stor-r1-tls stor-r3-tls)
@@ -251,7 +270,8 @@ start_cluster() {
 	for i in 1 2 3; do
 		p=$((first + 10 * (i - 1)))
 		args=(--id "bench-$name$i" --data-dir "$dir/$name$i" --log-level warn
-			--listen "127.0.0.1:$p" --raft-listen "127.0.0.1:$((p + 1))" --data-listen "127.0.0.1:$((p + 2))")
+			--listen "127.0.0.1:$p" --raft-listen "127.0.0.1:$((p + 1))" --data-listen "127.0.0.1:$((p + 2))"
+			--local-socket "$dir/$name$i.lsock")
 		((i > 1)) && args+=(--join "127.0.0.1:$first")
 		if [[ $name == t ]]; then
 			args+=(--tls-cert "$tls_dir/server-bench-t$i.crt" --tls-key "$tls_dir/server-bench-t$i.key" --tls-ca "$tls_dir/ca.crt")
@@ -278,20 +298,29 @@ start_cluster() {
 
 # serve SUFFIX REPLICAS CTL...: a volume bench-rREPLICAS served by stor-ctl
 # nbd serve on $dir/rREPLICAS<SUFFIX>.sock: target stor-rREPLICAS<SUFFIX>.
+# SUFFIX -local: the volume bench-rREPLICAS-local, read directly from the
+# servers' files (--local-socket).
 declare -A uri
 serve() {
-	local sfx=$1 r=$2
+	local sfx=$1 r=$2 vol=bench-r$2 extra=()
 	shift 2
-	"$@" --timeout 30s volume create "bench-r$r" --size "${size_mib}MiB" --replicas "$r" >/dev/null
-	setsid "$@" --timeout 30s nbd serve "bench-r$r" --node bench-nbd \
+	if [[ $sfx == -local ]]; then
+		vol=bench-r$r-local
+		extra=(--local-socket "$dir/s1.lsock" --local-socket "$dir/s2.lsock" --local-socket "$dir/s3.lsock")
+	fi
+	"$@" --timeout 30s volume create "$vol" --size "${size_mib}MiB" --replicas "$r" >/dev/null
+	setsid "$@" --timeout 30s nbd serve "$vol" --node bench-nbd "${extra[@]}" \
 		--listen "unix:$dir/r$r$sfx.sock" >"$dir/serve-r$r$sfx.log" 2>&1 &
 	serve_pids+=($!)
-	uri[stor-r$r$sfx]="nbd+unix:///bench-r$r?socket=$dir/r$r$sfx.sock"
+	uri[stor-r$r$sfx]="nbd+unix:///$vol?socket=$dir/r$r$sfx.sock"
 }
 
 start_cluster s "$port" "${ctl[@]}"
 for r in 1 3; do
 	serve "" "$r" "${ctl[@]}"
+	if [[ $local_reads == 1 ]]; then
+		serve -local "$r" "${ctl[@]}"
+	fi
 done
 if [[ $tls == 1 ]]; then
 	bin/stor-ctl certs local --dir "$tls_dir" --server bench-t1,bench-t2,bench-t3 >/dev/null
@@ -417,6 +446,9 @@ for ((rep = 1; rep <= runs; rep++)); do
 	for w in $workloads; do
 		for ((k = 0; k < ${#targets[@]}; k++)); do
 			t=${targets[(k + rep - 1) % ${#targets[@]}]}
+			if [[ $t == *-local && $w != *read* ]]; then
+				continue # writes: the same path as the target without -local
+			fi
 			wait_quiet
 			if ((SECONDS - bench_start - waited > deadline)); then
 				log "BENCH_DEADLINE (${deadline}s) passed: stopping"
@@ -471,11 +503,12 @@ summary=$(jq -s \
 		elif length % 2 == 1 then .[length / 2 | floor]
 		else (.[length / 2 - 1] + .[length / 2]) / 2 end;
 	def rows: [
-		{w: "randwrite-4k-qd32", m: "iops", unit: "IOPS", higher: true, targets: {"stor-r1": 0.9, "stor-r3": 0.5}},
-		{w: "randread-4k-qd32", m: "iops", unit: "IOPS", higher: true, targets: {"stor-r3": 1.0}},
+		{w: "randwrite-4k-qd32", m: "iops", unit: "IOPS", higher: true, targets: {"stor-r1": 1.0, "stor-r3": 0.6}},
+		{w: "randread-4k-qd32", m: "iops", unit: "IOPS", higher: true, targets: {"stor-r1": 0.9, "stor-r3": 0.9, "stor-r1-local": 1.0, "stor-r3-local": 1.0}},
 		{w: "write-1m-qd8", m: "mib_s", unit: "MiB/s", higher: true, targets: {"stor-r3": 0.5}},
-		{w: "read-1m-qd8", m: "mib_s", unit: "MiB/s", higher: true, targets: {"stor-r3": 0.9}},
-		{w: "randwrite-4k-qd1", m: "p50_us", unit: "µs p50", higher: false, targets: {"stor-r3": 2.0}},
+		{w: "read-1m-qd8", m: "mib_s", unit: "MiB/s", higher: true, targets: {"stor-r1": 0.9, "stor-r3": 0.9, "stor-r1-local": 0.9, "stor-r3-local": 0.9}},
+		{w: "randwrite-4k-qd1", m: "mean_us", unit: "µs mean", higher: false, targets: {"stor-r3": 2.5}},
+		{w: "randwrite-4k-qd1", m: "p50_us", unit: "µs p50", higher: false, targets: {}},
 		{w: "randwrite-4k-qd1", m: "p99_us", unit: "µs p99", higher: false, targets: {}}
 	];
 	. as $runs
@@ -499,7 +532,7 @@ summary=$(jq -s \
 			   stor: ([$stor_targets[] as $t
 				| [$runs[] | select(.workload == $r.w and .target == $t) | .[$r.m]] as $all
 				| ($all | median) as $v
-				| {($t): {median: $v, min: ($all | min), max: ($all | max), ratio: (if $base > 0 then $v / $base else null end),
+				| {($t): {median: $v, min: ($all | min), max: ($all | max), ratio: (if $v == null or $base == null or $base == 0 then null else $v / $base end),
 					target: $r.targets[$t],
 					result: (if $r.targets[$t] == null or $v == null then null
 						elif $r.higher and ($v / $base) >= $r.targets[$t] then "PASS"
@@ -519,6 +552,22 @@ table=$(jq -r '
 	(.rows[] | .higher_is_better as $h
 	 | "| \(.workload) | \(.unit) | \(cell(.nbdkit; .nbdkit_min; .nbdkit_max)) | \(.stor["stor-r1"] | cell(.median; .min; .max)) | \(.stor["stor-r1"].ratio | ratio) | \(.stor["stor-r1"].target | goal($h)) | \(.stor["stor-r1"].result // "") | \(.stor["stor-r3"] | cell(.median; .min; .max)) | \(.stor["stor-r3"].ratio | ratio) | \(.stor["stor-r3"].target | goal($h)) | \(.stor["stor-r3"].result // "") |")
 ' <<<"$summary")
+
+if [[ $local_reads == 1 ]]; then
+	table+=$'\n\n'$(jq -r '
+	def num: if . == null then "-" elif . >= 100 then (. | round | tostring)
+		else ((. * 10 | round) / 10 | tostring) end;
+	def ratio: if . == null then "-" else ((. * 100 | round) / 100 | tostring) + "×" end;
+	def goal: if . == null then "" else "≥ \(.)×" end;
+	def cell($m; $lo; $hi): "\($m | num) [\($lo | num)–\($hi | num)]";
+	"Short-circuit reads (every server on this host; the same run, interleaved): medians [range], ratio to nbdkit",
+	"",
+	"| workload | metric | nbdkit file | stor 1-replica, direct | ratio | target | | stor 3-replica, direct | ratio | target | |",
+	"|---|---|--:|--:|--:|---|---|--:|--:|---|---|",
+	(.rows[] | select(.workload | test("read")) | .stor as $s
+	 | "| \(.workload) | \(.unit) | \(cell(.nbdkit; .nbdkit_min; .nbdkit_max)) | \($s["stor-r1-local"] | cell(.median; .min; .max)) | \($s["stor-r1-local"].ratio | ratio) | \($s["stor-r1-local"].target | goal) | \($s["stor-r1-local"].result // "") | \($s["stor-r3-local"] | cell(.median; .min; .max)) | \($s["stor-r3-local"].ratio | ratio) | \($s["stor-r3-local"].target | goal) | \($s["stor-r3-local"].result // "") |")
+	' <<<"$summary")
+fi
 
 if [[ $tls == 1 ]]; then
 	table+=$'\n\n'$(jq -r '

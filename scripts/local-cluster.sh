@@ -7,7 +7,9 @@
 #   s3  control 7420, raft 7421, data 7422 (joins s1)
 #
 # Each also serves /metrics, /healthz and /readyz on control+3 (7403, 7413,
-# 7423): curl http://127.0.0.1:7403/metrics.
+# 7423): curl http://127.0.0.1:7403/metrics, and short-circuit reads on the
+# unix socket $data/ID.sock (a stor-ctl nbd serve given --local-socket for
+# them reads the replicas from their files; they all are on this machine).
 #
 # Data and logs go to ./stor-data/s1 ... (or $STOR_DATA/s1 ...). Run it again
 # and the servers resume with their state; remove the directory to start
@@ -64,6 +66,7 @@ start() {
 	local args=(--id "$id" --data-dir "$data/$id"
 		--listen "127.0.0.1:$port" --raft-listen "127.0.0.1:$((port + 1))" --data-listen "127.0.0.1:$((port + 2))"
 		--metrics-listen "127.0.0.1:$((port + 3))"
+		--local-socket "$(cd "$data" && pwd)/$id.sock"
 		--tls-cert "$data/tls/server-$id.crt" --tls-key "$data/tls/server-$id.key" --tls-ca "$data/tls/ca.crt")
 	if [[ -n $join ]]; then
 		args+=(--join "$join")
@@ -117,6 +120,11 @@ In another shell:
   bin/stor-ctl server list
   bin/stor-ctl volume create db --size 10GiB --replicas 3
   bin/stor-ctl volume list
+
+To serve a volume over NBD here, reading its replicas directly from the
+servers' files (short-circuit reads) and writing through the servers:
+  bin/stor-ctl nbd serve db --listen unix:/tmp/db.sock \\
+    --local-socket $(cd "$data" && pwd)/s1.sock --local-socket $(cd "$data" && pwd)/s2.sock --local-socket $(cd "$data" && pwd)/s3.sock
 
 Without --server or \$STOR_SERVER, stor-ctl asks 127.0.0.1:7400 (s1) only.
 The servers run with GOMAXPROCS=$GOMAXPROCS (their share of this machine's

@@ -73,6 +73,11 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	fs.StringVar(&cfg.DriverName, "driver-name", cfg.DriverName, "CSI driver name (and topology key suffix)")
 	fs.StringVar(&cfg.StateDir, "state-dir", "", "node: where staged volumes are recorded, for restart recovery (default "+csi.DefaultStateDir+")")
 	fs.StringVar(&cfg.Zone, "zone", "", "node: this node's zone (topology segment topology.<driver-name>/zone)")
+	fs.Func("local-socket", "node: short-circuit read socket of a stor-server on this node (its --local-socket); its replicas of a staged volume are read directly from its files (repeatable)", func(s string) error {
+		cfg.LocalSockets = append(cfg.LocalSockets, s)
+		return nil
+	})
+	fs.StringVar(&cfg.LocalSocketDir, "local-socket-dir", "", "node: a directory of stor-servers' short-circuit read sockets (*.sock), looked at on each attach (deploy/ shares /var/lib/stor-local with the servers)")
 	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", 0, fmt.Sprintf("node: volumes this node may stage (the nbd module's device count); registered with the cluster, where the controller enforces it (default %d)", csi.DefaultMaxVolumesPerNode))
 	fs.StringVar(&cfg.Version, "version", cfg.Version, "vendor version reported by GetPluginInfo")
 	pvcEvents := fs.Bool("pvc-events", false, "controller: post stor's events about a claim's volume (faults, rebuilds, attaches) as Kubernetes Events on the claim; one controller posts, the holder of the Lease "+pvcevents.LeaseName)

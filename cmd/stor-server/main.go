@@ -55,6 +55,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	fs.StringVar(&cfg.Advertise, "advertise", "", "control address others dial (default: the bound --listen address)")
 	fs.StringVar(&cfg.RaftAdvertise, "raft-advertise", "", "Raft address others dial (default: the bound --raft-listen address)")
 	fs.StringVar(&cfg.DataAdvertise, "data-advertise", "", "data address others dial (default: --data-listen)")
+	fs.StringVar(&cfg.LocalSocket, "local-socket", "", "unix socket on which volume engines on this host get short-circuit reads of this server's replicas (mode 0600; default: none)")
 	join := fs.String("join", "", "comma-separated control addresses of existing members; empty bootstraps a new cluster")
 	fs.StringVar(&cfg.Zone, "zone", "", "zone of this server, for replica placement")
 	fs.StringVar(&cfg.KubernetesNode, "k8s-node", "", "the Kubernetes node this server runs on (the pod's spec.nodeName): a volume provisioned for a pod on that node gets a replica here")

@@ -123,6 +123,9 @@ type Config struct {
 	Control engine.ControlPlane
 	// Connect opens replicas; required.
 	Connect engine.Connector
+	// LocalReaders give short-circuit reads of the replicas of servers on
+	// this host (engine.Config.LocalReaders).
+	LocalReaders []engine.LocalReader
 	// Timeout bounds attaching (engine.Open, netlink) and the final flush
 	// and detach. Default DefaultTimeout.
 	Timeout time.Duration
@@ -280,7 +283,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		// attached to another node meanwhile, it is that node's now and
 		// the resume is refused rather than fencing it.
 		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly, RequireAttached: cfg.RequireAttached,
-		Control: cfg.Control, Connect: cfg.Connect, Logger: log,
+		Control: cfg.Control, Connect: cfg.Connect, Logger: log, LocalReaders: cfg.LocalReaders,
 	})
 	cancel()
 	if err != nil {
@@ -312,7 +315,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		return nil, err
 	}
 
-	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress})
+	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress, ShortCircuitReads: eng.ShortCircuitReads})
 	at := &Attachment{
 		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(), removeMetrics: removeMetrics,
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,

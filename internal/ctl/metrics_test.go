@@ -188,7 +188,7 @@ func TestMetricsUnderIO(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a 3-server cluster; skipped with -short")
 	}
-	c := servertest.NewCluster(t, servertest.Options{Configure: func(_ int, cfg *server.Config) {
+	c := servertest.NewCluster(t, servertest.Options{LocalSockets: true, Configure: func(_ int, cfg *server.Config) {
 		cfg.MetricsListen = "127.0.0.1:0"
 	}})
 	c.WaitMembers(3, 30*time.Second)
@@ -231,7 +231,10 @@ func TestMetricsUnderIO(t *testing.T) {
 	}
 
 	sock := filepath.Join(t.TempDir(), "met.sock")
-	s := startNBDServe(t, c, "met", "--listen", "unix:"+sock, "--node", "test-node", "--metrics-listen", "127.0.0.1:0", "--log-format", "json")
+	// Every server runs on this host: nbd serve reads whichever replica
+	// it reads from directly (short-circuit).
+	s := startNBDServe(t, c, "met", "--listen", "unix:"+sock, "--node", "test-node", "--metrics-listen", "127.0.0.1:0", "--log-format", "json",
+		"--local-socket", c.Nodes[0].LocalSocket, "--local-socket", c.Nodes[1].LocalSocket, "--local-socket", c.Nodes[2].LocalSocket)
 	addr := serveMetricsAddr(t, s)
 	if code, body := getHTTP(t, addr, "/readyz"); code != http.StatusOK {
 		t.Fatalf("nbd serve /readyz while serving: %d %s", code, body)
@@ -291,6 +294,9 @@ func TestMetricsUnderIO(t *testing.T) {
 	}
 	if v := must(t, m1, "stor_volume_rebuild_copied_bytes_total", "volume", "met"); v != 0 {
 		t.Errorf("rebuild bytes copied with no rebuild: %v", v)
+	}
+	if v := must(t, m1, "stor_volume_short_circuit_reads_total", "volume", "met"); v != blocks {
+		t.Errorf("short-circuit reads: %v, want all %d (every server is local)", v, blocks)
 	}
 	if v := must(t, m1, "stor_volume_inflight_ops", "volume", "met"); v != 0 {
 		t.Errorf("in-flight ops with none outstanding: %v", v)

@@ -38,6 +38,21 @@ type volumeEnv struct {
 	Logger  *slog.Logger
 	// Metrics gets the volume's series; nil without --metrics-listen.
 	Metrics *metrics.Volumes
+	// LocalReaders reach the --local-socket servers (short-circuit reads).
+	LocalReaders []engine.LocalReader
+}
+
+// volumeFlags are the flags every command that serves a volume has.
+type volumeFlags struct {
+	metricsListen string
+	localSockets  []string
+}
+
+// addVolumeFlags adds --metrics-listen and --local-socket to a command
+// that serves a volume.
+func addVolumeFlags(cmd *cobra.Command, f *volumeFlags) {
+	addMetricsFlag(cmd, &f.metricsListen)
+	cmd.Flags().StringArrayVar(&f.localSockets, "local-socket", nil, `short-circuit read socket of a stor-server on this host (its --local-socket): that server's replicas of the volume are read directly from its files; repeat for several servers`)
 }
 
 // addMetricsFlag adds --metrics-listen to a command that serves a volume.
@@ -52,7 +67,8 @@ func addMetricsFlag(cmd *cobra.Command, addr *string) {
 // long). With metricsListen it serves the volume's metrics there (package
 // metrics) while run runs. A gRPC error from run is described with the
 // addresses tried.
-func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, metricsListen string, run func(context.Context, volumeEnv) error) error {
+func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, flags volumeFlags, run func(context.Context, volumeEnv) error) error {
+	metricsListen := flags.metricsListen
 	if *nodeID == "" {
 		host, err := os.Hostname()
 		if err != nil {
@@ -94,6 +110,7 @@ func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, 
 	}
 	ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	env.LocalReaders = engine.DialLocalReaders(ctx, flags.localSockets, logger)
 	context.AfterFunc(ctx, stop)
 	if err := run(ctx, env); err != nil {
 		if st, ok := grpcCause(err); ok {
@@ -115,7 +132,7 @@ func newNBDCommand(a *app) *cobra.Command {
 
 func newNBDServeCommand(a *app) *cobra.Command {
 	var cfg nbdServeConfig
-	var metricsListen string
+	var vflags volumeFlags
 	cmd := &cobra.Command{
 		Use:   "serve VOLUME [--listen ADDR]",
 		Short: "Attach a volume here and serve it over NBD until interrupted",
@@ -147,9 +164,9 @@ needs --allow-remote.
 				}
 				fmt.Fprintf(a.stderr, "stor-ctl: warning: --listen %s is reachable from other hosts; NBD has no authentication or encryption: anyone who can connect can read and overwrite volume %q\n", cfg.Listen, cfg.Volume)
 			}
-			return a.runVolumeCommand(cmd, "nbd serve", &cfg.NodeID, metricsListen, func(ctx context.Context, env volumeEnv) error {
+			return a.runVolumeCommand(cmd, "nbd serve", &cfg.NodeID, vflags, func(ctx context.Context, env volumeEnv) error {
 				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
-				cfg.Metrics = env.Metrics
+				cfg.Metrics, cfg.LocalReaders = env.Metrics, env.LocalReaders
 				return runNBDServe(ctx, cfg)
 			})
 		},
@@ -163,7 +180,7 @@ needs --allow-remote.
 	f.IntVar(&cfg.MaxConns, "max-conns", nbd.DefaultMaxConns, "NBD connections served at once (more are closed)")
 	f.DurationVar(&cfg.IdleTimeout, "idle-timeout", 0, "close an NBD connection that sends nothing for this long (0: never; NBD has no keepalive)")
 	addIDFlag(cmd, &cfg.VolumeIsID, "VOLUME")
-	addMetricsFlag(cmd, &metricsListen)
+	addVolumeFlags(cmd, &vflags)
 	return cmd
 }
 
@@ -183,6 +200,8 @@ type nbdServeConfig struct {
 
 	Control engine.ControlPlane
 	Connect engine.Connector
+	// LocalReaders give short-circuit reads of local servers' replicas.
+	LocalReaders []engine.LocalReader
 	// Timeout bounds attaching (engine.Open) and the final flush and
 	// detach. Default 10s.
 	Timeout time.Duration
@@ -226,7 +245,7 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 	eng, err := engine.Open(openCtx, engine.Config{
 		Volume: cfg.Volume, VolumeIsID: cfg.VolumeIsID, NodeID: cfg.NodeID,
 		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly,
-		Control: cfg.Control, Connect: cfg.Connect, Logger: cfg.Logger,
+		Control: cfg.Control, Connect: cfg.Connect, Logger: cfg.Logger, LocalReaders: cfg.LocalReaders,
 	})
 	cancel()
 	if err != nil {
@@ -250,7 +269,7 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 		closeEngine(cfg, eng)
 		return err
 	}
-	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress})
+	cfg.Metrics.SetSources(eng.Name(), metrics.Sources{NBDConns: srv.Conns, Rebuild: eng.RebuildProgress, ShortCircuitReads: eng.ShortCircuitReads})
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 

@@ -16,7 +16,7 @@ import (
 
 func newNBDAttachCommand(a *app) *cobra.Command {
 	var cfg nbdAttachConfig
-	var metricsListen string
+	var vflags volumeFlags
 	cmd := &cobra.Command{
 		Use:   "attach VOLUME [--connections N] [--state-dir DIR] [--takeover]",
 		Short: "Attach a volume here as a kernel block device (/dev/nbdN) and serve it until interrupted",
@@ -68,9 +68,9 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 			if (cfg.IOTimeout != 0 && cfg.IOTimeout < time.Second) || cfg.DeadConnTimeout < time.Second {
 				return usageErrorf("--io-timeout (unless 0) and --dead-conn-timeout must be at least 1s")
 			}
-			return a.runVolumeCommand(cmd, "nbd attach", &cfg.NodeID, metricsListen, func(ctx context.Context, env volumeEnv) error {
+			return a.runVolumeCommand(cmd, "nbd attach", &cfg.NodeID, vflags, func(ctx context.Context, env volumeEnv) error {
 				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
-				cfg.Metrics = env.Metrics
+				cfg.Metrics, cfg.LocalReaders = env.Metrics, env.LocalReaders
 				return runNBDAttach(ctx, cfg)
 			})
 		},
@@ -84,7 +84,7 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 	f.DurationVar(&cfg.IOTimeout, "io-timeout", 0, "kernel request timeout: a request unanswered this long is resent on a new connection, slow or not; 0: none (a restart resends requests in flight within one to two seconds; a slow request is never dropped)")
 	f.DurationVar(&cfg.DeadConnTimeout, "dead-conn-timeout", kernel.DefaultDeadConnTimeout, "how long the kernel holds I/O while no connection is alive (a restart must come within it)")
 	addIDFlag(cmd, &cfg.VolumeIsID, "VOLUME")
-	addMetricsFlag(cmd, &metricsListen)
+	addVolumeFlags(cmd, &vflags)
 	return cmd
 }
 

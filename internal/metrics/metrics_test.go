@@ -44,7 +44,7 @@ func TestVolumesSeriesEndAtRemove(t *testing.T) {
 	ctx := context.Background()
 
 	dev, remove := v.Add("a", nullDevice{})
-	v.SetSources("a", metrics.Sources{NBDConns: func() int { return 2 }, Rebuild: func() (int64, int64) { return 3 << 20, 1 << 20 }})
+	v.SetSources("a", metrics.Sources{NBDConns: func() int { return 2 }, Rebuild: func() (int64, int64) { return 3 << 20, 1 << 20 }, ShortCircuitReads: func() int64 { return 7 }})
 	v.SetSources("never-added", metrics.Sources{NBDConns: func() int { return 9 }})
 	dev.WriteAt(ctx, make([]byte, 4096), 0, false)
 	dev.ReadAt(ctx, make([]byte, 512), 0)
@@ -70,6 +70,7 @@ func TestVolumesSeriesEndAtRemove(t *testing.T) {
 		{`stor_nbd_connections{volume="a"}`, 2},
 		{`stor_volume_rebuild_copied_bytes_total{volume="a"}`, 3 << 20},
 		{`stor_volume_rebuild_remaining_bytes{volume="a"}`, 1 << 20},
+		{`stor_volume_short_circuit_reads_total{volume="a"}`, 7},
 	} {
 		if got := value(t, reg, tc.series); got != tc.want {
 			t.Errorf("%s = %v, want %v", tc.series, got, tc.want)

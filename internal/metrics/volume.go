@@ -28,6 +28,7 @@ var (
 	nbdConnsDesc            = prometheus.NewDesc("stor_nbd_connections", "NBD connections to the volume's export.", []string{"volume"}, nil)
 	volumeRebuildCopiedDesc = prometheus.NewDesc("stor_volume_rebuild_copied_bytes_total", "Bytes the volume's engine copied into rebuilding replicas; rate() is the rebuild rate.", []string{"volume"}, nil)
 	volumeRebuildLeftDesc   = prometheus.NewDesc("stor_volume_rebuild_remaining_bytes", "Bytes the volume's running rebuilds have left to copy.", []string{"volume"}, nil)
+	volumeShortCircuitDesc  = prometheus.NewDesc("stor_volume_short_circuit_reads_total", "Reads the volume's engine served directly from a local replica's files (short-circuit; at most 1 MiB each), not through its server.", []string{"volume"}, nil)
 )
 
 // Sources are what Volumes reads of a served volume at each scrape; a nil
@@ -39,6 +40,9 @@ type Sources struct {
 	// Rebuild reports the bytes the engine's rebuilds copied and have
 	// left (engine.Engine.RebuildProgress).
 	Rebuild func() (copied, remaining int64)
+	// ShortCircuitReads counts the reads served from a local replica's
+	// files (engine.Engine.ShortCircuitReads).
+	ShortCircuitReads func() int64
 }
 
 // Volumes holds the per-volume I/O series of the volumes this process has
@@ -90,6 +94,7 @@ func (v *Volumes) Describe(ch chan<- *prometheus.Desc) {
 	ch <- nbdConnsDesc
 	ch <- volumeRebuildCopiedDesc
 	ch <- volumeRebuildLeftDesc
+	ch <- volumeShortCircuitDesc
 }
 
 // Collect implements prometheus.Collector.
@@ -109,6 +114,9 @@ func (v *Volumes) Collect(ch chan<- prometheus.Metric) {
 			copied, left := src.Rebuild()
 			ch <- prometheus.MustNewConstMetric(volumeRebuildCopiedDesc, prometheus.CounterValue, float64(copied), name)
 			ch <- prometheus.MustNewConstMetric(volumeRebuildLeftDesc, prometheus.GaugeValue, float64(left), name)
+		}
+		if src.ShortCircuitReads != nil {
+			ch <- prometheus.MustNewConstMetric(volumeShortCircuitDesc, prometheus.CounterValue, float64(src.ShortCircuitReads()), name)
 		}
 	}
 }

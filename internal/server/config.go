@@ -42,6 +42,10 @@ type Config struct {
 	// DataAdvertise is the data address engines and other servers dial.
 	// Default: the address DataListen bound.
 	DataAdvertise string
+	// LocalSocket, if set, is a unix socket (mode 0600) on which volume
+	// engines on this host obtain short-circuit reads of this server's
+	// replicas (replica/localread). Default: none.
+	LocalSocket string
 	// Join lists control addresses of existing members. Empty: bootstrap a
 	// new cluster when the data dir is new. Not empty: join through them,
 	// except that an ID ending in -0 (StatefulSet ordinal 0) bootstraps;

@@ -14,6 +14,7 @@ import (
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/localread"
 	"github.com/stor-io/stor/replica/wire"
 )
 
@@ -41,6 +42,7 @@ type dataPlane struct {
 	store *replica.Store
 	wire  *wire.Server
 	lis   net.Listener
+	local *localread.Server // nil without Config.LocalSocket
 
 	mu         sync.Mutex
 	rebuilding map[string]bool // replica ids with a detached rebuild running
@@ -92,6 +94,23 @@ func (s *Server) startDataPlane() error {
 		store.Close()
 		return err
 	}
+	if cfg.LocalSocket != "" {
+		ln, err := localread.Listen(cfg.LocalSocket)
+		if err != nil {
+			d.lis.Close()
+			store.Close()
+			return fmt.Errorf("server: --local-socket: %w", err)
+		}
+		d.local = localread.NewServer(store, cfg.ID, s.logger)
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			if err := d.local.Serve(ln); err != nil && s.ctx.Err() == nil {
+				s.logger.Error("short-circuit read service stopped", "err", err)
+			}
+		}()
+		s.logger.Info("short-circuit reads served", "socket", cfg.LocalSocket)
+	}
 	s.data = d
 	d.wg.Add(2)
 	go func() {
@@ -111,6 +130,9 @@ func (s *Server) startDataPlane() error {
 // closes the store. The server's context is already cancelled.
 func (d *dataPlane) close() error {
 	err := d.wire.Close()
+	if d.local != nil {
+		d.local.Close()
+	}
 	d.wg.Wait()
 	return errors.Join(err, d.store.Close())
 }

@@ -40,6 +40,9 @@ type Options struct {
 	// from the cluster's CA (server.NodeCertConfig's issuer files; the
 	// caller's Configure sets the Reviewer).
 	NodeIssuer bool
+	// LocalSockets gives every server a short-circuit read socket
+	// (server.Config.LocalSocket; Node.LocalSocket, Cluster.LocalReaders).
+	LocalSockets bool
 }
 
 // Node is one server of a Cluster. Its addresses and data dir survive
@@ -51,6 +54,9 @@ type Node struct {
 	Addr     string // control address
 	RaftAddr string
 	DataAddr string // replica data service
+	// LocalSocket is the server's short-circuit read socket (with
+	// Options.LocalSockets).
+	LocalSocket string
 
 	mu     sync.Mutex
 	srv    *server.Server
@@ -143,6 +149,16 @@ func (c *Cluster) AddNode() *Node {
 		if c.opts.NodeIssuer {
 			cfg.NodeCerts.IssuerCert, cfg.NodeCerts.IssuerKey = filepath.Join(c.TLSDir(), "ca.crt"), filepath.Join(c.TLSDir(), "ca.key")
 		}
+	}
+	if c.opts.LocalSockets {
+		// Unix socket paths are short (108 bytes): not under t.TempDir().
+		dir, err := os.MkdirTemp("", "stor-local")
+		if err != nil {
+			c.t.Fatalf("servertest: %v", err)
+		}
+		c.t.Cleanup(func() { os.RemoveAll(dir) })
+		n.LocalSocket = filepath.Join(dir, "local.sock")
+		cfg.LocalSocket = n.LocalSocket
 	}
 	if c.opts.Configure != nil {
 		c.opts.Configure(i, &cfg)

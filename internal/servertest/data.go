@@ -12,6 +12,7 @@ import (
 	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/localread"
 	"github.com/stor-io/stor/replica/wire"
 )
 
@@ -193,4 +194,21 @@ func (c *Cluster) ReadSnapshot(volumeID, layer, replicaID string, size uint64) (
 func Digest(p []byte) string {
 	sum := sha256.Sum256(p)
 	return hex.EncodeToString(sum[:])
+}
+
+// LocalReaders dials the short-circuit read sockets of the given nodes
+// (Options.LocalSockets), as an engine on their host would.
+func (c *Cluster) LocalReaders(nodes ...int) []engine.LocalReader {
+	c.t.Helper()
+	var clients []*localread.Client
+	for _, i := range nodes {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		cl, err := localread.Dial(ctx, c.Nodes[i].LocalSocket)
+		cancel()
+		if err != nil {
+			c.t.Fatalf("servertest: dial %s's local socket: %v", c.Nodes[i].ID, err)
+		}
+		clients = append(clients, cl)
+	}
+	return engine.LocalReadersOf(clients...)
 }

@@ -506,3 +506,63 @@ func (h *rebuildLog) last(b *testing.B, replicaID string) (time.Duration, int64)
 	b.Fatalf("no rebuild of %s was recorded by the engine", replicaID)
 	return 0, 0
 }
+
+// BenchmarkEngineLocalReads compares reads of two 3-replica volumes of the
+// same cluster, one read through the servers and one with short-circuit
+// reads (every server is on this host), alternating between them per
+// sub-benchmark, so the A/B shares the machine's load.
+func BenchmarkEngineLocalReads(b *testing.B) {
+	c := servertest.NewCluster(b, servertest.Options{LocalSockets: true})
+	engines := map[string]*engine.Engine{}
+	for _, mode := range []string{"server", "local"} {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		if _, err := c.Dial().Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: mode, SizeBytes: benchVolSize, ReplicaCount: 3}); err != nil {
+			b.Fatal(err)
+		}
+		cancel()
+		cfg := c.EngineConfig(mode, "bench")
+		if mode == "local" {
+			cfg.LocalReaders = c.LocalReaders(0, 1, 2)
+		}
+		e := c.OpenEngine(cfg)
+		buf := randomBytes(3, 1<<20)
+		for off := int64(0); off < benchVolSize; off += 1 << 20 {
+			if err := e.WriteAt(context.Background(), buf, off, false); err != nil {
+				b.Fatal(err)
+			}
+		}
+		engines[mode] = e
+	}
+	ctx := context.Background()
+	blocks := int64(benchVolSize / 4096)
+	for _, w := range []string{"randread-4k-qd32", "randread-4k-qd1", "seqread-1m-qd8"} {
+		for _, mode := range []string{"server", "local"} {
+			e := engines[mode]
+			var seq atomic.Int64
+			b.Run(w+"/"+mode, func(b *testing.B) {
+				before := e.ShortCircuitReads()
+				switch w {
+				case "randread-4k-qd32", "randread-4k-qd1":
+					qd := 32
+					if w == "randread-4k-qd1" {
+						qd = 1
+					}
+					runQD(b, qd, func(rng *rand.Rand, buf []byte) error {
+						return e.ReadAt(ctx, buf, rng.Int64N(blocks)*4096)
+					}, 4096)
+				default:
+					runQD(b, 8, func(_ *rand.Rand, buf []byte) error {
+						return e.ReadAt(ctx, buf, seq.Add(1<<20)%benchVolSize)
+					}, 1<<20)
+				}
+				direct := e.ShortCircuitReads() - before
+				if mode == "local" && direct < int64(b.N) {
+					b.Fatalf("%d of %d reads went direct", direct, b.N)
+				}
+				if mode == "server" && direct != 0 {
+					b.Fatalf("%d reads went direct without local readers", direct)
+				}
+			})
+		}
+	}
+}

@@ -97,6 +97,22 @@ func (l *ledger) verify(t *testing.T, e *engine.Engine) {
 // their checksums.
 func requireIdentical(t *testing.T, c *servertest.Cluster, volumeID string, within time.Duration) {
 	t.Helper()
+	waitAllHealthy(t, c, volumeID, within)
+	sums := c.Checksums(volumeID)
+	for _, d := range sums {
+		if d.Err != nil {
+			t.Fatalf("checksum %s: %v", d.Replica.Id, d.Err)
+		}
+		if d.SHA256 != sums[0].SHA256 {
+			t.Fatalf("replica %s on %s differs from %s: %s vs %s", d.Replica.Id, d.Replica.ServerId, sums[0].Replica.Id, d.SHA256, sums[0].SHA256)
+		}
+	}
+}
+
+// waitAllHealthy waits until the volume has its replica count of replicas,
+// all healthy.
+func waitAllHealthy(t *testing.T, c *servertest.Cluster, volumeID string, within time.Duration) {
+	t.Helper()
 	deadline := time.Now().Add(within)
 	for {
 		v, err := c.Dial().Volumes.GetVolume(ctx10(t), &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: volumeID}})
@@ -116,15 +132,6 @@ func requireIdentical(t *testing.T, c *servertest.Cluster, volumeID string, with
 			t.Fatalf("replicas not all healthy within %v: %v", within, v.Volume.Replicas)
 		}
 		time.Sleep(100 * time.Millisecond)
-	}
-	sums := c.Checksums(volumeID)
-	for _, d := range sums {
-		if d.Err != nil {
-			t.Fatalf("checksum %s: %v", d.Replica.Id, d.Err)
-		}
-		if d.SHA256 != sums[0].SHA256 {
-			t.Fatalf("replica %s on %s differs from %s: %s vs %s", d.Replica.Id, d.Replica.ServerId, sums[0].Replica.Id, d.SHA256, sums[0].SHA256)
-		}
 	}
 }
 

@@ -50,7 +50,12 @@
 //  5. Reads go to one healthy replica, the local one first; a replica that
 //     fails a read is marked faulty and the read is retried on another. A
 //     read of a block with a write in flight waits for that write, so it
-//     never returns a value that is not yet on every replica.
+//     never returns a value that is not yet on every replica. A replica of
+//     a server on this host (Config.LocalReaders) is read directly from
+//     its files while its server vouches for them (replica/localread;
+//     localread.go): only a healthy replica, only under the read's overlap
+//     span, and a read whose view went stale (an epoch, snapshot, rebuild,
+//     size or server change) is discarded and sent to the server instead.
 //  6. A replica's error is the replica's failure, never the request's
 //     (replica.ErrInvalid included): the engine checks every request
 //     against the volume's size and alignment, and splits it to the

@@ -82,6 +82,10 @@ type Config struct {
 	// LocalServerID is the server on this node, if any: reads prefer its
 	// replica.
 	LocalServerID string
+	// LocalReaders open short-circuit reads of replicas on servers of
+	// this host (replica/localread; localread.go): reads prefer those
+	// replicas and read them directly while they can.
+	LocalReaders []LocalReader
 	// Control reaches the cluster; required.
 	Control ControlPlane
 	// Connect opens replicas; required (wire.Connector for the network).
@@ -108,6 +112,12 @@ type Config struct {
 	// than an acknowledged write over it). Default false; never set it
 	// anywhere else.
 	UnsafeUnorderedRebuild bool
+	// UnsafeStaleLocalReads is for fault tests only (the jepsen harness's
+	// broken mode "stale-local-reads"): a short-circuit read uses what it
+	// read even when its view went stale, and keeps the view, which
+	// reintroduces reading a replica's files after the server stopped
+	// vouching for them (a snapshot cut, a newer epoch). Default false.
+	UnsafeStaleLocalReads bool
 }
 
 // Validate reports the first problem with the configuration.
@@ -128,8 +138,9 @@ func (c *Config) Validate() error {
 // member is one replica the engine writes to. It is never modified once
 // in the write set; a state change replaces it.
 type member struct {
-	info *storpb.Replica
-	conn ReplicaConn
+	info  *storpb.Replica
+	conn  ReplicaConn
+	local *localRead // nil unless its server is on this host (localread.go)
 }
 
 // Engine is an open volume. See the package documentation for its rules.
@@ -153,6 +164,8 @@ type Engine struct {
 	// copy, as they last reported (RebuildProgress).
 	rebuildCopied atomic.Int64
 	rebuildLeft   atomic.Int64
+	// localReads counts the reads served directly (localread.go).
+	localReads atomic.Int64
 
 	// overlaps holds the writes, reads and rebuild copies under way: it
 	// keeps overlapping writes in one order on every replica, keeps reads
@@ -290,6 +303,7 @@ func (e *Engine) abort() {
 	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.IOTimeout)
 	defer cancel()
 	for _, m := range e.members {
+		m.local.close()
 		m.conn.Close(ctx)
 	}
 }
@@ -341,7 +355,7 @@ func (e *Engine) openReplicas(ctx context.Context, v *storpb.Volume) error {
 			failed = append(failed, o)
 			continue
 		}
-		e.members[o.r.Id] = &member{info: o.r, conn: o.conn}
+		e.members[o.r.Id] = &member{info: o.r, conn: o.conn, local: e.newLocalRead(o.r.ServerId)}
 	}
 	if e.fenced.Load() {
 		return fmt.Errorf("engine: open %s: %w", e.name, ErrFenced)
@@ -445,7 +459,7 @@ func (e *Engine) readSet() []*member {
 	// The local replica first, then a stable order, so that reads go to
 	// the same replica while the set is unchanged.
 	slices.SortFunc(out, func(a, b *member) int {
-		al, bl := a.info.ServerId == e.cfg.LocalServerID, b.info.ServerId == e.cfg.LocalServerID
+		al, bl := e.isLocal(a.info.ServerId), e.isLocal(b.info.ServerId)
 		switch {
 		case al != bl && al:
 			return -1
@@ -484,6 +498,7 @@ func (e *Engine) beginWrite(ctx context.Context, off, n int64) (*span, error) {
 		return nil, ErrClosed
 	}
 	e.quiesce.RLock()
+	e.trackLocal(off, n)
 	return sp, nil
 }
 
@@ -531,12 +546,20 @@ func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
 		return err
 	}
 	defer e.overlaps.unlock(sp)
+	// A write this read waited for may have stopped the engine (a
+	// replica's failure it could not record).
+	if err := e.usable(); err != nil {
+		return err
+	}
 	for {
 		set := e.readSet()
 		if len(set) == 0 {
 			return fmt.Errorf("%w: volume %s has no healthy replica to read from", ErrIO, e.name)
 		}
 		m := set[0]
+		if e.readLocal(ctx, m, p, off) {
+			return nil
+		}
 		err := e.call(ctx, func(ctx context.Context) error { return m.conn.ReadAt(ctx, e.op(false), p, off) })
 		if err == nil {
 			return nil
@@ -884,6 +907,7 @@ var faultAnswers = map[codes.Code]faultAnswer{
 // again by this engine, whatever the control plane answered.
 func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error {
 	e.logger.Warn("replica failed; recording it faulty", "replica", replicaID, "reason", reason)
+	e.stopLocal(replicaID)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.FaultTimeout)
 	defer cancel()
 	e.faultMu.Lock()
@@ -968,11 +992,12 @@ func (e *Engine) applyVolume(v *storpb.Volume) {
 			continue
 		}
 		// Members are immutable (requests in flight hold them): replace.
-		e.members[id] = &member{info: r, conn: m.conn}
+		e.members[id] = &member{info: r, conn: m.conn, local: m.local}
 	}
 	e.mu.Unlock()
 	for _, m := range drop {
 		e.logger.Info("replica left the write set", "replica", m.info.Id, "server", m.info.ServerId)
+		m.local.close()
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		m.conn.Close(ctx)
 		cancel()
@@ -992,7 +1017,11 @@ func (e *Engine) Close(ctx context.Context, detach bool) error {
 	}
 	e.cancel()
 	e.wg.Wait()
+	if len(e.cfg.LocalReaders) > 0 {
+		e.logger.Info("volume closing", "short_circuit_reads", e.localReads.Load())
+	}
 	for _, m := range e.writeSet() {
+		m.local.close()
 		errs = append(errs, m.conn.Close(ctx))
 	}
 	if detach && !e.fenced.Load() {

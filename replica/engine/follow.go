@@ -125,7 +125,7 @@ func (e *Engine) joinGrown(ctx context.Context, r *storpb.Replica, conn ReplicaC
 	if _, raced := e.members[r.Id]; raced {
 		return false, nil
 	}
-	e.members[r.Id] = &member{info: r, conn: conn}
+	e.members[r.Id] = &member{info: r, conn: conn, local: e.newLocalRead(r.ServerId)}
 	return true, nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/stor-io/stor/replica"
 )
@@ -43,6 +44,7 @@ func (e *Engine) reconcile(ctx context.Context) error {
 		total += x.Len
 	}
 	e.logger.Info("reconciling dirty regions after an unclean stop", "regions", len(dirty), "bytes", total)
+	start := time.Now()
 	buf := make([]byte, min(total, replica.MaxIO))
 	for _, x := range dirty {
 		for _, c := range chunks(x.Off, x.Len) {
@@ -51,6 +53,7 @@ func (e *Engine) reconcile(ctx context.Context) error {
 			}
 		}
 	}
+	e.logger.Info("dirty regions reconciled", "bytes", total, "took", time.Since(start).Round(time.Millisecond))
 	return e.flush(ctx)
 }
 

@@ -1,0 +1,39 @@
+// Package localread is stor's short-circuit local read (DESIGN.md, "Data
+// path", point 6), after HDFS's: a volume engine on the same host as a
+// server that holds one of its replicas reads that replica's data with
+// pread on descriptors the server passed it, instead of one request and
+// reply per read over the replica data protocol. Writes keep the protocol.
+//
+// The server side (Server) listens on a unix socket, mode 0600, and accepts
+// only peers running as root or as the server's own user (SO_PEERCRED):
+// whoever can connect can read the store's files anyway. A connection
+// carries one request and one reply:
+//
+//	request  one JSON line: {"replica", "volume", "epoch"}; an empty
+//	         replica asks only for the server id
+//	reply    one JSON line {"version" (1), "server_id", "generation",
+//	         "runs", "code", "error"} sent with, on success, the descriptors (SCM_RIGHTS)
+//	         of the replica's read generation file and of each layer's
+//	         data file, oldest first, all read-only; then each layer's
+//	         index, "runs"[i] runs of 16 bytes (start and end block,
+//	         little-endian)
+//
+// The replica store decides (replica.Replica.OpenDirect): a replica not
+// being rebuilt, at the engine's epoch, with at most
+// replica.MaxDirectLayers layers; its rules for when the read generation
+// advances are in replica/shortcircuit.go.
+//
+// The client side (Client, View) reads each block from the topmost layer
+// whose index holds it, as the server does, and from the head for every
+// block the engine told it it writes (View.Track: the engine is the
+// volume's only writer, and opens a View while none of its writes is in
+// flight). It maps the read generation file and checks it after every
+// pread: a View whose counter moved is stale (ErrStale) and must be
+// dropped; the engine then reads through the server (which applies the
+// epoch and every other rule) and may open a new View. The engine
+// (replica/engine) uses a View only for a replica its view of the volume
+// holds healthy, and only for reads that no write in flight overlaps, the
+// same conditions as a read through the server. The connection that
+// carried the descriptors stays open while the View lives; the server's
+// end closing (the process died) makes the View stale too.
+package localread
