@@ -514,12 +514,35 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	// each; register b's is copied at about b strides into the copy. Each
 	// cold register is written once, at a random moment within the time
 	// its own stride is expected to be copied (the last copy's pace, once
-	// one was measured; 500 ms a stride on the slowed links before).
+	// one was measured; 250 ms a stride on the slowed links before: the
+	// engine copies several chunks at once).
 	copyStart := time.Now()
 	per := r.copyPerBlock
 	if per == 0 {
-		per = 500 * time.Millisecond
+		per = 250 * time.Millisecond
 	}
+	// The copy's pace is measured from when the target turns HEALTHY, not
+	// from when the writes below are done: they may outlast a copy faster
+	// than the last one, and a pace measured after them would never
+	// shrink again (the writes would come later and later after the copy).
+	healthyAt := make(chan time.Duration, 1)
+	pollCtx, stopPoll := context.WithCancel(ctx)
+	defer stopPoll()
+	go func() {
+		for {
+			if v, err := r.volume(pollCtx); err == nil {
+				if now := replicaIn(v, target.Id); now != nil && now.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+					healthyAt <- time.Since(copyStart)
+					return
+				}
+			}
+			select {
+			case <-pollCtx.Done():
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+	}()
 	type plan struct {
 		b  int
 		at time.Duration
@@ -560,7 +583,13 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	if werr != nil {
 		end = fmt.Sprintf("the target is not HEALTHY: %v", werr)
 	} else {
-		r.copyPerBlock = time.Since(copyStart) / time.Duration(max(r.cfg.Blocks, 1))
+		took := time.Since(copyStart)
+		stopPoll()
+		select {
+		case took = <-healthyAt:
+		default:
+		}
+		r.copyPerBlock = took / time.Duration(max(r.cfg.Blocks, 1))
 		end += fmt.Sprintf(" (%v a register's stride)", r.copyPerBlock.Round(time.Millisecond))
 		// Each rebuild's outcome is checked before the next fault writes
 		// the cold registers again (which would hide it from the final
