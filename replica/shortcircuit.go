@@ -16,10 +16,12 @@ import (
 //
 //   - every layer's data file (oldest first, the head last), with each
 //     layer's index as it is at the open: the reader reads a block from
-//     the topmost layer whose index holds it, as readViewLocked does,
-//     zeroes if none does, and adds to the head's the blocks its own
-//     writes touch from then on (it is the volume's only writer, and
-//     opens while none of its writes is in flight);
+//     the head if the head's index held it or the reader wrote it since
+//     (it is the volume's only writer, tells its view of every write
+//     before sending it, and opens a view of several layers while none
+//     of its writes is in flight), else from the topmost older layer
+//     whose index holds it, else from the head, where such a block is a
+//     hole (see below); with one layer, every block from the head;
 //   - the replica's read generation file (readgen): one 8-byte counter in
 //     host byte order, which the engine maps and compares after every
 //     read.
@@ -44,18 +46,19 @@ import (
 //
 // Everything that could make the files stop being the volume's contents
 // as a read by the engine holding the epoch would see them advances the
-// counter first (invalidateDirect), before the change takes effect: raising the epoch (a newer attach), cutting a snapshot (a new
-// head), dropping a merged layer, growing, beginning a rebuild, the
-// replica failing, closing (server stop, deletion) and opening it again
-// (a new server process). So a direct read whose second comparison still
-// sees the value it was opened with read the file before any of those
+// counter first (invalidateDirect), before the change takes effect:
+// raising the epoch (a newer attach), cutting a snapshot (a new head),
+// dropping a merged layer, growing, beginning a rebuild, the replica
+// failing, closing (server stop, deletion) and opening it again (a new
+// server process). So a direct read that, once its preads are done, still
+// sees the value it was opened with read the files before any of those
 // happened, which is what a read through the server at that moment would
 // have returned; one that sees another value is discarded and the engine
 // reads through the server, which applies the epoch and every other rule.
 // The engine's own writes do not advance it: they reach the same files
-// through the server (the page cache is shared), the engine adds the
-// blocks they touch to its copy of the head's index, and it never reads a
-// block while its write is in flight.
+// through the server (the page cache is shared), its view reads the
+// blocks they touch from the head, and it never reads a block while its
+// write is in flight.
 const readGenName = "readgen"
 
 // Limits of a direct open: the descriptors one message carries, and the
