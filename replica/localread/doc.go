@@ -23,11 +23,12 @@
 // replica.MaxDirectLayers layers; its rules for when the read generation
 // advances are in replica/shortcircuit.go.
 //
-// The client side (Client, View) reads each block from the topmost layer
-// whose index holds it, as the server does, and from the head for every
-// block the engine told it it writes (View.Track: the engine is the
-// volume's only writer, and opens a View while none of its writes is in
-// flight). It maps the read generation file and checks it after every
+// The client side (Client, View) reads each block as the server would:
+// from the head if the head's index held it or the engine told the View it
+// writes it (View.Track: the engine is the volume's only writer, and opens
+// a View of several layers while none of its writes is in flight), else
+// from the topmost older layer whose index holds it, else from the head,
+// where the server keeps such a block a hole (replica/shortcircuit.go). It maps the read generation file and checks it after every
 // pread: a View whose counter moved is stale (ErrStale) and must be
 // dropped; the engine then reads through the server (which applies the
 // epoch and every other rule) and may open a new View. The engine
