@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 )
 
@@ -34,7 +35,14 @@ type SelfIssuer struct {
 	// file. Default a minute.
 	CheckEvery time.Duration
 	Logger     *slog.Logger
+
+	mu       sync.Mutex
+	issuedCA string // fileStamp of CACert when the current pair was issued
 }
+
+// issueBackdate is how far before its issue a certificate's validity
+// starts (clock skew between hosts).
+const issueBackdate = 5 * time.Minute
 
 // DefaultSelfValidity is how long a self-issued certificate lasts; Run
 // renews it after two thirds of its lifetime.
@@ -58,6 +66,7 @@ func (s *SelfIssuer) Issue() (Files, error) {
 	if err := s.ID.Validate(); err != nil {
 		return Files{}, err
 	}
+	stamp := fileStamp(s.CACert)
 	ca, err := LoadCA(s.CACert, s.CAKey)
 	if err != nil {
 		return Files{}, fmt.Errorf("pki: the issuing CA: %w", err)
@@ -73,7 +82,7 @@ func (s *SelfIssuer) Issue() (Files, error) {
 	if notAfter.After(ca.Cert.NotAfter) {
 		notAfter = ca.Cert.NotAfter
 	}
-	cert, key, err := ca.Issue(s.ID, now.Add(-5*time.Minute), notAfter)
+	cert, key, err := ca.Issue(s.ID, now.Add(-issueBackdate), notAfter)
 	if err != nil {
 		return Files{}, err
 	}
@@ -86,7 +95,20 @@ func (s *SelfIssuer) Issue() (Files, error) {
 	if err := writeFile(f.Cert, cert); err != nil {
 		return Files{}, err
 	}
+	s.mu.Lock()
+	s.issuedCA = stamp
+	s.mu.Unlock()
 	return f, nil
+}
+
+// caChanged reports whether the CA's certificate file is not the one the
+// current pair was issued from (a pair Run did not issue counts as
+// issued from another).
+func (s *SelfIssuer) caChanged() bool {
+	now := fileStamp(s.CACert)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return now != s.issuedCA
 }
 
 // Run renews the certificate until ctx ends: at two thirds of the
@@ -104,7 +126,6 @@ func (s *SelfIssuer) Run(ctx context.Context) {
 	if every <= 0 {
 		every = time.Minute
 	}
-	ca := fileStamp(s.CACert)
 	for {
 		wait := every
 		due, err := s.renewAt()
@@ -118,15 +139,13 @@ func (s *SelfIssuer) Run(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		now := fileStamp(s.CACert)
-		if err == nil && time.Now().Before(due) && now == ca {
+		if err == nil && time.Now().Before(due) && !s.caChanged() {
 			continue
 		}
 		if _, err := s.Issue(); err != nil {
 			log.Error("renewing this server's certificate", "identity", s.ID.String(), "err", err)
 			continue
 		}
-		ca = now
 		log.Info("renewed this server's certificate", "identity", s.ID.String())
 	}
 }
@@ -145,7 +164,15 @@ func (s *SelfIssuer) renewAt() (time.Time, error) {
 	if err != nil {
 		return time.Time{}, err
 	}
-	return c.NotBefore.Add(c.NotAfter.Sub(c.NotBefore) * 2 / 3), nil
+	// Two thirds of the lifetime from the issue, not from the backdated
+	// NotBefore (from there, a certificate shorter than about ten minutes,
+	// one capped by its CA's expiry say, would be due at once, again and
+	// again).
+	issued := c.NotBefore.Add(issueBackdate)
+	if !issued.Before(c.NotAfter) {
+		issued = c.NotBefore
+	}
+	return issued.Add(c.NotAfter.Sub(issued) * 2 / 3), nil
 }
 
 // fileStamp is a file's size and modification time ("" if unreadable).

@@ -122,3 +122,79 @@ func TestSelfIssuer(t *testing.T) {
 		t.Fatalf("issuing from a leaf certificate: %v, want an error", err)
 	}
 }
+
+// selfIssuerOf writes w's CA to files and returns a SelfIssuer of it.
+func selfIssuerOf(t *testing.T, w *world, validity time.Duration) (*SelfIssuer, string, string) {
+	t.Helper()
+	caCert, caKey := filepath.Join(w.dir, "issuer.crt"), filepath.Join(w.dir, "issuer.key")
+	if err := writeFile(caCert, w.ca.CertPEM()); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeFile(caKey, w.ca.KeyPEM()); err != nil {
+		t.Fatal(err)
+	}
+	return &SelfIssuer{ID: Identity{RoleServer, "s1"}, CACert: caCert, CAKey: caKey, Bundle: w.bundle,
+		Dir: filepath.Join(w.dir, "self"), Validity: validity, CheckEvery: 20 * time.Millisecond, Logger: testLogger(t)}, caCert, caKey
+}
+
+// runIssuer runs si.Run until the test ends.
+func runIssuer(t *testing.T, si *SelfIssuer) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { si.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+}
+
+// A short-lived certificate is renewed at two thirds of its lifetime from
+// its issue, not at once and again and again: its NotBefore is backdated
+// five minutes, and two thirds from there were in the past (Run renewed
+// in a loop, about once a millisecond).
+func TestSelfIssuerRenewsAtTwoThirdsOfItsLife(t *testing.T) {
+	si, _, _ := selfIssuerOf(t, newWorld(t), 3*time.Second)
+	f, err := si.Issue()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := certOf(t, f.Cert).SerialNumber
+	runIssuer(t, si)
+	time.Sleep(time.Second)
+	if certOf(t, f.Cert).SerialNumber.Cmp(before) != 0 {
+		t.Fatal("a certificate of 3 s was renewed within 1 s of its issue")
+	}
+	deadline := time.Now().Add(4 * time.Second)
+	for certOf(t, f.Cert).SerialNumber.Cmp(before) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("a certificate of 3 s was not renewed within 5 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A CA replaced after the pair was issued and before Run looked at it
+// for the first time is seen: Run compares with the CA the pair was
+// issued from, not with the CA it first saw.
+func TestSelfIssuerSeesACAChangedBeforeRun(t *testing.T) {
+	si, caCert, caKey := selfIssuerOf(t, newWorld(t), time.Hour)
+	f, err := si.Issue()
+	if err != nil {
+		t.Fatal(err)
+	}
+	newCA, err := NewCA("renewed CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := writeFile(caKey, newCA.KeyPEM()); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeFile(caCert, newCA.CertPEM()); err != nil {
+		t.Fatal(err)
+	}
+	runIssuer(t, si)
+	deadline := time.Now().Add(3 * time.Second)
+	for certOf(t, f.Cert).CheckSignatureFrom(newCA.Cert) != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("not issued from the CA replaced before Run started within 3 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
