@@ -214,6 +214,10 @@ func (r *Replica) reopen(need int) error {
 		r.cache.closeIdle(r, need+r.cache.budget/8)
 		err = r.reopenFilesLocked()
 	}
+	if errors.Is(err, ErrCorrupt) {
+		// A snapshot layer loaded for the first time: nothing will read it.
+		return r.fail(err)
+	}
 	if err != nil {
 		return err
 	}
@@ -223,7 +227,8 @@ func (r *Replica) reopen(need int) error {
 }
 
 // reopenFilesLocked opens the files closed by closeIdleLocked, all or
-// none. The caller holds mu exclusively.
+// none, and loads the layers not loaded yet (those OpenStore left
+// closed). The caller holds mu exclusively.
 func (r *Replica) reopenFilesLocked() (err error) {
 	defer func() {
 		if err != nil {
@@ -235,8 +240,9 @@ func (r *Replica) reopenFilesLocked() (err error) {
 		return ioErr("reopen epoch", err)
 	}
 	r.epochFile = f
+	maxBlock := r.size.Load() / BlockSize
 	for _, l := range r.layers {
-		if err := l.reopen(r.fs); err != nil {
+		if err := l.reopen(r.fs, maxBlock); err != nil {
 			return err
 		}
 	}
