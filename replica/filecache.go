@@ -195,6 +195,9 @@ func (r *Replica) closeIdleLocked() {
 // reopen opens the files of r, closed while it was idle, first making
 // room for them in the cache. need is how many it will open.
 func (r *Replica) reopen(need int) error {
+	if err := r.failed(); err != nil {
+		return err
+	}
 	r.cache.makeRoom(r, need)
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -203,6 +206,10 @@ func (r *Replica) reopen(need int) error {
 	}
 	if r.filesOpen {
 		return nil
+	}
+	if err := r.failed(); err != nil {
+		// Refused as by an open failed replica; nothing to reopen for.
+		return err
 	}
 	err := r.reopenFilesLocked()
 	if r.cache != nil && outOfFiles(err) {
