@@ -220,12 +220,15 @@
 //     write history (the head is scrubbed, orphans removed, the read
 //     generation advanced), then closes them. Its snapshot layers are
 //     not opened and their indexes not read until the first request
-//     reopens the replica, which loads them (all or none; a snapshot
-//     layer's index that cannot be read then fails the replica, as a
-//     failed write does). A restart thus reads no more per replica with
-//     snapshots than without (docs/BENCHMARKS.md). The directory listing
-//     taken at open still finds a replica whose snapshot layer's files
-//     are missing damaged, as before.
+//     reopens the replica, which loads them (a layer loaded keeps its
+//     index; the files are all open or all closed). A snapshot layer's
+//     index that cannot be read then fails the replica, as a failed
+//     write does: it is refused from then on without another attempt,
+//     and replaced by the cluster as any failed replica is, where before
+//     OpenStore listed it as damaged and kept it unserved. A restart
+//     thus reads no more per replica with snapshots than without
+//     (docs/BENCHMARKS.md). The directory listing taken at open still
+//     finds a replica missing a layer's file damaged, as before.
 //
 // Opening makes room first: idle replicas are closed, least recently
 // used first, until the new files fit (and an eighth of the budget more,

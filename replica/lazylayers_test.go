@@ -50,11 +50,11 @@ func corruptSnapshotStore(t *testing.T, budget int) (*replica.Store, *pathsFS) {
 	return s, pfs
 }
 
-// TestRevFailedLoadIsNotRetried: once the first request found a snapshot
+// TestFailedFirstLoadIsNotRetried: once the first request found a snapshot
 // index unreadable and failed the replica, later requests should be
 // refused as by any failed replica, not re-read the damaged journal (and
 // make room in the file cache for it) every time.
-func TestRevFailedLoadIsNotRetried(t *testing.T) {
+func TestFailedFirstLoadIsNotRetried(t *testing.T) {
 	s, pfs := corruptSnapshotStore(t, 64)
 	defer s.Close()
 	r := get(t, s, "bad")
@@ -82,9 +82,10 @@ func TestRevFailedLoadIsNotRetried(t *testing.T) {
 	}
 }
 
-// TestRevFailedLoadEvictsOthers: every request to the failed replica
-// makes room in the file cache, closing a healthy idle replica each time.
-func TestRevFailedLoadEvictsOthers(t *testing.T) {
+// TestFailedReplicaClosesNoOtherReplica: a request to the replica failed
+// at its first load is refused without making room in the file cache (it
+// would close a healthy idle replica each time).
+func TestFailedReplicaClosesNoOtherReplica(t *testing.T) {
 	s, _ := corruptSnapshotStore(t, 8) // room for "good" (5), not for "bad" (7) beside it
 	defer s.Close()
 	bad, good := get(t, s, "bad"), get(t, s, "good")
@@ -105,11 +106,11 @@ func TestRevFailedLoadEvictsOthers(t *testing.T) {
 	}
 }
 
-// TestRevLazyRace: after a restart, replicas with snapshots take their
+// TestFirstRequestsRaceAfterARestart: after a restart, replicas with snapshots take their
 // first requests from many goroutines at once (reads, snapshot reads,
 // extents, direct opens, snapshot deletes), under a tiny file budget;
 // every read is right, and no descriptor is left open after Close.
-func TestRevLazyRace(t *testing.T) {
+func TestFirstRequestsRaceAfterARestart(t *testing.T) {
 	const nrep, nsnap, workers, rounds = 6, 3, 8, 300
 	dir := t.TempDir()
 	cfs := &countingFS{FS: replica.OS()}
@@ -200,10 +201,10 @@ func TestRevLazyRace(t *testing.T) {
 	}
 }
 
-// TestRevTornSnapshotIndexTail: a torn tail on a snapshot layer's index
+// TestTornSnapshotIndexTailAtFirstLoad: a torn tail on a snapshot layer's index
 // (the last append of a merge cut short) is still tolerated and
 // truncated, now at the first request instead of at OpenStore.
-func TestRevTornSnapshotIndexTail(t *testing.T) {
+func TestTornSnapshotIndexTailAtFirstLoad(t *testing.T) {
 	mem := errorfs.NewMemFS()
 	cfg := replica.Config{Dir: "/stor", FS: mem, Logger: replicatest.Logger(t), RegionSize: testRegionSize}
 	s := openStore(t, cfg)
