@@ -57,7 +57,10 @@ type KernelAttacherConfig struct {
 	// attach (deploy/ shares one host directory with the servers).
 	LocalSockets   []string
 	LocalSocketDir string
-	Logger         *slog.Logger
+	// RebuildInFlight is engine.Config's for every volume served; 0 the
+	// default.
+	RebuildInFlight int
+	Logger          *slog.Logger
 	// Metrics gets each served volume's I/O series while it is served.
 	// Default nil: none.
 	Metrics *metrics.Volumes
@@ -100,9 +103,10 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	at, err := attach.Open(ctx, attach.Config{
 		VolumeID: volumeID, NodeID: k.cfg.NodeID, ReadOnly: readOnly, KeepAttachment: true, RequireAttached: true,
 		StateDir: k.cfg.StateDir, Kernel: k.cfg.Kernel, Logger: k.cfg.Logger, Metrics: k.cfg.Metrics,
-		Control:      engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
-		Connect:      engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
-		LocalReaders: engine.DialLocalReaders(ctx, k.localSockets(), k.cfg.Logger),
+		Control:         engine.ControlPlane{Volumes: k.cfg.Cluster.Volumes, Cluster: k.cfg.Cluster.Cluster, Snapshots: k.cfg.Cluster.Snapshots},
+		Connect:         engine.WireConnector(wire.ClientConfig{Dial: k.cfg.DataDial}),
+		LocalReaders:    engine.DialLocalReaders(ctx, k.localSockets(), k.cfg.Logger),
+		RebuildInFlight: k.cfg.RebuildInFlight,
 	})
 	if err != nil {
 		return "", err

@@ -25,8 +25,15 @@ func TestValidateRefusesNodeFieldsInControllerMode(t *testing.T) {
 		{"controller with a zone", func(c *Config) { c.Zone = "a" }, "Zone (--zone) is for node mode"},
 		{"controller with a state dir", func(c *Config) { c.StateDir = DefaultStateDir }, "StateDir (--state-dir) is for node mode"},
 		{"controller with a volume limit", func(c *Config) { c.MaxVolumesPerNode = 8 }, "MaxVolumesPerNode (--max-volumes) is for node mode"},
+		{"controller with a rebuild shape", func(c *Config) { c.RebuildInFlight = 2 }, "RebuildInFlight (--rebuild-in-flight) is for node mode"},
+		{"node rebuilding too many chunks at once", func(c *Config) {
+			c.Mode, c.NodeID, c.RebuildInFlight = ModeNode, "worker-1", 65
+		}, "RebuildInFlight (--rebuild-in-flight) 65: want 1 to 64"},
+		{"node rebuilding a negative count", func(c *Config) {
+			c.Mode, c.NodeID, c.RebuildInFlight = ModeNode, "worker-1", -1
+		}, "want 1 to 64"},
 		{"node with all of them", func(c *Config) {
-			c.Mode, c.NodeID, c.Zone, c.StateDir, c.MaxVolumesPerNode = ModeNode, "worker-1", "a", "/x", 8
+			c.Mode, c.NodeID, c.Zone, c.StateDir, c.MaxVolumesPerNode, c.RebuildInFlight = ModeNode, "worker-1", "a", "/x", 8, 1
 		}, ""},
 		{"all with all of them", func(c *Config) {
 			c.Mode, c.NodeID, c.Zone, c.StateDir, c.MaxVolumesPerNode = ModeAll, "worker-1", "a", "/x", 8

@@ -22,6 +22,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/attach"
 	"github.com/stor-io/stor/internal/metrics"
+	"github.com/stor-io/stor/replica/engine"
 )
 
 // Defaults of Config.
@@ -112,6 +113,11 @@ type Config struct {
 	// KernelAttacherConfig's).
 	LocalSockets   []string
 	LocalSocketDir string
+	// RebuildInFlight is how many chunks the rebuilds of the volumes the
+	// node serves copy at once (node mode; KernelAttacherConfig's), at
+	// most engine.MaxRebuildInFlight. Default (0)
+	// engine.DefaultRebuildInFlight.
+	RebuildInFlight int
 	// CallTimeout bounds one cluster call. Default DefaultCallTimeout.
 	CallTimeout time.Duration
 	// Attacher serves volumes to kernel block devices (node mode).
@@ -163,11 +169,15 @@ func (c *Config) Validate() error {
 			{c.Zone != "", "Zone", "--zone"},
 			{c.StateDir != "", "StateDir", "--state-dir"},
 			{c.MaxVolumesPerNode != 0, "MaxVolumesPerNode", "--max-volumes"},
+			{c.RebuildInFlight != 0, "RebuildInFlight", "--rebuild-in-flight"},
 		} {
 			if f.set {
 				return fmt.Errorf("csi: %s (%s) is for node mode; %s mode does not use it: remove it", f.field, f.flg, c.Mode)
 			}
 		}
+	}
+	if c.RebuildInFlight < 0 || c.RebuildInFlight > engine.MaxRebuildInFlight {
+		return fmt.Errorf("csi: RebuildInFlight (--rebuild-in-flight) %d: want 1 to %d, or 0 for the default", c.RebuildInFlight, engine.MaxRebuildInFlight)
 	}
 	if strings.ContainsAny(c.DriverName, " /") {
 		return fmt.Errorf("csi: driver name %q must not contain spaces or slashes", c.DriverName)

@@ -69,7 +69,8 @@ func newNodeServer(d *Driver) (*nodeServer, error) {
 		n.attacher = NewKernelAttacher(KernelAttacherConfig{
 			StateDir: filepath.Join(d.cfg.StateDir, "nbd"), NodeID: d.cfg.NodeID,
 			Cluster: d.cfg.Cluster, Kernel: k, Logger: d.log, DataDial: d.cfg.DataDial, LocalSockets: d.cfg.LocalSockets, LocalSocketDir: d.cfg.LocalSocketDir,
-			Metrics: d.volumes,
+			RebuildInFlight: d.cfg.RebuildInFlight,
+			Metrics:         d.volumes,
 		})
 	}
 	if n.host == nil {

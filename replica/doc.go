@@ -215,6 +215,20 @@
 //   - Every request reopens the files (with the lock held exclusively)
 //     when it finds them closed under its shared lock, and retries its
 //     entry; so no request ever runs with a file closed.
+//   - OpenStore opens a replica with snapshots only as far as recovery
+//     needs: the epoch, the head and its index, the dirty log and the
+//     write history (the head is scrubbed, orphans removed, the read
+//     generation advanced), then closes them. Its snapshot layers are
+//     not opened and their indexes not read until the first request
+//     reopens the replica, which loads them (a layer loaded keeps its
+//     index; the files are all open or all closed). A snapshot layer's
+//     index that cannot be read then fails the replica, as a failed
+//     write does: it is refused from then on without another attempt,
+//     and replaced by the cluster as any failed replica is, where before
+//     OpenStore listed it as damaged and kept it unserved. A restart
+//     thus reads no more per replica with snapshots than without
+//     (docs/BENCHMARKS.md). The directory listing taken at open still
+//     finds a replica missing a layer's file damaged, as before.
 //
 // Opening makes room first: idle replicas are closed, least recently
 // used first, until the new files fit (and an eighth of the budget more,

@@ -195,6 +195,9 @@ func (r *Replica) closeIdleLocked() {
 // reopen opens the files of r, closed while it was idle, first making
 // room for them in the cache. need is how many it will open.
 func (r *Replica) reopen(need int) error {
+	if err := r.failed(); err != nil {
+		return err
+	}
 	r.cache.makeRoom(r, need)
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -203,6 +206,10 @@ func (r *Replica) reopen(need int) error {
 	}
 	if r.filesOpen {
 		return nil
+	}
+	if err := r.failed(); err != nil {
+		// Refused as by an open failed replica; nothing to reopen for.
+		return err
 	}
 	err := r.reopenFilesLocked()
 	if r.cache != nil && outOfFiles(err) {
@@ -214,6 +221,10 @@ func (r *Replica) reopen(need int) error {
 		r.cache.closeIdle(r, need+r.cache.budget/8)
 		err = r.reopenFilesLocked()
 	}
+	if errors.Is(err, ErrCorrupt) {
+		// A snapshot layer loaded for the first time: nothing will read it.
+		return r.fail(err)
+	}
 	if err != nil {
 		return err
 	}
@@ -223,7 +234,8 @@ func (r *Replica) reopen(need int) error {
 }
 
 // reopenFilesLocked opens the files closed by closeIdleLocked, all or
-// none. The caller holds mu exclusively.
+// none, and loads the layers not loaded yet (those OpenStore left
+// closed). The caller holds mu exclusively.
 func (r *Replica) reopenFilesLocked() (err error) {
 	defer func() {
 		if err != nil {
@@ -235,8 +247,9 @@ func (r *Replica) reopenFilesLocked() (err error) {
 		return ioErr("reopen epoch", err)
 	}
 	r.epochFile = f
+	maxBlock := r.size.Load() / BlockSize
 	for _, l := range r.layers {
-		if err := l.reopen(r.fs); err != nil {
+		if err := l.reopen(r.fs, maxBlock); err != nil {
 			return err
 		}
 	}

@@ -60,6 +60,10 @@ type layer struct {
 
 	unsynced atomic.Bool // data written since the last Sync
 
+	// loaded: the index has been replayed (and, while the replica's files
+	// are open, the files are open). Guarded by Replica.mu.
+	loaded bool
+
 	mu      sync.RWMutex
 	idx     blockSet  // guarded by mu
 	pending []indexOp // guarded by mu: index changes not yet journaled
@@ -98,42 +102,69 @@ func createLayer(fsys FS, dir string, id uint64) (*layer, error) {
 // openLayer opens a layer and replays its index. maxBlock bounds the block
 // numbers a record may name.
 func openLayer(fsys FS, dir string, id uint64, maxBlock uint64) (*layer, error) {
-	base := layerBase(dir, id)
-	f, err := fsys.OpenFile(base+".data", os.O_RDWR, 0)
-	if err != nil {
-		if os.IsNotExist(err) {
-			return nil, fmt.Errorf("%w: %s.data is missing", ErrCorrupt, base)
-		}
-		return nil, ioErr("open layer data", err)
-	}
-	j, payloads, err := openJournal(fsys, base+".idx", journalKindIndex)
-	if err != nil {
-		f.Close()
+	l := &layer{id: id, base: layerBase(dir, id)}
+	if err := l.load(fsys, maxBlock); err != nil {
 		return nil, err
 	}
-	l := &layer{id: id, data: f, base: base, jnl: j}
-	for _, p := range payloads {
-		ops, err := decodeIndexOps(p, maxBlock)
-		if err != nil {
-			l.close()
-			return nil, fmt.Errorf("%s.idx: %w", base, err)
-		}
-		for _, op := range ops {
-			l.idx.add(op.start, op.n)
-		}
-		l.jnlOps += len(ops)
-	}
-	l.compactAt = max(minCompactOps, 2*l.idx.countRuns())
 	return l, nil
 }
 
+// unloadedLayer is a layer of dir whose files are not opened and whose
+// index is not read until its replica's files are next opened (reopen):
+// how a replica's snapshot layers are opened by OpenStore (doc.go, "Open
+// files").
+func unloadedLayer(dir string, id uint64) *layer {
+	return &layer{id: id, base: layerBase(dir, id)}
+}
+
+// load opens the files of a layer never opened in this process and
+// replays its index, all or nothing. maxBlock bounds the block numbers a
+// record may name.
+func (l *layer) load(fsys FS, maxBlock uint64) error {
+	f, err := fsys.OpenFile(l.base+".data", os.O_RDWR, 0)
+	if err != nil {
+		if os.IsNotExist(err) {
+			return fmt.Errorf("%w: %s.data is missing", ErrCorrupt, l.base)
+		}
+		return ioErr("open layer data", err)
+	}
+	j, payloads, err := openJournal(fsys, l.base+".idx", journalKindIndex)
+	if err != nil {
+		f.Close()
+		return err
+	}
+	var idx blockSet
+	nops := 0
+	for _, p := range payloads {
+		ops, err := decodeIndexOps(p, maxBlock)
+		if err != nil {
+			f.Close()
+			j.close()
+			return fmt.Errorf("%s.idx: %w", l.base, err)
+		}
+		for _, op := range ops {
+			idx.add(op.start, op.n)
+		}
+		nops += len(ops)
+	}
+	l.mu.Lock()
+	l.idx = idx
+	l.mu.Unlock()
+	l.data, l.jnl, l.jnlOps, l.loaded = f, j, nops, true
+	l.compactAt = max(minCompactOps, 2*idx.countRuns())
+	return nil
+}
+
 // close closes the layer's files; reopen opens them again. Closing a
-// closed layer is a no-op.
+// closed or unloaded layer is a no-op.
 func (l *layer) close() error {
 	var err error
 	if l.data != nil {
 		err = l.data.Close()
 		l.data = nil
+	}
+	if l.jnl == nil {
+		return err
 	}
 	if jerr := l.jnl.close(); err == nil {
 		err = jerr
@@ -141,9 +172,12 @@ func (l *layer) close() error {
 	return err
 }
 
-// reopen opens the files of a layer closed by close. Its index stays in
-// memory: nothing is replayed.
-func (l *layer) reopen(fsys FS) error {
+// reopen opens the files of a layer closed by close: its index stays in
+// memory and nothing is replayed. A layer not loaded yet is loaded.
+func (l *layer) reopen(fsys FS, maxBlock uint64) error {
+	if !l.loaded {
+		return l.load(fsys, maxBlock)
+	}
 	f, err := fsys.OpenFile(l.base+".data", os.O_RDWR, 0)
 	if err != nil {
 		return ioErr("reopen layer data", err)

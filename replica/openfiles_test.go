@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -321,5 +322,161 @@ func TestOpenStoreOutOfDescriptorsIsNotDamage(t *testing.T) {
 	}
 	if got := readBlock(t, get(t, s, "r3"), 0); !bytes.Equal(got, make([]byte, replica.BlockSize)) {
 		t.Errorf("r3 read %x..., want zeroes", got[:4])
+	}
+}
+
+// pathsFS records the paths opened through it.
+type pathsFS struct {
+	replica.FS
+	mu     sync.Mutex
+	opened []string
+}
+
+func (p *pathsFS) OpenFile(name string, flag int, perm os.FileMode) (replica.File, error) {
+	p.mu.Lock()
+	p.opened = append(p.opened, name)
+	p.mu.Unlock()
+	return p.FS.OpenFile(name, flag, perm)
+}
+
+func (p *pathsFS) take() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	o := p.opened
+	p.opened = nil
+	return o
+}
+
+// TestOpenStoreLeavesSnapshotLayersUnread: a restart opens a replica with
+// snapshots as one without (doc.go, "Open files"): none of its snapshot
+// layers' files is opened by OpenStore, and its files are left closed.
+// The first request loads them, and every block reads as before the
+// restart, through the head, each snapshot and a snapshot's deletion.
+func TestOpenStoreLeavesSnapshotLayersUnread(t *testing.T) {
+	mem := errorfs.NewMemFS()
+	pfs := &pathsFS{FS: mem}
+	cfg := replica.Config{Dir: "/stor", FS: pfs, Logger: replicatest.Logger(t), RegionSize: testRegionSize}
+	s := openStore(t, cfg)
+	r := create(t, s, "r1", 1<<20)
+	for i, snap := range []string{"s1", "s2"} {
+		if err := r.WriteAt(op, pattern(byte(i+1)), int64(i)*replica.BlockSize); err != nil {
+			t.Fatalf("WriteAt: %v", err)
+		}
+		if err := r.CreateSnapshot(op, snap); err != nil {
+			t.Fatalf("CreateSnapshot: %v", err)
+		}
+	}
+	if err := r.WriteAt(op, pattern(3), 2*replica.BlockSize); err != nil {
+		t.Fatalf("WriteAt: %v", err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	pfs.take()
+
+	s = openStore(t, cfg)
+	defer s.Close()
+	for _, p := range pfs.take() {
+		if strings.Contains(p, "layer-00000001") || strings.Contains(p, "layer-00000002") {
+			t.Errorf("OpenStore opened %s, a snapshot layer's file", p)
+		}
+	}
+	r = get(t, s, "r1")
+	if replica.FilesOpen(r) {
+		t.Errorf("a replica with snapshots was left open by OpenStore")
+	}
+	if files, _, _ := replica.FileCacheStats(s); files != 0 {
+		t.Errorf("the file cache counts %d files open after OpenStore, want 0", files)
+	}
+	want := [][]byte{pattern(1), pattern(2), pattern(3)}
+	for i, w := range want {
+		if got := readBlock(t, r, int64(i)*replica.BlockSize); !bytes.Equal(got, w) {
+			t.Errorf("block %d: read %x..., want %x...", i, got[:4], w[:4])
+		}
+	}
+	if !replica.FilesOpen(r) {
+		t.Errorf("the replica's files are not open after a read")
+	}
+	if files, _, _ := replica.FileCacheStats(s); files != 3+2*3 {
+		t.Errorf("the file cache counts %d files open, want %d", files, 3+2*3)
+	}
+	snapRead := func(snap string, block int, w []byte) {
+		t.Helper()
+		got := make([]byte, replica.BlockSize)
+		if err := r.ReadSnapshotAt(op, snap, got, int64(block)*replica.BlockSize); err != nil {
+			t.Fatalf("ReadSnapshotAt %s: %v", snap, err)
+		}
+		if !bytes.Equal(got, w) {
+			t.Errorf("snapshot %s block %d: read %x..., want %x...", snap, block, got[:4], w[:4])
+		}
+	}
+	zero := make([]byte, replica.BlockSize)
+	snapRead("s1", 0, pattern(1))
+	snapRead("s1", 1, zero)
+	snapRead("s2", 1, pattern(2))
+	snapRead("s2", 2, zero)
+	// Deleting s1 merges its block into s2's layer.
+	if err := r.DeleteSnapshot(op, "s1"); err != nil {
+		t.Fatalf("DeleteSnapshot: %v", err)
+	}
+	snapRead("s2", 0, pattern(1))
+	if got := readBlock(t, r, 0); !bytes.Equal(got, pattern(1)) {
+		t.Errorf("block 0 after deleting s1: read %x...", got[:4])
+	}
+}
+
+// TestUnreadSnapshotLayerDamage: a replica whose snapshot layer's file is
+// missing is still found damaged by OpenStore; one whose snapshot
+// layer's index is unreadable opens, and its first request fails the
+// replica (ErrCorrupt), not a read that would skip the layer.
+func TestUnreadSnapshotLayerDamage(t *testing.T) {
+	mem := errorfs.NewMemFS()
+	cfg := replica.Config{Dir: "/stor", FS: mem, Logger: replicatest.Logger(t), RegionSize: testRegionSize}
+	s := openStore(t, cfg)
+	for _, id := range []string{"missing", "corrupt"} {
+		r := create(t, s, id, 1<<20)
+		if err := r.WriteAt(op, pattern(1), 0); err != nil {
+			t.Fatalf("WriteAt: %v", err)
+		}
+		if err := r.CreateSnapshot(op, "s1"); err != nil {
+			t.Fatalf("CreateSnapshot: %v", err)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := mem.Remove("/stor/missing/layer-00000001.data"); err != nil {
+		t.Fatalf("Remove: %v", err)
+	}
+	f, err := mem.OpenFile("/stor/corrupt/layer-00000001.idx", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatalf("OpenFile: %v", err)
+	}
+	if _, err := f.WriteAt(bytes.Repeat([]byte{0xa5}, 64), 0); err != nil {
+		t.Fatalf("WriteAt: %v", err)
+	}
+	f.Close()
+
+	s, err = replica.OpenStore(cfg)
+	if err != nil {
+		t.Fatalf("OpenStore: %v", err)
+	}
+	defer s.Close()
+	if len(s.Damaged()) != 1 {
+		t.Errorf("damaged: %v, want only the replica missing a file", s.Damaged())
+	}
+	if err := s.Damaged()["missing"]; !errors.Is(err, replica.ErrCorrupt) {
+		t.Errorf("a replica missing a snapshot layer's data file: damaged %v, want ErrCorrupt", err)
+	}
+	r := get(t, s, "corrupt")
+	buf := make([]byte, replica.BlockSize)
+	if err := r.ReadAt(op, buf, 0); !errors.Is(err, replica.ErrCorrupt) {
+		t.Fatalf("first read of a replica whose snapshot index is unreadable: %v, want ErrCorrupt", err)
+	}
+	if err := r.ReadAt(op, buf, replica.BlockSize); err == nil {
+		t.Fatalf("a later read of the replica succeeded")
+	}
+	if err := r.WriteAt(op, pattern(2), 0); err == nil {
+		t.Fatalf("a write to the replica succeeded")
 	}
 }

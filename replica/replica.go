@@ -151,16 +151,23 @@ func openReplica(fsys FS, dir string, log *slog.Logger) (_ *Replica, err error) 
 	r.epoch.Store(r.epochSt.epoch)
 	r.maxGen.Store(r.epochSt.gen)
 
+	// The head is opened and its index read now (the scrub below needs
+	// them); the snapshot layers under it at the first reopen (doc.go,
+	// "Open files").
 	maxBlock := m.Size / BlockSize
-	for _, ml := range m.Layers {
-		l, err := openLayer(fsys, dir, ml.ID, maxBlock)
-		if err != nil {
-			return nil, err
+	for i, ml := range m.Layers {
+		l := unloadedLayer(dir, ml.ID)
+		if i == len(m.Layers)-1 {
+			if l, err = openLayer(fsys, dir, ml.ID, maxBlock); err != nil {
+				return nil, err
+			}
 		}
 		l.snapshot, l.size = ml.Snapshot, ml.Size
 		r.layers = append(r.layers, l)
 	}
-	r.removeOrphans()
+	if err := r.removeOrphans(); err != nil {
+		return nil, err
+	}
 	// A new process: short-circuit reads opened by the last one end.
 	if err := r.invalidateDirect("opened"); err != nil {
 		return nil, err
@@ -174,6 +181,13 @@ func openReplica(fsys FS, dir string, log *slog.Logger) (_ *Replica, err error) 
 		return nil, err
 	}
 	r.scrubHeadLocked()
+	if len(r.layers) > 1 {
+		// Its files stay closed until a request needs them.
+		if err := r.closeFiles(); err != nil {
+			return nil, err
+		}
+		return r, nil
+	}
 	r.filesOpen = true
 	return r, nil
 }
@@ -211,18 +225,24 @@ func (r *Replica) openHistory(nregions uint64) error {
 }
 
 // removeOrphans deletes layer files that meta.json does not name (left by
-// a crash during a snapshot cut or delete) and temporary files.
-func (r *Replica) removeOrphans() {
+// a crash during a snapshot cut or delete) and temporary files. A layer
+// that meta.json names and whose files are not there is ErrCorrupt: the
+// listing tells that of layers not loaded yet too, so that a replica
+// missing one is found damaged when the store opens, not at its first
+// read.
+func (r *Replica) removeOrphans() error {
 	entries, err := r.fs.ReadDir(r.dir)
 	if err != nil {
-		return
+		return ioErr("read "+r.dir, err)
 	}
 	known := map[uint64]bool{}
 	for _, l := range r.layers {
 		known[l.id] = true
 	}
+	present := map[string]bool{}
 	for _, e := range entries {
 		name := e.Name()
+		present[name] = true
 		orphan := strings.HasSuffix(name, ".tmp")
 		if rest, ok := strings.CutPrefix(name, "layer-"); ok {
 			num, _, _ := strings.Cut(rest, ".")
@@ -236,6 +256,14 @@ func (r *Replica) removeOrphans() {
 			}
 		}
 	}
+	for _, l := range r.layers {
+		for _, ext := range []string{".data", ".idx"} {
+			if name := filepath.Base(l.base) + ext; !present[name] {
+				return fmt.Errorf("%w: %s is missing", ErrCorrupt, filepath.Join(r.dir, name))
+			}
+		}
+	}
+	return nil
 }
 
 // closeFiles closes whatever files of the replica are open.
@@ -422,7 +450,9 @@ func (r *Replica) Close() error {
 	var errs []error
 	errs = append(errs, r.invalidateDirect("closed"))
 	if r.filesOpen && r.failure.Load() == nil {
-		// (Files closed while idle were synced before they were closed.)
+		// (Files closed while idle were synced before they were closed;
+		// those OpenStore closed hold nothing a crash could lose: what
+		// the open did in dirty regions it redoes at the next open.)
 		errs = append(errs, r.flushLocked())
 	}
 	errs = append(errs, r.closeFiles())

@@ -99,6 +99,16 @@ func (d *DirectFiles) Close() error {
 // on the OS filesystem).
 func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
 	r.mu.RLock()
+	for !r.closed && !r.filesOpen {
+		// The indexes handed out are those of loaded layers: open it as a
+		// request would.
+		need := r.fileCountLocked()
+		r.mu.RUnlock()
+		if err := r.reopen(need); err != nil {
+			return nil, err
+		}
+		r.mu.RLock()
+	}
 	defer r.mu.RUnlock()
 	if r.closed {
 		return nil, ErrClosed

@@ -279,3 +279,54 @@ func TestFailedReplicaEndsDirectReads(t *testing.T) {
 		t.Fatal("a failed replica opened for direct reads")
 	}
 }
+
+// TestOpenDirectAfterARestartWithSnapshots: OpenDirect of a replica whose
+// snapshot layers OpenStore left unread loads them first, so the index it
+// hands out names the blocks each snapshot layer holds (an empty one
+// would send a reader to zeroes, or to the wrong layer).
+func TestOpenDirectAfterARestartWithSnapshots(t *testing.T) {
+	dir := t.TempDir()
+	cfg := replica.Config{Dir: dir, Logger: replicatest.Logger(t), RegionSize: testRegionSize}
+	s := openStore(t, cfg)
+	r, err := s.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := replica.Op{Epoch: 3, Generation: 1}
+	if err := r.WriteAt(o, pattern(1), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.CreateSnapshot(o, "s1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.WriteAt(o, pattern(2), 2*replica.BlockSize); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s = openStore(t, cfg)
+	defer s.Close()
+	r = get(t, s, "r1")
+	d, err := r.OpenDirect(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	want := [][][2]uint64{{{0, 1}}, {{2, 3}}}
+	if len(d.Index) != len(want) {
+		t.Fatalf("index of %d layers, want %d", len(d.Index), len(want))
+	}
+	for i := range want {
+		if len(d.Index[i]) != 1 || d.Index[i][0] != want[i][0] {
+			t.Errorf("layer %d's index %v, want %v", i, d.Index[i], want[i])
+		}
+	}
+	got := make([]byte, replica.BlockSize)
+	if _, err := d.Layers[0].ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, pattern(1)) {
+		t.Errorf("the snapshot layer's data file holds %x... at block 0", got[:4])
+	}
+}

@@ -289,11 +289,14 @@ func (s *Store) addLocked(r *Replica) {
 	s.replicas[r.id] = r
 }
 
-// cacheAdd enters r, just opened, into the store's file cache.
+// cacheAdd enters r, just opened, into the store's file cache (if its
+// files were left open: see openReplica).
 func (s *Store) cacheAdd(r *Replica) {
 	r.cache = s.cache
 	r.mu.Lock()
-	s.cache.add(r, r.fileCountLocked())
+	if r.filesOpen {
+		s.cache.add(r, r.fileCountLocked())
+	}
 	r.mu.Unlock()
 }
 

@@ -48,6 +48,7 @@ import (
 	"github.com/stor-io/stor/internal/nodecert"
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/pvcevents"
+	"github.com/stor-io/stor/replica/engine"
 )
 
 func main() {
@@ -78,6 +79,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 		return nil
 	})
 	fs.StringVar(&cfg.LocalSocketDir, "local-socket-dir", "", "node: a directory of stor-servers' short-circuit read sockets (*.sock), looked at on each attach (deploy/ shares /var/lib/stor-local with the servers)")
+	fs.IntVar(&cfg.RebuildInFlight, "rebuild-in-flight", 0, fmt.Sprintf("node: chunks of 1 MiB a rebuild of a staged volume's replicas copies at once, 1 to %d (0: %d): fewer leave more of the disk and CPU to the volume's own I/O, more rebuild faster (docs/OPERATIONS.md)", engine.MaxRebuildInFlight, engine.DefaultRebuildInFlight))
 	fs.Int64Var(&cfg.MaxVolumesPerNode, "max-volumes", 0, fmt.Sprintf("node: volumes this node may stage (the nbd module's device count); registered with the cluster, where the controller enforces it (default %d)", csi.DefaultMaxVolumesPerNode))
 	fs.StringVar(&cfg.Version, "version", cfg.Version, "vendor version reported by GetPluginInfo")
 	pvcEvents := fs.Bool("pvc-events", false, "controller: post stor's events about a claim's volume (faults, rebuilds, attaches) as Kubernetes Events on the claim; one controller posts, the holder of the Lease "+pvcevents.LeaseName)

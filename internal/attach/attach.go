@@ -126,6 +126,8 @@ type Config struct {
 	// LocalReaders give short-circuit reads of the replicas of servers on
 	// this host (engine.Config.LocalReaders).
 	LocalReaders []engine.LocalReader
+	// RebuildInFlight is engine.Config's; 0 the default.
+	RebuildInFlight int
 	// Timeout bounds attaching (engine.Open, netlink) and the final flush
 	// and detach. Default DefaultTimeout.
 	Timeout time.Duration
@@ -284,6 +286,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		// the resume is refused rather than fencing it.
 		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly, RequireAttached: cfg.RequireAttached,
 		Control: cfg.Control, Connect: cfg.Connect, Logger: log, LocalReaders: cfg.LocalReaders,
+		RebuildInFlight: cfg.RebuildInFlight,
 	})
 	cancel()
 	if err != nil {

@@ -40,19 +40,23 @@ type volumeEnv struct {
 	Metrics *metrics.Volumes
 	// LocalReaders reach the --local-socket servers (short-circuit reads).
 	LocalReaders []engine.LocalReader
+	// RebuildInFlight is --rebuild-in-flight (engine.Config's).
+	RebuildInFlight int
 }
 
 // volumeFlags are the flags every command that serves a volume has.
 type volumeFlags struct {
-	metricsListen string
-	localSockets  []string
+	metricsListen   string
+	localSockets    []string
+	rebuildInFlight int
 }
 
-// addVolumeFlags adds --metrics-listen and --local-socket to a command
-// that serves a volume.
+// addVolumeFlags adds --metrics-listen, --local-socket and
+// --rebuild-in-flight to a command that serves a volume.
 func addVolumeFlags(cmd *cobra.Command, f *volumeFlags) {
 	addMetricsFlag(cmd, &f.metricsListen)
 	cmd.Flags().StringArrayVar(&f.localSockets, "local-socket", nil, `short-circuit read socket of a stor-server on this host (its --local-socket): that server's replicas of the volume are read directly from its files; repeat for several servers`)
+	cmd.Flags().IntVar(&f.rebuildInFlight, "rebuild-in-flight", engine.DefaultRebuildInFlight, fmt.Sprintf("chunks of 1 MiB a rebuild of the volume's replicas copies at once (1 to %d): fewer leave more of the disk and CPU to the volume's own I/O while a replica is rebuilt, more rebuild faster (docs/OPERATIONS.md)", engine.MaxRebuildInFlight))
 }
 
 // addMetricsFlag adds --metrics-listen to a command that serves a volume.
@@ -69,6 +73,9 @@ func addMetricsFlag(cmd *cobra.Command, addr *string) {
 // addresses tried.
 func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, flags volumeFlags, run func(context.Context, volumeEnv) error) error {
 	metricsListen := flags.metricsListen
+	if n := flags.rebuildInFlight; n < 1 || n > engine.MaxRebuildInFlight {
+		return usageErrorf("--rebuild-in-flight %d: want 1 to %d", n, engine.MaxRebuildInFlight)
+	}
 	if *nodeID == "" {
 		host, err := os.Hostname()
 		if err != nil {
@@ -111,6 +118,7 @@ func (a *app) runVolumeCommand(cmd *cobra.Command, what string, nodeID *string, 
 	ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	env.LocalReaders = engine.DialLocalReaders(ctx, flags.localSockets, logger)
+	env.RebuildInFlight = flags.rebuildInFlight
 	context.AfterFunc(ctx, stop)
 	if err := run(ctx, env); err != nil {
 		if st, ok := grpcCause(err); ok {
@@ -166,7 +174,7 @@ needs --allow-remote.
 			}
 			return a.runVolumeCommand(cmd, "nbd serve", &cfg.NodeID, vflags, func(ctx context.Context, env volumeEnv) error {
 				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
-				cfg.Metrics, cfg.LocalReaders = env.Metrics, env.LocalReaders
+				cfg.Metrics, cfg.LocalReaders, cfg.RebuildInFlight = env.Metrics, env.LocalReaders, env.RebuildInFlight
 				return runNBDServe(ctx, cfg)
 			})
 		},
@@ -202,6 +210,8 @@ type nbdServeConfig struct {
 	Connect engine.Connector
 	// LocalReaders give short-circuit reads of local servers' replicas.
 	LocalReaders []engine.LocalReader
+	// RebuildInFlight is engine.Config's; 0 the default.
+	RebuildInFlight int
 	// Timeout bounds attaching (engine.Open) and the final flush and
 	// detach. Default 10s.
 	Timeout time.Duration
@@ -246,6 +256,7 @@ func runNBDServe(ctx context.Context, cfg nbdServeConfig) error {
 		Volume: cfg.Volume, VolumeIsID: cfg.VolumeIsID, NodeID: cfg.NodeID,
 		Takeover: cfg.Takeover, ReadOnly: cfg.ReadOnly,
 		Control: cfg.Control, Connect: cfg.Connect, Logger: cfg.Logger, LocalReaders: cfg.LocalReaders,
+		RebuildInFlight: cfg.RebuildInFlight,
 	})
 	cancel()
 	if err != nil {

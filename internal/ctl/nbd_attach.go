@@ -70,7 +70,7 @@ Detach with SIGTERM, Ctrl-C, or "stor-ctl nbd detach /dev/nbdN".`,
 			}
 			return a.runVolumeCommand(cmd, "nbd attach", &cfg.NodeID, vflags, func(ctx context.Context, env volumeEnv) error {
 				cfg.Control, cfg.Connect, cfg.Timeout, cfg.Stdout, cfg.Logger = env.Control, env.Connect, env.Timeout, env.Stdout, env.Logger
-				cfg.Metrics, cfg.LocalReaders = env.Metrics, env.LocalReaders
+				cfg.Metrics, cfg.LocalReaders, cfg.RebuildInFlight = env.Metrics, env.LocalReaders, env.RebuildInFlight
 				return runNBDAttach(ctx, cfg)
 			})
 		},

@@ -843,6 +843,8 @@ func TestNBDAttachFlags(t *testing.T) {
 		{"nbd", "attach", "v", "--connections", "0"},
 		{"nbd", "attach", "v", "--connections", "65"},
 		{"nbd", "attach", "v", "--io-timeout", "0s"},
+		{"nbd", "attach", "v", "--rebuild-in-flight", "0"},
+		{"nbd", "serve", "v", "--rebuild-in-flight", "65"},
 		{"nbd", "attach"},
 		{"nbd", "detach", "/dev/sda"},
 		{"nbd", "detach"},

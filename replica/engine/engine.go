@@ -153,6 +153,9 @@ type Engine struct {
 	// purpose is what the engine's OPENs state: PurposeAttach, or
 	// PurposeSnapshotCut for CutDetached's engine.
 	purpose wire.Purpose
+	// localServers are the servers on this host: cfg.LocalServerID and
+	// those of cfg.LocalReaders. Set by newEngine, then read only.
+	localServers map[string]bool
 
 	size   atomic.Uint64
 	fenced atomic.Bool
@@ -292,6 +295,13 @@ func newEngine(cfg Config, v *storpb.Volume) *Engine {
 	}
 	e.size.Store(v.SizeBytes)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
+	e.localServers = map[string]bool{}
+	if cfg.LocalServerID != "" {
+		e.localServers[cfg.LocalServerID] = true
+	}
+	for _, lr := range cfg.LocalReaders {
+		e.localServers[lr.ServerID()] = true
+	}
 	return e
 }
 

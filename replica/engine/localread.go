@@ -77,17 +77,7 @@ func (e *Engine) newLocalRead(serverID string) *localRead {
 }
 
 // isLocal reports whether serverID runs on this host.
-func (e *Engine) isLocal(serverID string) bool {
-	if serverID == e.cfg.LocalServerID && serverID != "" {
-		return true
-	}
-	for _, lr := range e.cfg.LocalReaders {
-		if lr.ServerID() == serverID {
-			return true
-		}
-	}
-	return false
-}
+func (e *Engine) isLocal(serverID string) bool { return e.localServers[serverID] }
 
 // readLocal tries to serve a read of healthy member m directly; it
 // reports whether it did. The caller holds the read's overlap span, so no

@@ -28,6 +28,9 @@ type RebuildSource struct {
 const (
 	DefaultRebuildChunk    = 1 << 20
 	DefaultRebuildInFlight = 4
+	// MaxRebuildInFlight bounds the chunks a rebuild copies at once (the
+	// copy's buffers are InFlight x ChunkBytes).
+	MaxRebuildInFlight = 64
 )
 
 // RebuildPlan says what to copy.

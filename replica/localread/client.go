@@ -55,9 +55,6 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 // ServerID is the id of the server behind the socket.
 func (c *Client) ServerID() string { return c.serverID }
 
-// Path is the socket's path.
-func (c *Client) Path() string { return c.path }
-
 // Open opens a View of replica open.Replica of volume open.Volume at epoch
 // open.Epoch. Its errors wrap replica.ErrStaleEpoch, ErrNotDirect,
 // ErrNotFound or ErrInvalid as the server's did.
