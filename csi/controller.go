@@ -654,8 +654,12 @@ func (c *controllerServer) GetSnapshot(ctx context.Context, req *csipb.GetSnapsh
 // volume, sorted by id, paged like ListVolumes. An unknown snapshot id or
 // source volume gives an empty list, as the spec asks.
 func (c *controllerServer) ListSnapshots(ctx context.Context, req *csipb.ListSnapshotsRequest) (*csipb.ListSnapshotsResponse, error) {
+	var filter string
+	if src, id := req.GetSourceVolumeId(), req.GetSnapshotId(); src != "" || id != "" {
+		filter = fmt.Sprintf("%d:%s%s", len(src), src, id) // unambiguous
+	}
 	l := listing[*storpb.Snapshot, *csipb.ListSnapshotsResponse_Entry]{
-		kind: listSnapshots, id: (*storpb.Snapshot).GetId,
+		kind: listSnapshots, filter: filter, id: (*storpb.Snapshot).GetId,
 		entry: func(s *storpb.Snapshot) (*csipb.ListSnapshotsResponse_Entry, bool) {
 			return &csipb.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)}, true
 		},

@@ -44,28 +44,33 @@ const tokenMagic = "stor-csi-list1"
 // throughout.
 type listToken struct {
 	kind    byte   // listVolumes, listSnapshots or listHealth
+	filter  string // the listing's filter (listing.filter): a token is not one of another filter's listing
 	cluster string // the cluster page token to read from; "" for the first page
 	after   string // the last id listed: it and every id before it are skipped
 }
 
 // encode returns the token as the CO sees it: opaque, base64 (URL
-// alphabet, no padding) of tokenMagic, kind, the cluster token's length
-// (uvarint), the cluster token and after.
+// alphabet, no padding) of tokenMagic, kind, the filter's length
+// (uvarint), the filter, the cluster token's length (uvarint), the
+// cluster token and after.
 func (t listToken) encode() string {
 	b := append([]byte(tokenMagic), t.kind)
+	b = binary.AppendUvarint(b, uint64(len(t.filter)))
+	b = append(b, t.filter...)
 	b = binary.AppendUvarint(b, uint64(len(t.cluster)))
 	b = append(append(b, t.cluster...), t.after...)
 	return base64.RawURLEncoding.EncodeToString(b)
 }
 
-// decodeListToken decodes a starting_token of listing kind; "" is the
-// first page. Anything encode did not make for kind is ErrToken.
-func decodeListToken(kind byte, s string) (listToken, error) {
-	t := listToken{kind: kind}
+// decodeListToken decodes a starting_token of listing kind with filter;
+// "" is the first page. Anything encode did not make for kind and filter
+// is ErrToken.
+func decodeListToken(kind byte, filter, s string) (listToken, error) {
+	t := listToken{kind: kind, filter: filter}
 	if s == "" {
 		return t, nil
 	}
-	bad := fmt.Errorf("%w: starting token %q", ErrToken, s)
+	bad := fmt.Errorf("%w: starting token %s", ErrToken, quoteToken(s))
 	b, err := base64.RawURLEncoding.DecodeString(s)
 	if err != nil || !strings.HasPrefix(string(b), tokenMagic) {
 		return t, bad
@@ -74,21 +79,49 @@ func decodeListToken(kind byte, s string) (listToken, error) {
 	if len(b) == 0 || b[0] != kind {
 		return t, bad
 	}
-	n, w := binary.Uvarint(b[1:])
-	if w <= 0 || n > uint64(len(b)-1-w) {
+	b = b[1:]
+	// field cuts a length-prefixed field off b.
+	field := func() (string, bool) {
+		n, w := binary.Uvarint(b)
+		if w <= 0 || n > uint64(len(b)-w) {
+			return "", false
+		}
+		f := string(b[w : w+int(n)])
+		b = b[w+int(n):]
+		return f, true
+	}
+	f, ok := field()
+	if !ok {
 		return t, bad
 	}
-	b = b[1+w:]
-	t.cluster, t.after = string(b[:n]), string(b[n:])
+	if f != filter {
+		return t, fmt.Errorf("%w: starting token %s is of a listing with other filters", ErrToken, quoteToken(s))
+	}
+	if t.cluster, ok = field(); !ok {
+		return t, bad
+	}
+	t.after = string(b)
 	if t.after == "" {
 		return t, bad // a token follows a listed entry
 	}
 	return t, nil
 }
 
+// quoteToken quotes a token for an error message, cut to 64 bytes (a CO
+// could send megabytes).
+func quoteToken(s string) string {
+	if len(s) > 64 {
+		return fmt.Sprintf("%q... (%d bytes)", s[:64], len(s))
+	}
+	return fmt.Sprintf("%q", s)
+}
+
 // listing is one cluster listing as a CSI list call reads it.
 type listing[R any, E proto.Message] struct {
 	kind byte
+	// filter is what the request's filters select (ListSnapshots'
+	// source_volume_id and snapshot_id), "" for none; its tokens carry it.
+	filter string
 	// list reads one page of the cluster's listing: up to size records
 	// after token's position in id order, and the next page's token, ""
 	// after the last.
@@ -111,7 +144,7 @@ func (l listing[R, E]) page(ctx context.Context, c *controllerServer, token stri
 	if max < 0 {
 		return nil, "", invalidf("max_entries %d is negative", max)
 	}
-	tok, err := decodeListToken(l.kind, token)
+	tok, err := decodeListToken(l.kind, l.filter, token)
 	if err != nil {
 		return nil, "", err
 	}
@@ -128,7 +161,7 @@ func (l listing[R, E]) page(ctx context.Context, c *controllerServer, token stri
 		cancel()
 		switch {
 		case err != nil && tok.cluster != "" && clusterCode(err) == codes.InvalidArgument:
-			return nil, "", fmt.Errorf("%w: starting token %q: the cluster refuses its page token: %v", ErrToken, token, err)
+			return nil, "", fmt.Errorf("%w: starting token %s: the cluster refuses its page token: %v", ErrToken, quoteToken(token), err)
 		case err != nil:
 			return nil, "", err
 		}
@@ -157,7 +190,7 @@ func (l listing[R, E]) page(ctx context.Context, c *controllerServer, token stri
 				case i < len(recs)-1:
 					return out, tok.encode(), nil
 				}
-				return out, listToken{kind: l.kind, cluster: next, after: id}.encode(), nil
+				return out, listToken{kind: l.kind, filter: l.filter, cluster: next, after: id}.encode(), nil
 			}
 		}
 		switch next {

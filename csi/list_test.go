@@ -16,19 +16,20 @@ func TestListTokenRoundTrip(t *testing.T) {
 		{kind: listSnapshots, after: "a"},
 		{kind: listVolumes, cluster: "djE6YWJj", after: "0f8e-\x00-id"},
 		{kind: listHealth, cluster: string(make([]byte, 300)), after: "z"},
+		{kind: listSnapshots, filter: "3:vol", cluster: "djE6YWJj", after: "s"},
 	} {
-		got, err := decodeListToken(tok.kind, tok.encode())
+		got, err := decodeListToken(tok.kind, tok.filter, tok.encode())
 		if err != nil || got != tok {
 			t.Errorf("decode(encode(%+v)) = %+v, %v", tok, got, err)
 		}
 		for _, other := range []byte{listSnapshots, listVolumes, listHealth} {
-			if _, err := decodeListToken(other, tok.encode()); other != tok.kind && status.Code(toStatus(err)) != codes.Aborted {
+			if _, err := decodeListToken(other, tok.filter, tok.encode()); other != tok.kind && status.Code(toStatus(err)) != codes.Aborted {
 				t.Errorf("a %c token decoded as a %c one: %v", tok.kind, other, err)
 			}
 		}
 	}
 	for _, s := range []string{"invalid-token", "0", "c3Rvci1jc2ktbGlzdDE", listToken{kind: listVolumes, cluster: "x"}.encode()} {
-		if _, err := decodeListToken(listVolumes, s); status.Code(toStatus(err)) != codes.Aborted {
+		if _, err := decodeListToken(listVolumes, "", s); status.Code(toStatus(err)) != codes.Aborted {
 			t.Errorf("token %q: %v, want Aborted", s, err)
 		}
 	}
