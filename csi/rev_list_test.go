@@ -80,7 +80,9 @@ type revSnaps struct {
 func (s revSnaps) ListSnapshots(_ context.Context, req *storpb.ListSnapshotsRequest) (*storpb.ListSnapshotsResponse, error) {
 	s.f.mu.Lock()
 	defer s.f.mu.Unlock()
-	keep := func(sn *storpb.Snapshot) bool { return req.GetVolumeId() == "" || sn.GetVolumeId() == req.GetVolumeId() }
+	keep := func(sn *storpb.Snapshot) bool {
+		return req.GetVolumeId() == "" || sn.GetVolumeId() == req.GetVolumeId()
+	}
 	v, n, err := revPage(s.f, s.f.snaps, keep, req.GetPageToken(), req.GetPageSize())
 	return &storpb.ListSnapshotsResponse{Snapshots: v, NextPageToken: n}, err
 }
