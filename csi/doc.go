@@ -150,9 +150,10 @@
 // entries (ControllerListVolumeHealth, which lists the abnormal volumes
 // only, reads on until it has its page), and entries created or deleted
 // between two pages move no other. A starting_token this driver did not
-// give for that listing, or whose cluster page token the cluster
-// refuses, is ABORTED, as the spec asks: the CO lists again from the
-// start.
+// give for that listing with the same filters (ListSnapshots'
+// source_volume_id and snapshot_id), or whose cluster page token the
+// cluster refuses, is ABORTED, as the spec asks: the CO lists again from
+// the start.
 //
 // # Health
 //
