@@ -9,8 +9,6 @@ import (
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/protobuf/encoding/protowire"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -380,67 +378,31 @@ func (c *controllerServer) allNodes(ctx context.Context) ([]*storpb.Node, error)
 	}
 }
 
-// maxListBytes bounds the entries of one List* response: a CO's gRPC
-// client takes at most 4 MiB a message by default, and 50,000 snapshots
-// are 5 MB as CSI entries. A page cut by it ends early with a next_token,
-// also when max_entries is 0 (no limit asked): the CO follows next_token
-// whenever it is set.
-var maxListBytes = 1 << 20
-
-// fitPage cuts entries, the page that starts at offset start, to those
-// whose encoded size fits maxListBytes (at least one), and returns the
-// token of the first one cut, or next if none was.
-func fitPage[E proto.Message](entries []E, start int, next string) ([]E, string) {
-	size := 0
-	for i, e := range entries {
-		size += protowire.SizeBytes(proto.Size(e)) + 1 // and its field tag
-		if i > 0 && size > maxListBytes {
-			return entries[:i], strconv.Itoa(start + i)
-		}
-	}
-	return entries, next
+// listVolumes reads one page of the cluster's volumes (deleted volumes
+// left out), a listing's list.
+func (c *controllerServer) listVolumes(ctx context.Context, token string, size uint32) ([]*storpb.Volume, string, error) {
+	resp, err := c.d.cfg.Cluster.Volumes.ListVolumes(ctx, &storpb.ListVolumesRequest{PageSize: size, PageToken: token})
+	return resp.GetVolumes(), resp.GetNextPageToken(), err
 }
 
-// page cuts entries [start, start+max) with the token of the next page.
-// The token is the decimal offset of the next entry; a token that is not
-// one is ABORTED, as the spec asks.
-func page(n int, token string, max int32) (start, end int, next string, err error) {
-	if token != "" {
-		s, perr := strconv.Atoi(token)
-		if perr != nil || s < 0 || s > n {
-			return 0, 0, "", fmt.Errorf("%w: starting token %q is not one this driver gave", ErrBusy, token)
-		}
-		start = s
-	}
-	if max < 0 {
-		return 0, 0, "", invalidf("max_entries %d is negative", max)
-	}
-	end = n
-	if max > 0 && start+int(max) < n {
-		end = start + int(max)
-		next = strconv.Itoa(end)
-	}
-	return start, end, next, nil
-}
-
+// ListVolumes lists volumes sorted by id, paged by max_entries and
+// maxListBytes; each page reads the cluster's listing from where the
+// previous one ended (listToken).
 func (c *controllerServer) ListVolumes(ctx context.Context, req *csipb.ListVolumesRequest) (*csipb.ListVolumesResponse, error) {
-	vols, err := c.allVolumes(ctx)
+	l := listing[*storpb.Volume, *csipb.ListVolumesResponse_Entry]{
+		kind: listVolumes, list: c.listVolumes, id: (*storpb.Volume).GetId,
+		entry: func(v *storpb.Volume) (*csipb.ListVolumesResponse_Entry, bool) {
+			return &csipb.ListVolumesResponse_Entry{
+				Volume: c.csiVolume(v),
+				Status: &csipb.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
+			}, true
+		},
+	}
+	entries, next, err := l.page(ctx, c, req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
-	start, end, next, err := page(len(vols), req.GetStartingToken(), req.GetMaxEntries())
-	if err != nil {
-		return nil, err
-	}
-	resp := &csipb.ListVolumesResponse{}
-	for _, v := range vols[start:end] {
-		resp.Entries = append(resp.Entries, &csipb.ListVolumesResponse_Entry{
-			Volume: c.csiVolume(v),
-			Status: &csipb.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
-		})
-	}
-	resp.Entries, resp.NextToken = fitPage(resp.Entries, start, next)
-	return resp, nil
+	return &csipb.ListVolumesResponse{Entries: entries, NextToken: next}, nil
 }
 
 func publishedNodes(v *storpb.Volume) []string {
@@ -477,23 +439,20 @@ func (c *controllerServer) ControllerGetVolumeHealth(ctx context.Context, req *c
 }
 
 // ControllerListVolumeHealth lists the abnormal volumes, paged like
-// ListVolumes over the abnormal ones.
+// ListVolumes over the abnormal ones: a page reads the cluster's volumes
+// until it has max_entries of them, or the last.
 func (c *controllerServer) ControllerListVolumeHealth(ctx context.Context, req *csipb.ControllerListVolumeHealthRequest) (*csipb.ControllerListVolumeHealthResponse, error) {
-	vols, err := c.allVolumes(ctx)
+	l := listing[*storpb.Volume, *csipb.VolumeHealth]{
+		kind: listHealth, list: c.listVolumes, id: (*storpb.Volume).GetId, sparse: true,
+		entry: func(v *storpb.Volume) (*csipb.VolumeHealth, bool) {
+			h := health(v)
+			return h, len(h.GetHealthStatuses()) > 0
+		},
+	}
+	entries, next, err := l.page(ctx, c, req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
-	var bad []*csipb.VolumeHealth
-	for _, v := range vols {
-		if h := health(v); len(h.GetHealthStatuses()) > 0 {
-			bad = append(bad, h)
-		}
-	}
-	start, end, next, err := page(len(bad), req.GetStartingToken(), req.GetMaxEntries())
-	if err != nil {
-		return nil, err
-	}
-	entries, next := fitPage(bad[start:end], start, next)
 	return &csipb.ControllerListVolumeHealthResponse{Entries: entries, NextToken: next}, nil
 }
 
@@ -695,47 +654,42 @@ func (c *controllerServer) GetSnapshot(ctx context.Context, req *csipb.GetSnapsh
 // volume, sorted by id, paged like ListVolumes. An unknown snapshot id or
 // source volume gives an empty list, as the spec asks.
 func (c *controllerServer) ListSnapshots(ctx context.Context, req *csipb.ListSnapshotsRequest) (*csipb.ListSnapshotsResponse, error) {
-	var snaps []*storpb.Snapshot
-	if id := req.GetSnapshotId(); id != "" {
-		cctx, cancel := c.d.call(ctx)
-		resp, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
-		cancel()
-		switch {
-		case clusterCode(err) == codes.NotFound:
-		case err != nil:
-			return nil, err
-		case req.GetSourceVolumeId() == "" || resp.GetSnapshot().GetVolumeId() == req.GetSourceVolumeId():
-			snaps = append(snaps, resp.GetSnapshot())
-		}
-	} else {
-		token := ""
-		for {
-			cctx, cancel := c.d.call(ctx)
-			resp, err := c.d.cfg.Cluster.Snapshots.ListSnapshots(cctx, &storpb.ListSnapshotsRequest{
-				VolumeId: req.GetSourceVolumeId(), PageSize: 500, PageToken: token,
+	var filter string
+	if src, id := req.GetSourceVolumeId(), req.GetSnapshotId(); src != "" || id != "" {
+		filter = fmt.Sprintf("%d:%s%s", len(src), src, id) // unambiguous
+	}
+	l := listing[*storpb.Snapshot, *csipb.ListSnapshotsResponse_Entry]{
+		kind: listSnapshots, filter: filter, id: (*storpb.Snapshot).GetId,
+		entry: func(s *storpb.Snapshot) (*csipb.ListSnapshotsResponse_Entry, bool) {
+			return &csipb.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)}, true
+		},
+		list: func(ctx context.Context, token string, size uint32) ([]*storpb.Snapshot, string, error) {
+			resp, err := c.d.cfg.Cluster.Snapshots.ListSnapshots(ctx, &storpb.ListSnapshotsRequest{
+				VolumeId: req.GetSourceVolumeId(), PageSize: size, PageToken: token,
 			})
-			cancel()
 			if clusterCode(err) == codes.NotFound {
-				break
+				return nil, "", nil
 			}
-			if err != nil {
-				return nil, err
+			return resp.GetSnapshots(), resp.GetNextPageToken(), err
+		},
+	}
+	if id := req.GetSnapshotId(); id != "" {
+		l.list = func(ctx context.Context, _ string, _ uint32) ([]*storpb.Snapshot, string, error) {
+			resp, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
+			switch {
+			case clusterCode(err) == codes.NotFound:
+				return nil, "", nil
+			case err != nil:
+				return nil, "", err
+			case req.GetSourceVolumeId() != "" && resp.GetSnapshot().GetVolumeId() != req.GetSourceVolumeId():
+				return nil, "", nil
 			}
-			snaps = append(snaps, resp.GetSnapshots()...)
-			if token = resp.GetNextPageToken(); token == "" {
-				break
-			}
+			return []*storpb.Snapshot{resp.GetSnapshot()}, "", nil
 		}
 	}
-	sort.Slice(snaps, func(i, j int) bool { return snaps[i].GetId() < snaps[j].GetId() })
-	start, end, next, err := page(len(snaps), req.GetStartingToken(), req.GetMaxEntries())
+	entries, next, err := l.page(ctx, c, req.GetStartingToken(), req.GetMaxEntries())
 	if err != nil {
 		return nil, err
 	}
-	resp := &csipb.ListSnapshotsResponse{}
-	for _, s := range snaps[start:end] {
-		resp.Entries = append(resp.Entries, &csipb.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
-	}
-	resp.Entries, resp.NextToken = fitPage(resp.Entries, start, next)
-	return resp, nil
+	return &csipb.ListSnapshotsResponse{Entries: entries, NextToken: next}, nil
 }

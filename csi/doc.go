@@ -137,6 +137,24 @@
 // volume fails (logged; its device fails I/O after the kernel's
 // dead-connection timeout), rather than fencing the node that has it now.
 //
+// # Listings
+//
+// ListVolumes, ListSnapshots and ControllerListVolumeHealth list in id
+// order, at most max_entries entries and 1 MiB a response (a CO's gRPC
+// client takes 4 MiB a message by default), with a next_token while
+// more remain. A page reads the cluster's listing from where the
+// previous page ended, not the whole listing: the token (list.go) holds
+// the cluster's page token and the last id listed, and the cluster lists
+// in id order (the controller checks it: a listing out of order is
+// INTERNAL). So a page costs about one cluster page more than its
+// entries (ControllerListVolumeHealth, which lists the abnormal volumes
+// only, reads on until it has its page), and entries created or deleted
+// between two pages move no other. A starting_token this driver did not
+// give for that listing with the same filters (ListSnapshots'
+// source_volume_id and snapshot_id), or whose cluster page token the
+// cluster refuses, is ABORTED, as the spec asks: the CO lists again from
+// the start.
+//
 // # Health
 //
 // Three questions, three answers, so that no probe restarts the driver

@@ -32,6 +32,13 @@ var (
 	ErrTooMany = errors.New("csi: too many volumes on the node")
 	// ErrUnsupported: a capability this driver does not have.
 	ErrUnsupported = errors.New("csi: unsupported")
+	// ErrToken: a list call's starting_token is not one this driver gave
+	// for that listing (list.go), or the cluster no longer takes the
+	// position it holds.
+	ErrToken = errors.New("csi: starting token not one this driver gave")
+	// ErrClusterOrder: a cluster listing is not in id order, or repeats a
+	// page token; the controller's paging relies on both (list.go).
+	ErrClusterOrder = errors.New("csi: the cluster's listing is out of order")
 )
 
 // codeTable maps the driver's and its dependencies' errors to CSI codes,
@@ -50,6 +57,8 @@ var codeTable = []struct {
 	{ErrNotReady, codes.Unavailable},
 	{ErrTooMany, codes.ResourceExhausted},
 	{ErrUnsupported, codes.InvalidArgument},
+	{ErrToken, codes.Aborted},
+	{ErrClusterOrder, codes.Internal},
 	{attach.ErrAlreadyServed, codes.Aborted},
 	{attach.ErrInUse, codes.FailedPrecondition},
 	{context.DeadlineExceeded, codes.DeadlineExceeded},

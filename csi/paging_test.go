@@ -17,7 +17,7 @@ import (
 // TestListingsFollowClusterPages: the cluster answers at most 3 entries a
 // page (its default page size here); the controller's ListVolumes and
 // ListSnapshots follow the cluster's pages, and page the result by CSI's
-// max_entries and starting_token, each entry exactly once.
+// max_entries and starting_token, each entry exactly once, in id order.
 func TestListingsFollowClusterPages(t *testing.T) {
 	const vols, snaps = 8, 5
 	u := newDriverUnderTestOn(t, servertest.Options{Servers: 1, Configure: func(_ int, cfg *server.Config) {
@@ -46,27 +46,34 @@ func TestListingsFollowClusterPages(t *testing.T) {
 	if err != nil || len(all.Entries) != vols || all.NextToken != "" {
 		t.Fatalf("ListVolumes: %d entries, next %q, err %v; want all %d", len(all.GetEntries()), all.GetNextToken(), err, vols)
 	}
-	seen := map[string]bool{}
-	token := ""
-	for page := 0; page == 0 || token != ""; page++ {
-		if page > vols {
-			t.Fatal("ListVolumes: no last page")
-		}
-		resp, err := u.ctrl.ListVolumes(ctx, &csipb.ListVolumesRequest{MaxEntries: 3, StartingToken: token})
-		if err != nil || len(resp.Entries) > 3 {
-			t.Fatalf("ListVolumes page %d: %d entries, err %v", page, len(resp.GetEntries()), err)
-		}
-		for _, e := range resp.Entries {
-			if id := e.GetVolume().GetVolumeId(); seen[id] {
-				t.Fatalf("volume %s listed twice", id)
-			} else {
-				seen[id] = true
+	// CSI pages of 3 end where the cluster's do; pages of 2 end inside
+	// them, and the next page resumes inside the cluster's page.
+	for _, max := range []int32{2, 3} {
+		seen := map[string]bool{}
+		token, last := "", ""
+		for page := 0; page == 0 || token != ""; page++ {
+			if page > vols {
+				t.Fatal("ListVolumes: no last page")
 			}
+			resp, err := u.ctrl.ListVolumes(ctx, &csipb.ListVolumesRequest{MaxEntries: max, StartingToken: token})
+			if err != nil || len(resp.Entries) > int(max) {
+				t.Fatalf("ListVolumes page %d of %d: %d entries, err %v", page, max, len(resp.GetEntries()), err)
+			}
+			for _, e := range resp.Entries {
+				id := e.GetVolume().GetVolumeId()
+				if seen[id] {
+					t.Fatalf("volume %s listed twice", id)
+				}
+				if id <= last {
+					t.Fatalf("pages of %d: volume %s listed after %s", max, id, last)
+				}
+				seen[id], last = true, id
+			}
+			token = resp.NextToken
 		}
-		token = resp.NextToken
-	}
-	if len(seen) != vols {
-		t.Errorf("ListVolumes pages listed %d volumes, want %d", len(seen), vols)
+		if len(seen) != vols {
+			t.Errorf("ListVolumes pages of %d listed %d volumes, want %d", max, len(seen), vols)
+		}
 	}
 
 	snapResp, err := u.ctrl.ListSnapshots(ctx, &csipb.ListSnapshotsRequest{SourceVolumeId: first})
