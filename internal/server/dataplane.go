@@ -44,10 +44,12 @@ type dataPlane struct {
 	lis   net.Listener
 	local *localread.Server // nil without Config.LocalSocket
 
-	// view reads the cluster's state (the store's View; a seam for tests),
-	// and last is the clusterView the loop read last.
-	view func(func(*raftstore.Reader) error) error
-	last *clusterView
+	// view reads the cluster's state and catchUp waits until this server
+	// has applied what the leader has (the Server's; seams for tests);
+	// last is the clusterView the loop read last.
+	view    func(func(*raftstore.Reader) error) error
+	catchUp func(context.Context) error
+	last    *clusterView
 
 	mu         sync.Mutex
 	rebuilding map[string]bool // replica ids with a detached rebuild running
@@ -70,7 +72,7 @@ func (s *Server) startDataPlane() error {
 	for id, derr := range store.Damaged() {
 		s.logger.Error("damaged replica left in place for inspection", "replica", id, "err", derr)
 	}
-	d := &dataPlane{s: s, store: store, view: s.store.View, rebuilding: map[string]bool{}, tasks: map[string]bool{}}
+	d := &dataPlane{s: s, store: store, view: s.store.View, catchUp: s.catchUp, rebuilding: map[string]bool{}, tasks: map[string]bool{}}
 	d.lis = cfg.DataListener
 	if d.lis == nil {
 		if d.lis, err = net.Listen("tcp", cfg.DataListen); err != nil {
@@ -175,7 +177,8 @@ type clusterView struct {
 // readClusterView returns the cluster's state as view now shows it: last
 // itself if the state machine has applied nothing since last was read
 // (the same applied index is the same state: every change to it is an
-// applied entry), else a new read. A reconcile runs every second and
+// applied entry), else a new read. On an error it returns what it read
+// before it (the volumes up to an undecodable record, say), or nil. A reconcile runs every second and
 // after every change; at 10,000 volumes and 50,000 snapshots a read
 // decodes them all, about 150 ms of a core (docs/BENCHMARKS.md), which
 // an idle cluster no longer pays every second.
@@ -188,12 +191,13 @@ func readClusterView(view func(func(*raftstore.Reader) error) error, last *clust
 			return nil
 		}
 		cv := &clusterView{index: idx, vols: map[string]*storpb.Volume{}, snaps: map[string]*storpb.Snapshot{}, servers: map[string]*storpb.Server{}}
+		out = cv
 		vols, _, err := r.Volumes("", 0)
-		if err != nil {
-			return err
-		}
 		for _, v := range vols {
 			cv.vols[v.Id] = v
+		}
+		if err != nil {
+			return err
 		}
 		snaps, _, err := r.Snapshots("", "", 0)
 		if err != nil {
@@ -209,26 +213,27 @@ func readClusterView(view func(func(*raftstore.Reader) error) error, last *clust
 		for _, s := range srvs {
 			cv.servers[s.Id] = s
 		}
-		out = cv
 		return nil
 	})
-	if err != nil {
-		return nil, err
-	}
-	return out, nil
+	return out, err
 }
 
-// reconcile makes the local replicas what the cluster places here. A
-// state that cannot be read in full is not acted on: a replica missing
-// from a partial read would be taken for one no longer placed here and
+// reconcile makes the local replicas what the cluster places here. From
+// a state that cannot be read in full it does only what moves forward
+// (creating, fencing and rebuilding the replicas of the volumes it read);
+// it deletes nothing and starts no snapshot work: a replica missing from
+// a partial read would be taken for one no longer placed here and
 // deleted.
 func (d *dataPlane) reconcile() {
-	view, err := readClusterView(d.view, d.last)
-	if err != nil {
-		d.s.logger.Warn("reading the cluster's state to reconcile the local replicas; nothing is changed until it reads", "err", err)
-		return
+	view, readErr := readClusterView(d.view, d.last)
+	if readErr != nil {
+		d.s.logger.Warn("the cluster's state could not be read in full: local replicas are created and fenced from what was read, none is deleted and no snapshot work starts until it reads", "err", readErr)
+		if view == nil {
+			return
+		}
+	} else {
+		d.last = view
 	}
-	d.last = view
 	me := d.s.cfg.ID
 	desired := map[string]placed{}
 	for _, v := range view.vols {
@@ -253,6 +258,9 @@ func (d *dataPlane) reconcile() {
 			d.startRebuild(p.vol, p.rep)
 		}
 	}
+	if readErr != nil {
+		return
+	}
 	d.reconcileSnapshots(desired, view)
 	var stale []*replica.Replica
 	for _, r := range d.store.List() {
@@ -265,7 +273,7 @@ func (d *dataPlane) reconcile() {
 	}
 	ctx, cancel := context.WithTimeout(d.s.ctx, 5*time.Second)
 	defer cancel()
-	if err := d.s.catchUp(ctx); err != nil {
+	if err := d.catchUp(ctx); err != nil {
 		return // not sure our view is current: keep the data for now
 	}
 	for _, r := range stale {

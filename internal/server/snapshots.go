@@ -79,7 +79,7 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed, w *clusterView
 	}
 	ctx, cancel := context.WithTimeout(d.s.ctx, 5*time.Second)
 	defer cancel()
-	if err := d.s.catchUp(ctx); err != nil {
+	if err := d.catchUp(ctx); err != nil {
 		return // not sure our view is current: keep the layers for now
 	}
 	for _, l := range unknown {
