@@ -40,40 +40,9 @@ import (
 // Each task runs in its own goroutine, at most one per key; a failed task
 // is retried by a later reconcile.
 
-// snapshotWork is one reconcile's view of the snapshots.
-type snapshotWork struct {
-	snaps   map[string]*storpb.Snapshot
-	vols    map[string]*storpb.Volume
-	servers map[string]*storpb.Server
-}
-
-func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
-	w := snapshotWork{snaps: map[string]*storpb.Snapshot{}, vols: map[string]*storpb.Volume{}, servers: map[string]*storpb.Server{}}
-	err := d.s.store.View(func(r *raftstore.Reader) error {
-		snaps, _, err := r.Snapshots("", "", 0)
-		if err != nil {
-			return err
-		}
-		for _, s := range snaps {
-			w.snaps[s.Id] = s
-		}
-		vols, _, err := r.Volumes("", 0)
-		if err != nil {
-			return err
-		}
-		for _, v := range vols {
-			w.vols[v.Id] = v
-		}
-		srvs, err := r.Servers()
-		for _, s := range srvs {
-			w.servers[s.Id] = s
-		}
-		return err
-	})
-	if err != nil {
-		d.s.logger.Warn("read snapshots", "err", err)
-		return
-	}
+// reconcileSnapshots starts the snapshot tasks desired's replicas need
+// in view w: detached cuts, clone copies, merges of stray layers.
+func (d *dataPlane) reconcileSnapshots(desired map[string]placed, w *clusterView) {
 	type layerRef struct{ replica, layer, snapshot string }
 	var unknown []layerRef // local layers with no record in our view
 	for id, p := range desired {
@@ -110,7 +79,7 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed) {
 	}
 	ctx, cancel := context.WithTimeout(d.s.ctx, 5*time.Second)
 	defer cancel()
-	if err := d.s.catchUp(ctx); err != nil {
+	if err := d.catchUp(ctx); err != nil {
 		return // not sure our view is current: keep the layers for now
 	}
 	for _, l := range unknown {
@@ -237,7 +206,7 @@ func (d *dataPlane) mergeLayer(r *replica.Replica, sid, why string) error {
 const cloneExtents = 512
 
 // copyClone fills local replica rep of clone v from snapshot s.
-func (d *dataPlane) copyClone(v *storpb.Volume, rep *storpb.Replica, s *storpb.Snapshot, w snapshotWork) error {
+func (d *dataPlane) copyClone(v *storpb.Volume, rep *storpb.Replica, s *storpb.Snapshot, w *clusterView) error {
 	ctx := d.s.ctx
 	src := w.vols[s.VolumeId]
 	if src == nil {

@@ -192,9 +192,10 @@ func (c *Client) exchange(conn *replyConn, req request) (reply, []*os.File, erro
 	if err != nil {
 		return reply{}, nil, err
 	}
-	if _, err := conn.Write(append(b, '\n')); err != nil {
-		return reply{}, nil, fmt.Errorf("localread: send to %s: %w", c.path, err)
-	}
+	// A server that refuses this peer answers and closes without reading
+	// the request, so the send may fail (EPIPE) with the answer waiting:
+	// it is read all the same, and says why.
+	_, sendErr := conn.Write(append(b, '\n'))
 	buf := make([]byte, maxMessage)
 	oob := make([]byte, unix.CmsgSpace((replica.MaxDirectLayers+1)*4))
 	n, oobn, flags, _, err := conn.ReadMsgUnix(buf, oob)
@@ -209,6 +210,9 @@ func (c *Client) exchange(conn *replyConn, req request) (reply, []*os.File, erro
 		// The descriptors are trusted only from a server that runs as root
 		// or as this process's user.
 		err = checkPeer(conn.UnixConn)
+	}
+	if err != nil && sendErr != nil {
+		return reply{}, files, fmt.Errorf("localread: send to %s: %w", c.path, sendErr)
 	}
 	if err != nil {
 		if errors.Is(err, io.EOF) {
@@ -230,6 +234,9 @@ func (c *Client) exchange(conn *replyConn, req request) (reply, []*os.File, erro
 	}
 	if rep.Code != codeOK {
 		return rep, files, fmt.Errorf("localread: %s: %w", rep.Error, errorOf(rep.Code))
+	}
+	if sendErr != nil {
+		return reply{}, files, fmt.Errorf("localread: send to %s: %w", c.path, sendErr)
 	}
 	return rep, files, nil
 }

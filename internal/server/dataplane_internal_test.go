@@ -1,0 +1,165 @@
+package server
+
+import (
+	"context"
+	"encoding/binary"
+	"path/filepath"
+	"testing"
+
+	"github.com/hashicorp/raft"
+	bolt "go.etcd.io/bbolt"
+	"google.golang.org/protobuf/proto"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/raftstore"
+	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/replicatest"
+)
+
+// TestClusterViewReadOncePerAppliedIndex: the reconcile's read of the
+// cluster is reused while the state machine applies nothing, and read
+// again after it applies an entry.
+func TestClusterViewReadOncePerAppliedIndex(t *testing.T) {
+	f, err := raftstore.OpenFSM(filepath.Join(t.TempDir(), "meta.db"), replicatest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	reads := 0
+	view := func(fn func(*raftstore.Reader) error) error {
+		reads++
+		return f.View(fn)
+	}
+	apply := func(index uint64) {
+		t.Helper()
+		f.ApplyBatch([]*raft.Log{{Index: index, Term: 1, Type: raft.LogNoop}})
+	}
+	v0, err := readClusterView(view, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Nothing applied yet (index 0): never taken for the same state.
+	if v, err := readClusterView(view, v0); err != nil || v == v0 {
+		t.Fatalf("a view at applied index 0 was reused (%v)", err)
+	}
+	apply(1)
+	v1, err := readClusterView(view, v0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v1 == v0 || v1.index != 1 {
+		t.Fatalf("after an entry applied: view at index %d, reused %v", v1.index, v1 == v0)
+	}
+	for range 3 {
+		if v, err := readClusterView(view, v1); err != nil || v != v1 {
+			t.Fatalf("nothing applied since: a new view was read (%v)", err)
+		}
+	}
+	apply(2)
+	if v, err := readClusterView(view, v1); err != nil || v == v1 || v.index != 2 {
+		t.Fatalf("after another entry: the view at index %d was reused (%v)", v1.index, err)
+	}
+	if reads != 7 {
+		t.Errorf("%d transactions, want 7 (each read looks at the applied index in one)", reads)
+	}
+}
+
+// stateFile writes a state machine's file holding vols and snaps (raw
+// encoded records: a test may give one that does not decode), one
+// server s1, at applied index 5.
+func stateFile(t *testing.T, vols, snaps map[string][]byte) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "meta.db")
+	db, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := proto.Marshal(&storpb.Server{Id: "s1", State: storpb.ServerState_SERVER_STATE_UP})
+	err = db.Update(func(tx *bolt.Tx) error {
+		for _, b := range []string{"meta", "servers", "volumes", "volume_names", "snapshots", "snapshot_names", "nodes", "events", "volume_snapshots"} {
+			if _, err := tx.CreateBucket([]byte(b)); err != nil {
+				return err
+			}
+		}
+		tx.Bucket([]byte("meta")).Put([]byte("applied_index"), binary.BigEndian.AppendUint64(nil, 5))
+		tx.Bucket([]byte("servers")).Put([]byte("s1"), srv)
+		for id, v := range vols {
+			tx.Bucket([]byte("volumes")).Put([]byte(id), v)
+			tx.Bucket([]byte("volume_names")).Put([]byte("name-"+id), []byte(id))
+		}
+		for id, v := range snaps {
+			tx.Bucket([]byte("snapshots")).Put([]byte(id), v)
+			k := append(binary.AppendUvarint(nil, 2), "v1"+id...)
+			tx.Bucket([]byte("volume_snapshots")).Put(k, nil)
+		}
+		return nil
+	})
+	if cerr := db.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestReconcileOfAPartialReadDeletesNothing: a reconcile whose read of
+// the cluster stops at an undecodable record creates and fences the
+// replicas of the volumes it read (moving forward is safe) and deletes
+// none: it used to ignore the failure, take every local replica of a
+// volume after the bad record for one no longer placed here, and delete
+// it. A bad snapshot record stops no fencing either.
+func TestReconcileOfAPartialReadDeletesNothing(t *testing.T) {
+	vol := func(id, rep string) []byte {
+		b, err := proto.Marshal(&storpb.Volume{Id: id, Name: "name-" + id, SizeBytes: 1 << 20, Epoch: 3,
+			State:    storpb.VolumeState_VOLUME_STATE_AVAILABLE,
+			Replicas: []*storpb.Replica{{Id: rep, ServerId: "s1", State: storpb.ReplicaState_REPLICA_STATE_HEALTHY}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	bad := []byte{0xff}
+	for _, tc := range []struct {
+		name        string
+		vols, snaps map[string][]byte
+	}{
+		{"an undecodable volume", map[string][]byte{"v1": vol("v1", "r1"), "v2": bad, "v3": vol("v3", "r3")}, nil},
+		{"an undecodable snapshot", map[string][]byte{"v1": vol("v1", "r1"), "v3": vol("v3", "r3")}, map[string][]byte{"s1": bad}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f, err := raftstore.OpenFSM(stateFile(t, tc.vols, tc.snaps), replicatest.Logger(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer store.Close()
+			r1, err := store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := store.Create(replica.Spec{ID: "r3", VolumeID: "v3", Size: 1 << 20}); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
+			d := &dataPlane{s: s, store: store, rebuilding: map[string]bool{}, tasks: map[string]bool{},
+				view: f.View, catchUp: func(context.Context) error { return nil }}
+			d.reconcile()
+			if _, err := store.Get("r3"); err != nil {
+				t.Errorf("replica r3, of a volume the read did not reach: %v", err)
+			}
+			if got := r1.Epoch(); got != 3 {
+				t.Errorf("replica r1 of a volume read (epoch 3) is at epoch %d after the reconcile", got)
+			}
+			if d.last != nil {
+				t.Errorf("a partial read was kept for reuse")
+			}
+		})
+	}
+}
