@@ -42,7 +42,9 @@ type Store struct {
 // OpenStore opens every replica directory in cfg.Dir (creating the
 // directory if needed). A replica that cannot be opened is logged and
 // listed by Damaged with its error; it is never deleted or overwritten
-// (only Delete removes it). Leftovers of an interrupted Create or Delete
+// (only Delete removes it). Snapshot layers are read at a replica's
+// first request, not here (doc.go, "Open files"): an unreadable one
+// fails the replica then. Leftovers of an interrupted Create or Delete
 // are removed.
 func OpenStore(cfg Config) (*Store, error) {
 	cfg = cfg.withDefaults()
