@@ -208,10 +208,14 @@
 //     always synced when written). A sync is not a Flush: the dirty log's
 //     bits are not cleared by it (so the engine's flush contract is
 //     untouched). A failed sync fails the replica as it always does.
-//   - Only files are closed. Everything in memory stays: the layer
-//     indexes, the dirty regions with their clearing times, the write
-//     history, the epoch, a rebuild's tracking, a failure. Reopening
-//     replays nothing; it opens the same paths again.
+//   - Files are closed, and the indexes of the snapshot layers dropped
+//     (the sync made them durable in their journals: the memory of
+//     thousands of idle replicas' snapshots would otherwise stay).
+//     Everything else in memory stays: the head's index, the dirty
+//     regions with their clearing times, the write history, the epoch,
+//     a rebuild's tracking, a failure. Reopening opens the same paths
+//     again and replays the snapshot layers' index journals, as the
+//     first request after OpenStore does (below).
 //   - Every request reopens the files (with the lock held exclusively)
 //     when it finds them closed under its shared lock, and retries its
 //     entry; so no request ever runs with a file closed.
