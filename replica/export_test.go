@@ -23,3 +23,6 @@ func FilesOpen(r *Replica) bool {
 	defer r.mu.RUnlock()
 	return r.filesOpen
 }
+
+// CloseIfIdle closes r's files if it is idle (review hook).
+func CloseIfIdle(r *Replica) int { return r.closeIfIdle() }
