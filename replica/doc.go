@@ -225,8 +225,9 @@
 //     generation advanced), then closes them. Its snapshot layers are
 //     not opened and their indexes not read until the first request
 //     reopens the replica, which loads them (a layer loaded keeps its
-//     index; the files are all open or all closed). A snapshot layer's
-//     index that cannot be read then fails the replica, as a failed
+//     index until the next idle close; the files are all open or all
+//     closed). A snapshot layer's index that cannot be read then (or at
+//     a reload after an idle close) fails the replica, as a failed
 //     write does: it is refused from then on without another attempt,
 //     and replaced by the cluster as any failed replica is, where before
 //     OpenStore listed it as damaged and kept it unserved. A restart

@@ -229,7 +229,9 @@ func (r *Replica) reopen(need int) error {
 		err = r.reopenFilesLocked()
 	}
 	if errors.Is(err, ErrCorrupt) {
-		// A snapshot layer loaded for the first time: nothing will read it.
+		// A snapshot layer's index journal that cannot be read (at its
+		// first load, or a reload after an idle close): nothing could
+		// serve the blocks it names.
 		return r.fail(err)
 	}
 	if err != nil {

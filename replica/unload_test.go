@@ -14,7 +14,7 @@ import (
 // A multi-chunk DeleteSnapshot merging into a SNAPSHOT upper layer while
 // the replica is idle-closed (and its indexes dropped) between chunks;
 // concurrent readers of the snapshot; then a crash and a reopen.
-func TestRevDeleteSnapshotIdleClosedBetweenChunks(t *testing.T) {
+func TestDeleteSnapshotIdleClosedBetweenChunks(t *testing.T) {
 	mem := errorfs.NewMemFS()
 	cfg := replica.Config{Dir: "/stor", FS: mem, Logger: replicatest.Logger(t), RegionSize: testRegionSize}
 	s := openStore(t, cfg)
@@ -130,7 +130,7 @@ func TestRevDeleteSnapshotIdleClosedBetweenChunks(t *testing.T) {
 
 // Writes, snapshot cuts, deletes and reads racing idle closes; every
 // snapshot must read as it did when cut.
-func TestRevRaceCutsDeletesIdleCloses(t *testing.T) {
+func TestCutsDeletesAndIdleClosesRace(t *testing.T) {
 	mem := errorfs.NewMemFS()
 	s := openStore(t, replica.Config{Dir: "/stor", FS: mem, Logger: replicatest.Logger(t), RegionSize: testRegionSize})
 	defer s.Close()
@@ -205,7 +205,7 @@ func TestRevRaceCutsDeletesIdleCloses(t *testing.T) {
 // A delete that fails halfway leaves the upper SNAPSHOT layer with index
 // ops not journaled; an idle close then syncs and drops it; the snapshot
 // must read the same after the reload and after a crash.
-func TestRevFailedMergeIntoSnapshotThenIdleClose(t *testing.T) {
+func TestFailedMergeIntoASnapshotThenIdleClose(t *testing.T) {
 	e := newMemEnv(t)
 	s := e.open()
 	r := create(t, s, "r", 1<<20)
