@@ -208,10 +208,14 @@
 //     always synced when written). A sync is not a Flush: the dirty log's
 //     bits are not cleared by it (so the engine's flush contract is
 //     untouched). A failed sync fails the replica as it always does.
-//   - Only files are closed. Everything in memory stays: the layer
-//     indexes, the dirty regions with their clearing times, the write
-//     history, the epoch, a rebuild's tracking, a failure. Reopening
-//     replays nothing; it opens the same paths again.
+//   - Files are closed, and the indexes of the snapshot layers dropped
+//     (the sync made them durable in their journals: the memory of
+//     thousands of idle replicas' snapshots would otherwise stay).
+//     Everything else in memory stays: the head's index, the dirty
+//     regions with their clearing times, the write history, the epoch,
+//     a rebuild's tracking, a failure. Reopening opens the same paths
+//     again and replays the snapshot layers' index journals, as the
+//     first request after OpenStore does (below).
 //   - Every request reopens the files (with the lock held exclusively)
 //     when it finds them closed under its shared lock, and retries its
 //     entry; so no request ever runs with a file closed.
@@ -221,8 +225,9 @@
 //     generation advanced), then closes them. Its snapshot layers are
 //     not opened and their indexes not read until the first request
 //     reopens the replica, which loads them (a layer loaded keeps its
-//     index; the files are all open or all closed). A snapshot layer's
-//     index that cannot be read then fails the replica, as a failed
+//     index until the next idle close; the files are all open or all
+//     closed). A snapshot layer's index that cannot be read then (or at
+//     a reload after an idle close) fails the replica, as a failed
 //     write does: it is refused from then on without another attempt,
 //     and replaced by the cluster as any failed replica is, where before
 //     OpenStore listed it as damaged and kept it unserved. A restart

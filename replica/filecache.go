@@ -172,10 +172,12 @@ func (r *Replica) closeIfIdle() int {
 }
 
 // closeIdleLocked makes everything the replica holds durable and closes
-// its files; its in-memory state (indexes, dirty regions and their
-// clearing times, write history, epoch, a failure) stays. A failed sync
-// fails the replica as any failed sync does; its files are closed all
-// the same. The caller holds mu exclusively.
+// its files; its in-memory state (the head's index, dirty regions and
+// their clearing times, write history, epoch, a failure) stays. Its
+// snapshot layers' indexes, durable in their journals once synced, are
+// dropped, to be read again at the next reopen. A failed sync fails the
+// replica as any failed sync does; its files are closed all the same.
+// The caller holds mu exclusively.
 func (r *Replica) closeIdleLocked() {
 	if r.failure.Load() == nil {
 		r.flushMu.Lock()
@@ -187,6 +189,11 @@ func (r *Replica) closeIdleLocked() {
 	}
 	if err := r.closeFiles(); err != nil {
 		r.log.Warn("closing an idle replica's files", "err", err)
+	}
+	if r.failure.Load() == nil {
+		for _, l := range r.layers[:len(r.layers)-1] {
+			l.unload()
+		}
 	}
 	r.filesOpen = false
 	r.cache.remove(r, true)
@@ -222,7 +229,9 @@ func (r *Replica) reopen(need int) error {
 		err = r.reopenFilesLocked()
 	}
 	if errors.Is(err, ErrCorrupt) {
-		// A snapshot layer loaded for the first time: nothing will read it.
+		// A snapshot layer's index journal that cannot be read (at its
+		// first load, or a reload after an idle close): nothing could
+		// serve the blocks it names.
 		return r.fail(err)
 	}
 	if err != nil {

@@ -155,6 +155,20 @@ func (l *layer) load(fsys FS, maxBlock uint64) error {
 	return nil
 }
 
+// unload drops the index of a layer whose files are closed and whose
+// index changes are all journaled (the replica was synced): the next
+// reopen loads it again. A layer with changes not journaled is left
+// loaded.
+func (l *layer) unload() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.loaded || len(l.pending) > 0 || l.data != nil || l.unsynced.Load() {
+		return
+	}
+	l.idx = blockSet{}
+	l.jnl, l.jnlOps, l.compactAt, l.loaded = nil, 0, 0, false
+}
+
 // close closes the layer's files; reopen opens them again. Closing a
 // closed or unloaded layer is a no-op.
 func (l *layer) close() error {

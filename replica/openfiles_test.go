@@ -480,3 +480,70 @@ func TestUnreadSnapshotLayerDamage(t *testing.T) {
 		t.Fatalf("a write to the replica succeeded")
 	}
 }
+
+// TestIdleCloseDropsSnapshotIndexes: a replica closed while idle keeps
+// only its head's index in memory; its next request reads the snapshot
+// layers' indexes again from their journals, and every block, through
+// the head and through each snapshot, reads as before. Blocks merged up
+// by a snapshot delete, synced by the close, are in the reloaded index.
+func TestIdleCloseDropsSnapshotIndexes(t *testing.T) {
+	// Room for one replica with two snapshots (3 + 2x3 files), not two.
+	cfg := replica.Config{Dir: "/stor", FS: errorfs.NewMemFS(), Logger: replicatest.Logger(t), RegionSize: testRegionSize, MaxOpenFiles: 12}
+	s := openStore(t, cfg)
+	defer s.Close()
+	a := create(t, s, "a", 1<<20)
+	for i, snap := range []string{"s1", "s2", "s3"} {
+		if err := a.WriteAt(op, pattern(byte(i+1)), int64(i)*replica.BlockSize); err != nil {
+			t.Fatalf("WriteAt: %v", err)
+		}
+		if err := a.CreateSnapshot(op, snap); err != nil {
+			t.Fatalf("CreateSnapshot: %v", err)
+		}
+	}
+	// s2's layer (blocks 1) merges into s3's (which holds block 2).
+	if err := a.DeleteSnapshot(op, "s2"); err != nil {
+		t.Fatalf("DeleteSnapshot: %v", err)
+	}
+	if got := replica.LoadedLayers(a); got != 3 {
+		t.Fatalf("%d layers loaded, want 3", got)
+	}
+	closeA := func() {
+		t.Helper()
+		b := create(t, s, fmt.Sprintf("b%d", time.Now().UnixNano()), 1<<20) // needs a's room
+		if err := b.WriteAt(op, pattern(9), 0); err != nil {
+			t.Fatalf("WriteAt: %v", err)
+		}
+		if replica.FilesOpen(a) {
+			t.Fatalf("a was not closed to make room")
+		}
+	}
+	closeA()
+	if got := replica.LoadedLayers(a); got != 1 {
+		t.Errorf("%d layers of an idle replica loaded, want 1 (the head)", got)
+	}
+	want := []byte{1, 2, 3}
+	for i, w := range want {
+		if got := readBlock(t, a, int64(i)*replica.BlockSize); !bytes.Equal(got, pattern(w)) {
+			t.Errorf("block %d: read %x..., want %02x...", i, got[:4], w)
+		}
+	}
+	if got := replica.LoadedLayers(a); got != 3 {
+		t.Errorf("%d layers loaded after a read, want 3", got)
+	}
+	snapRead := func(snap string, block int, w []byte) {
+		t.Helper()
+		got := make([]byte, replica.BlockSize)
+		if err := a.ReadSnapshotAt(op, snap, got, int64(block)*replica.BlockSize); err != nil {
+			t.Fatalf("ReadSnapshotAt %s: %v", snap, err)
+		}
+		if !bytes.Equal(got, w) {
+			t.Errorf("snapshot %s block %d: read %x..., want %x...", snap, block, got[:4], w[:4])
+		}
+	}
+	closeA()
+	snapRead("s3", 1, pattern(2)) // merged up from s2
+	snapRead("s3", 2, pattern(3))
+	snapRead("s1", 1, make([]byte, replica.BlockSize))
+	closeA()
+	snapRead("s1", 0, pattern(1))
+}
