@@ -4,18 +4,13 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"slices"
-	"sort"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
@@ -23,82 +18,7 @@ import (
 	"github.com/stor-io/stor/internal/servertest"
 )
 
-// revFake: a cluster whose pages are cut at a random size (1..asked),
-// whose records change between CSI pages.
-type revFake struct {
-	mu    sync.Mutex
-	r     *rand.Rand
-	vols  []*storpb.Volume
-	snaps []*storpb.Snapshot
-}
-
-func revPage[T interface{ GetId() string }](f *revFake, all []T, keep func(T) bool, token string, size uint32) ([]T, string, error) {
-	start := 0
-	if token != "" {
-		after, ok := strings.CutPrefix(token, "t/")
-		if !ok {
-			return nil, "", status.Errorf(codes.InvalidArgument, "bad token %q", token)
-		}
-		start = sort.Search(len(all), func(i int) bool { return all[i].GetId() > after })
-	}
-	limit := int(size)
-	if limit == 0 {
-		limit = 100
-	}
-	limit = 1 + f.r.IntN(limit) // a page cut short, as MaxPageBytes would
-	var out []T
-	last := ""
-	for _, r := range all[start:] {
-		if len(out) == limit {
-			return out, "t/" + last, nil
-		}
-		last = r.GetId()
-		if keep(r) {
-			out = append(out, r)
-		}
-	}
-	return out, "", nil
-}
-
-type revVols struct {
-	storpb.UnimplementedVolumeServiceServer
-	f *revFake
-}
-
-func (s revVols) ListVolumes(_ context.Context, req *storpb.ListVolumesRequest) (*storpb.ListVolumesResponse, error) {
-	s.f.mu.Lock()
-	defer s.f.mu.Unlock()
-	v, n, err := revPage(s.f, s.f.vols, func(*storpb.Volume) bool { return true }, req.GetPageToken(), req.GetPageSize())
-	return &storpb.ListVolumesResponse{Volumes: v, NextPageToken: n}, err
-}
-
-type revSnaps struct {
-	storpb.UnimplementedSnapshotServiceServer
-	f *revFake
-}
-
-func (s revSnaps) ListSnapshots(_ context.Context, req *storpb.ListSnapshotsRequest) (*storpb.ListSnapshotsResponse, error) {
-	s.f.mu.Lock()
-	defer s.f.mu.Unlock()
-	keep := func(sn *storpb.Snapshot) bool {
-		return req.GetVolumeId() == "" || sn.GetVolumeId() == req.GetVolumeId()
-	}
-	v, n, err := revPage(s.f, s.f.snaps, keep, req.GetPageToken(), req.GetPageSize())
-	return &storpb.ListSnapshotsResponse{Snapshots: v, NextPageToken: n}, err
-}
-
-func (s revSnaps) GetSnapshot(_ context.Context, req *storpb.GetSnapshotRequest) (*storpb.GetSnapshotResponse, error) {
-	s.f.mu.Lock()
-	defer s.f.mu.Unlock()
-	for _, sn := range s.f.snaps {
-		if sn.Id == req.GetSnapshot().GetId() {
-			return &storpb.GetSnapshotResponse{Snapshot: sn}, nil
-		}
-	}
-	return nil, status.Error(codes.NotFound, "no snapshot")
-}
-
-func revVolume(id string, bad bool) *storpb.Volume {
+func churnVolume(id string, bad bool) *storpb.Volume {
 	v := &storpb.Volume{Id: id, SizeBytes: 1 << 20, ReplicaCount: 1}
 	st := storpb.ReplicaState_REPLICA_STATE_HEALTHY
 	if bad {
@@ -108,33 +28,17 @@ func revVolume(id string, bad bool) *storpb.Volume {
 	return v
 }
 
-func newRevController(t *testing.T, seed uint64) (*controllerServer, *revFake) {
-	f := &revFake{r: rand.New(rand.NewPCG(seed, 7))}
+// newChurnController lists 200 volumes (v0000, v0010, ...; a third of
+// them with a faulty replica) and 200 snapshots (s0000, ...; of v0000,
+// v0010 and v0020 in turn) from a fakeListings cutting its pages short at
+// random.
+func newChurnController(t *testing.T, seed uint64) (*controllerServer, *fakeListings) {
+	f := &fakeListings{cut: rand.New(rand.NewPCG(seed, 7))}
 	for i := range 200 {
-		f.vols = append(f.vols, revVolume(fmt.Sprintf("v%04d", i*10), f.r.IntN(3) == 0))
+		f.vols = append(f.vols, churnVolume(fmt.Sprintf("v%04d", i*10), f.cut.IntN(3) == 0))
 		f.snaps = append(f.snaps, &storpb.Snapshot{Id: fmt.Sprintf("s%04d", i*10), VolumeId: fmt.Sprintf("v%04d", (i%3)*10)})
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer()
-	storpb.RegisterVolumeServiceServer(srv, revVols{f: f})
-	storpb.RegisterSnapshotServiceServer(srv, revSnaps{f: f})
-	go srv.Serve(lis)
-	t.Cleanup(srv.Stop)
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	d, err := New(Config{Mode: ModeController, Logger: testLogger(t), Cluster: Cluster{
-		Cluster: storpb.NewClusterServiceClient(conn), Volumes: storpb.NewVolumeServiceClient(conn), Snapshots: storpb.NewSnapshotServiceClient(conn),
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &controllerServer{d: d}, f
+	return serveListings(t, f), f
 }
 
 // TestListChurn: random max_entries per page, random short cluster
@@ -146,7 +50,7 @@ func TestListChurn(t *testing.T) {
 	defer func(n int) { maxListBytes = n }(maxListBytes)
 	for seed := range uint64(60) {
 		for _, kind := range []string{"vols", "snaps", "snapsOfV0010", "health"} {
-			ctrl, f := newRevController(t, seed)
+			ctrl, f := newChurnController(t, seed)
 			maxListBytes = []int{1 << 20, 60, 200}[seed%3]
 			ctx := context.Background()
 			r := rand.New(rand.NewPCG(seed, 99))
@@ -236,7 +140,7 @@ func TestListChurn(t *testing.T) {
 					n := r.IntN(2000)
 					vid := fmt.Sprintf("v%04d", n)
 					if i, found := slices.BinarySearchFunc(f.vols, vid, func(v *storpb.Volume, id string) int { return strings.Compare(v.Id, id) }); !found {
-						f.vols = slices.Insert(f.vols, i, revVolume(vid, r.IntN(2) == 0))
+						f.vols = slices.Insert(f.vols, i, churnVolume(vid, r.IntN(2) == 0))
 					}
 					sid := fmt.Sprintf("s%04d", n)
 					if i, found := slices.BinarySearchFunc(f.snaps, sid, func(s *storpb.Snapshot, id string) int { return strings.Compare(s.Id, id) }); !found {
@@ -282,7 +186,7 @@ func TestListChurn(t *testing.T) {
 // id, or list nothing for a snapshot_id), and with the same ones it goes
 // on.
 func TestListTokenOfOtherFilters(t *testing.T) {
-	ctrl, _ := newRevController(t, 1)
+	ctrl, _ := newChurnController(t, 1)
 	ctx := context.Background()
 	resp, err := ctrl.ListSnapshots(ctx, &csipb.ListSnapshotsRequest{SourceVolumeId: "v0010", MaxEntries: 30})
 	if err != nil || resp.NextToken == "" {
@@ -310,7 +214,7 @@ func TestListTokenOfOtherFilters(t *testing.T) {
 // token is not echoed back), and a hand-made one inside the listing gives
 // a page of it or ABORTED, never another error.
 func TestListForgedTokens(t *testing.T) {
-	ctrl, _ := newRevController(t, 2)
+	ctrl, _ := newChurnController(t, 2)
 	ctx := context.Background()
 	bad := []string{"!!!", strings.Repeat("A", 3<<20), listToken{kind: listSnapshots}.encode()}
 	made := []string{

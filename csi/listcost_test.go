@@ -28,11 +28,14 @@ import (
 // a page (100 if page_size is 0), with a page token that resumes after
 // the page's last id. The token is not the stor cluster's own format: the
 // controller must treat it as opaque. It counts the list calls it answers
-// and the records they return.
+// and the records they return. With cut set, every page is cut short
+// at a random size (1 to the size asked), as the cluster's byte bound
+// would.
 type fakeListings struct {
 	mu      sync.Mutex
 	vols    []*storpb.Volume   // sorted by id
 	snaps   []*storpb.Snapshot // sorted by id
+	cut     *rand.Rand
 	calls   int
 	records int
 }
@@ -69,6 +72,9 @@ func fakePage[T interface{ GetId() string }](f *fakeListings, all []T, keep func
 		limit = 100
 	}
 	limit = min(limit, 1000)
+	if f.cut != nil {
+		limit = 1 + f.cut.IntN(limit)
+	}
 	var out []T
 	next := ""
 	for _, r := range all[start:] {
@@ -113,6 +119,17 @@ func (s fakeSnapshotService) ListSnapshots(_ context.Context, req *storpb.ListSn
 	return &storpb.ListSnapshotsResponse{Snapshots: snaps, NextPageToken: next}, err
 }
 
+func (s fakeSnapshotService) GetSnapshot(_ context.Context, req *storpb.GetSnapshotRequest) (*storpb.GetSnapshotResponse, error) {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	for _, sn := range s.f.snaps {
+		if sn.Id == req.GetSnapshot().GetId() {
+			return &storpb.GetSnapshotResponse{Snapshot: sn}, nil
+		}
+	}
+	return nil, status.Error(codes.NotFound, "no snapshot")
+}
+
 // fakeID is a random id shaped like the cluster's (a UUID).
 func fakeID(r *rand.Rand) string {
 	return fmt.Sprintf("%08x-%04x-4%03x-8%03x-%012x", r.Uint32(), r.Uint32()&0xffff, r.Uint32()&0xfff, r.Uint32()&0xfff, r.Uint64()&(1<<48-1))
@@ -150,7 +167,13 @@ func newFakeListingController(t testing.TB, vols, snaps int) (*controllerServer,
 	}
 	slices.SortFunc(f.vols, func(a, b *storpb.Volume) int { return strings.Compare(a.Id, b.Id) })
 	slices.SortFunc(f.snaps, func(a, b *storpb.Snapshot) int { return strings.Compare(a.Id, b.Id) })
+	return serveListings(t, f), f
+}
 
+// serveListings serves f over gRPC on loopback and returns a controller
+// that lists from it.
+func serveListings(t testing.TB, f *fakeListings) *controllerServer {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -171,7 +194,7 @@ func newFakeListingController(t testing.TB, vols, snaps int) (*controllerServer,
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &controllerServer{d: d}, f
+	return &controllerServer{d: d}
 }
 
 // envInt is the environment variable name as an int, or def if unset.
