@@ -71,6 +71,13 @@
 //	  16 REBUILD_BEGIN    yes    0               0                 -                -
 //	  17 REBUILD_WRITE    yes    offset          bytes <= MaxIO    data (length)    -
 //	  18 REBUILD_END      yes    0               0                 -                -
+//	  19 REBUILD_COPY     yes    offset          bytes <= MaxIO    budget, source   -
+//
+// REBUILD_COPY (copy.go) has the target's server read a rebuild's chunk
+// from the source replica and apply it as REBUILD_WRITE would: its payload
+// is a u32 budget in milliseconds then the source replica's id; a source
+// it cannot read within the budget is StatusCopySource, and nothing is
+// written.
 //
 // An extent list is a sequence of 16-byte entries, each offset u64 then
 // length u64, at most MaxExtents (524288, 8 MiB) of them. EXTENTS takes a
@@ -81,9 +88,10 @@
 //
 // An open request (at most MaxOpenPayload bytes) is five fields separated
 // by NUL bytes: replica id, purpose ("attach", "rebuild", "snapshot-cut",
-// "clone-copy" or "inspect"), volume id, node (or server id), snapshot id
+// "clone-copy", "inspect" or "rebuild-source"), volume id, node (or server id), snapshot id
 // (clone-copy only), each at most MaxIDLen bytes; a payload of the replica
-// id alone is an open with no purpose (Conn.Open). The epoch is the
+// id alone is an open with no purpose (Conn.Open). A server reading a
+// REBUILD_COPY's source opens it with purpose "rebuild-source". The epoch is the
 // header's. Version 2 added the fields; version 1's OPEN carried only the
 // replica id, and a version 1 frame is refused.
 //
@@ -137,6 +145,7 @@
 //	  35 ErrChecksum     the request payload failed its CRC
 //	  36 ErrInternal     an error that maps to none of the above
 //	  37 ErrDenied       the Authorizer refused the OPEN or the request
+//	  38 ErrCopySource   a REBUILD_COPY could not read its source
 //
 // # Malformed input
 //

@@ -64,6 +64,7 @@ const (
 	OpRebuildBegin
 	OpRebuildWrite
 	OpRebuildEnd
+	OpRebuildCopy
 	opMax // one past the last opcode
 )
 
@@ -84,6 +85,7 @@ const (
 	payloadID                       // an id, 1..MaxIDLen bytes
 	payloadOptID                    // an id, 0..MaxIDLen bytes (empty: the head)
 	payloadOpen                     // an OPEN request, 1..MaxOpenPayload bytes (open.go)
+	payloadCopy                     // a REBUILD_COPY request, 5..MaxCopyPayload bytes (copy.go)
 )
 
 // argKind says what the Off or Len field holds.
@@ -127,6 +129,7 @@ var opSpecs = [opMax]opSpec{
 	OpRebuildBegin:   {"REBUILD_BEGIN", true, payloadNone, argZero, argZero},
 	OpRebuildWrite:   {"REBUILD_WRITE", true, payloadData, argInt, argIOLen},
 	OpRebuildEnd:     {"REBUILD_END", true, payloadNone, argZero, argZero},
+	OpRebuildCopy:    {"REBUILD_COPY", true, payloadCopy, argInt, argIOLen},
 }
 
 func (op Opcode) valid() bool { return op > 0 && op < opMax }
@@ -264,6 +267,10 @@ func (h *RequestHeader) Validate() error {
 	case payloadOptID:
 		if n > MaxIDLen {
 			return fmt.Errorf("wire: %v: id of %d bytes, want at most %d: %w", h.Op, n, MaxIDLen, replica.ErrInvalid)
+		}
+	case payloadCopy:
+		if n <= copyBudgetSize || n > MaxCopyPayload {
+			return fmt.Errorf("wire: %v: request of %d bytes, want %d..%d: %w", h.Op, n, copyBudgetSize+1, MaxCopyPayload, replica.ErrInvalid)
 		}
 	}
 	return nil

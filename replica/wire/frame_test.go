@@ -6,6 +6,7 @@ import (
 	"errors"
 	"math"
 	"testing"
+	"time"
 
 	"github.com/stor-io/stor/replica"
 )
@@ -40,6 +41,7 @@ func validRequests() []struct {
 		{RequestHeader{Op: OpRebuildBegin, ID: 17, Handle: 1}, nil},
 		{RequestHeader{Op: OpRebuildWrite, ID: 18, Handle: 1, Off: 0, Len: 4096}, data},
 		{RequestHeader{Op: OpRebuildEnd, ID: math.MaxUint64, Handle: math.MaxUint32}, nil},
+		{RequestHeader{Op: OpRebuildCopy, ID: 19, Handle: 1, Epoch: 3, Generation: 2, Off: 1 << 20, Len: replica.MaxIO}, appendCopyRequest(nil, "vol-1.r1", time.Second)},
 	}
 }
 
@@ -130,6 +132,10 @@ func TestDecodeRequestRejects(t *testing.T) {
 		{"open without id", AppendRequest(nil, RequestHeader{Op: OpOpen}, nil), replica.ErrInvalid, false},
 		{"open request too long", AppendRequest(nil, RequestHeader{Op: OpOpen}, make([]byte, MaxOpenPayload+1)), replica.ErrInvalid, false},
 		{"extents limit 0", AppendRequest(nil, RequestHeader{Op: OpExtents, Handle: 1}, nil), replica.ErrInvalid, false},
+		{"rebuild copy without a source", AppendRequest(nil, RequestHeader{Op: OpRebuildCopy, Handle: 1, Len: 4096}, appendCopyRequest(nil, "", 0)), replica.ErrInvalid, false},
+		{"rebuild copy without a budget", AppendRequest(nil, RequestHeader{Op: OpRebuildCopy, Handle: 1, Len: 4096}, []byte("r1")), replica.ErrInvalid, false},
+		{"rebuild copy source too long", AppendRequest(nil, RequestHeader{Op: OpRebuildCopy, Handle: 1, Len: 4096}, appendCopyRequest(nil, string(make([]byte, MaxIDLen+1)), 0)), replica.ErrInvalid, false},
+		{"rebuild copy > MaxIO", AppendRequest(nil, RequestHeader{Op: OpRebuildCopy, Handle: 1, Len: replica.MaxIO + 1}, appendCopyRequest(nil, "r1", 0)), replica.ErrInvalid, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, _, _, err := DecodeRequest(tc.frame)

@@ -31,10 +31,14 @@ const (
 	// PurposeInspect: an operator reading a replica (read-only: READ,
 	// EXTENTS, SNAPSHOT_READ).
 	PurposeInspect
+	// PurposeRebuildSource: server Node reading a healthy replica of
+	// Volume as the source of the REBUILD_COPY requests its rebuilding
+	// replica serves (read-only: READ), attached volume or not.
+	PurposeRebuildSource
 	purposeMax
 )
 
-var purposeNames = [purposeMax]string{"", "attach", "rebuild", "snapshot-cut", "clone-copy", "inspect"}
+var purposeNames = [purposeMax]string{"", "attach", "rebuild", "snapshot-cut", "clone-copy", "inspect", "rebuild-source"}
 
 func (p Purpose) String() string {
 	if p < purposeMax {
@@ -135,7 +139,8 @@ type Peer struct {
 // Request is what a Grant is asked about: one request on a handle, with
 // its epoch and generation. ID is the snapshot (layer) id of
 // SNAPSHOT_CREATE, SNAPSHOT_DELETE, SNAPSHOT_READ and EXTENTS ("" for the
-// head); Len is GROW's new size.
+// head), and the source replica's id of REBUILD_COPY; Len is GROW's new
+// size.
 type Request struct {
 	Op         Opcode
 	Epoch      uint64

@@ -61,6 +61,10 @@ type ServerConfig struct {
 	// does not finish sending it within this long (a stalled peer must not
 	// hold its partial frame forever). Default 30s.
 	FrameTimeout time.Duration
+	// CopySource reads the sources of the REBUILD_COPY requests this
+	// server serves (copy.go). Default nil: REBUILD_COPY is answered
+	// with ErrUnknownOp, and rebuilders copy through themselves.
+	CopySource CopySource
 	// IdleTimeout drops a connection that has no replica open and sends
 	// nothing for this long. A connection with a replica open is a
 	// volume engine's, idle as long as its volume is, and is never dropped
@@ -340,10 +344,12 @@ type serverConn struct {
 	nextHandle uint32            // guarded by hmu
 }
 
-// handle is an open replica, what the Authorizer granted it (nil: no
-// Authorizer), and how to unpin it (nil: the replica has no Pin).
+// handle is an open replica, the OPEN that opened it, what the
+// Authorizer granted it (nil: no Authorizer), and how to unpin it (nil:
+// the replica has no Pin).
 type handle struct {
 	r     Replica
+	open  OpenRequest
 	grant Grant
 	unpin func()
 }
@@ -445,7 +451,7 @@ func (c *serverConn) readLoop() (bool, error) {
 			return true, err
 		}
 		weight := int64(h.PayloadLen)
-		if h.Op.replyData() && h.Len <= replica.MaxIO {
+		if (h.Op.replyData() || h.Op == OpRebuildCopy) && h.Len <= replica.MaxIO {
 			weight += int64(h.Len)
 		}
 		if !c.budget.acquire(weight, c.closing) {
@@ -675,6 +681,8 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 			req.Len = h.Len
 		case OpSnapshotCreate, OpSnapshotDelete, OpSnapshotRead, OpExtents:
 			req.ID = string(payload)
+		case OpRebuildCopy:
+			req.ID, _ = decodeCopyRequest(payload)
 		}
 		if err := hd.grant.Allow(c.s.ctx, req); err != nil {
 			return nil, nil, err
@@ -702,6 +710,8 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 		return nil, nil, r.WriteAt(o, payload, off)
 	case OpRebuildWrite:
 		return nil, nil, r.RebuildWrite(o, payload, off)
+	case OpRebuildCopy:
+		return nil, nil, c.rebuildCopy(hd, o, payload, off, n)
 	case OpWriteZeroes:
 		return nil, nil, r.WriteZeroes(o, off, n)
 	case OpTrim:
@@ -762,7 +772,7 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 			return nil, nil, err
 		}
 	}
-	hd := handle{r: r, grant: grant}
+	hd := handle{r: r, open: req, grant: grant}
 	if p, ok := r.(Pinner); ok {
 		hd.unpin = p.Pin()
 	}

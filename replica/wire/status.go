@@ -38,6 +38,12 @@ var (
 	// stayed spent for a whole FrameTimeout while a request was being
 	// received; the connection is closed (its stream is mid-frame).
 	ErrServerBusy = errors.New("wire: server busy: payload memory exhausted")
+	// ErrCopySource: a REBUILD_COPY could not read its source (the source
+	// refused, failed or could not be reached from the target's server
+	// within the request's budget). Nothing was written to the target.
+	// It says nothing of the source's health as the engine sees it: the
+	// two servers may only be cut off from each other.
+	ErrCopySource = errors.New("wire: rebuild copy: source unavailable")
 )
 
 // Status is the result code of a reply.
@@ -62,6 +68,7 @@ const (
 	StatusBadChecksum Status = 35
 	StatusInternal    Status = 36
 	StatusDenied      Status = 37
+	StatusCopySource  Status = 38
 )
 
 // statusTable is the one mapping between errors and status codes, both
@@ -89,6 +96,7 @@ var statusTable = [...]struct {
 	{StatusBadChecksum, ErrChecksum, "bad_checksum"},
 	{StatusProtocol, ErrProtocol, "protocol"},
 	{StatusInternal, ErrInternal, "internal"},
+	{StatusCopySource, ErrCopySource, "copy_source"},
 }
 
 // statusOf maps an error to the status code sent for it.
