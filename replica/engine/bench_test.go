@@ -163,17 +163,23 @@ func waitState(b *testing.B, c *servertest.Cluster, volumeID, replicaID string, 
 // the control plane's (from ReplaceReplica to the replica recorded
 // healthy), full-cpu the CPU time the whole cluster (this process) spent
 // meanwhile, which a busy machine disturbs less than the wall time.
-// Run with -benchtime=1x.
+// STOR_BENCH_REBUILD_COPY=relay,target runs each case twice, one after the
+// other: with every chunk relayed through the engine (Config.RebuildRelay)
+// and copied by the target's server (the default); unset, the default
+// alone. Run with -benchtime=1x.
 func BenchmarkRebuild(b *testing.B) {
 	type benchCase struct {
 		size  int64
 		load  bool
 		shape rebuildShape
+		copy  string
 	}
 	var cases []benchCase
 	for _, c := range []benchCase{{size: 256 << 20}, {size: 1 << 30}, {size: 1 << 30, load: true}} {
 		for _, c.shape = range rebuildShapes(b) {
-			cases = append(cases, c)
+			for _, c.copy = range rebuildCopies(b) {
+				cases = append(cases, c)
+			}
 		}
 	}
 	for _, bc := range cases {
@@ -184,6 +190,9 @@ func BenchmarkRebuild(b *testing.B) {
 		}
 		if shape.name != "" {
 			name += "/shape=" + shape.name
+		}
+		if bc.copy != "" {
+			name += "/copy=" + bc.copy
 		}
 		b.Run(name, func(b *testing.B) {
 			for range b.N {
@@ -200,6 +209,7 @@ func BenchmarkRebuild(b *testing.B) {
 				v := resp.Volume
 				ecfg := c.EngineConfig("r", "bench")
 				ecfg.RebuildInFlight, ecfg.RebuildChunkBytes = shape.inFlight, shape.chunk
+				ecfg.RebuildRelay = bc.copy == "relay"
 				rebuilds := &rebuildLog{}
 				ecfg.Logger = slog.New(rebuilds)
 				e := c.OpenEngine(ecfg)
@@ -328,6 +338,22 @@ func rebuildShapes(b *testing.B) []rebuildShape {
 		}
 		s.name, s.chunk = f, mib<<20
 		out = append(out, s)
+	}
+	return out
+}
+
+// rebuildCopies are the ways of copying STOR_BENCH_REBUILD_COPY names
+// ("relay", "target"), or "" (the default alone, unnamed).
+func rebuildCopies(b *testing.B) []string {
+	env := os.Getenv("STOR_BENCH_REBUILD_COPY")
+	if env == "" {
+		return []string{""}
+	}
+	out := strings.Split(env, ",")
+	for _, c := range out {
+		if c != "relay" && c != "target" {
+			b.Fatalf("STOR_BENCH_REBUILD_COPY: %q: want relay or target", c)
+		}
 	}
 	return out
 }

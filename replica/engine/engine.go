@@ -104,6 +104,12 @@ type Config struct {
 	// drives (RebuildPlan.ChunkBytes and InFlight); 0 is the default.
 	RebuildChunkBytes int64
 	RebuildInFlight   int
+	// RebuildRelay copies every chunk of a rebuild through the engine
+	// (read from the source, written to the target; RebuildPlan.Relay)
+	// even where the target's server could read it from the source
+	// itself. Default false: the target copies (REBUILD_COPY), and the
+	// engine relays only what the target could not. For comparisons.
+	RebuildRelay bool
 
 	// UnsafeUnorderedRebuild is for fault tests only (the jepsen harness's
 	// broken mode "rebuild overwrites tracked writes"): it lets rebuild

@@ -20,19 +20,26 @@ type memReplica struct {
 	epoch    uint64
 	dirty    map[int64]bool // region offsets (1 MiB) written since the last flush
 	flushes  int
-	failIO   bool          // every request fails with ErrIO
-	failHist bool          // WrittenSince fails with ErrIO
-	hold     chan struct{} // if set, writes block until it is closed
-	gates    gates         // other requests held by kind
-	writes   int
-	accepted []uint64 // epochs of accepted writes
+	failIO   bool // every request fails with ErrIO
+	failHist bool // WrittenSince fails with ErrIO
+	failRead bool // ReadAt fails with ErrIO (writes go on)
+	// copyFails: RebuildCopy into this replica cannot read its source, as
+	// when the two servers are cut off from each other.
+	copyFails bool
+	hold      chan struct{} // if set, writes block until it is closed
+	gates     gates         // other requests held by kind
+	writes    int
+	accepted  []uint64 // epochs of accepted writes
 
 	allocated  map[int64]bool   // 4 KiB blocks ever written
 	history    map[int64]uint64 // region -> highest generation written
 	protected  map[int64]bool   // blocks written since BeginRebuild (nil: no rebuild)
 	rebuilds   int              // completed rebuilds
-	rebuildOps int              // RebuildWrite calls
+	rebuildOps int              // RebuildWrite calls (chunks relayed through the rebuilder)
+	copies     int              // RebuildCopy calls that copied (chunks the target read itself)
 	reads      int              // ReadAt calls
+
+	set *memReplicas // the set it is in, where RebuildCopy finds its source
 }
 
 const region = 1 << 20
@@ -77,6 +84,9 @@ func (c conn) ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) err
 	defer c.r.mu.Unlock()
 	if err := c.r.check(o, off, int64(len(p))); err != nil {
 		return err
+	}
+	if c.r.failRead {
+		return fmt.Errorf("%w: injected (read)", replica.ErrIO)
 	}
 	c.r.reads++
 	copy(p, c.r.data[off:])
@@ -173,15 +183,65 @@ func (c conn) RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int6
 		return err
 	}
 	c.r.rebuildOps++
+	c.r.rebuildLocked(p, off)
+	return nil
+}
+
+// RebuildCopy is REBUILD_COPY as a target's server makes it (it makes the
+// fake an engine.CopyTarget): it reads the source replica of its set,
+// whose own checks apply, and applies the bytes as RebuildWrite does. A
+// source it cannot read, and any source while copyFails is set, is
+// wire.ErrCopySource, and nothing is written.
+func (c conn) RebuildCopy(ctx context.Context, o replica.Op, source string, off, n int64, budget time.Duration) error {
+	c.r.mu.Lock()
+	fails, set := c.r.copyFails, c.r.set
+	c.r.mu.Unlock()
+	if fails || set == nil {
+		return fmt.Errorf("fake: copy from %s: cut off: %w", source, wire.ErrCopySource)
+	}
+	p := make([]byte, n)
+	src := set.get(source)
+	src.mu.Lock()
+	err := src.check(o, off, n)
+	if err == nil && src.failRead {
+		err = fmt.Errorf("%w: injected (read)", replica.ErrIO)
+	}
+	if err == nil {
+		copy(p, src.data[off:])
+	}
+	src.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("fake: copy from %s: %v: %w", source, err, wire.ErrCopySource)
+	}
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, off, n); err != nil {
+		return err
+	}
+	c.r.copies++
+	c.r.rebuildLocked(p, off)
+	return nil
+}
+
+// chunksCopied counts the rebuild chunks applied, relayed or copied by
+// the target.
+func (r *memReplica) chunksCopied() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.rebuildOps + r.copies
+}
+
+// rebuildLocked applies a rebuild write: every 4 KiB block but those a
+// normal write touched since BeginRebuild.
+func (r *memReplica) rebuildLocked(p []byte, off int64) {
 	for i := int64(0); i < int64(len(p)); i += 4096 {
 		b := (off + i) / 4096
-		if c.r.protected[b] {
+		if r.protected[b] {
 			continue
 		}
-		copy(c.r.data[off+i:off+i+4096], p[i:i+4096])
-		c.r.allocated[b] = true
+		copy(r.data[off+i:off+i+4096], p[i:i+4096])
+		r.allocated[b] = true
 	}
-	return nil
 }
 
 func (c conn) EndRebuild(ctx context.Context, o replica.Op) error {
@@ -261,6 +321,7 @@ func (m *memReplicas) get(id string) *memReplica {
 	r := m.byID[id]
 	if r == nil {
 		r = newMemReplica(id, m.size)
+		r.set = m
 		m.byID[id] = r
 	}
 	return r

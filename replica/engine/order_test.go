@@ -61,10 +61,40 @@ func holdWrites(r *memReplica) {
 // of W's block, read from the source before W reached it, then overwrote
 // W on the target, W was acknowledged by all three replicas, and the
 // target came back healthy without it. A copy of a block and a write to
-// that block must never interleave.
+// that block must never interleave. Run with the chunks copied by the
+// target's server (REBUILD_COPY) and relayed through the engine.
 func TestRebuildCopyNeverOverwritesAWriteInFlight(t *testing.T) {
+	bothCopies(t, testRebuildCopyNeverOverwritesAWriteInFlight)
+}
+
+// bothCopies runs test with the rebuild's chunks copied by the target
+// (the default) and relayed through the engine (Config.RebuildRelay).
+func bothCopies(t *testing.T, test func(t *testing.T, relay bool)) {
+	for _, relay := range []bool{false, true} {
+		name := "copy=target"
+		if relay {
+			name = "copy=relay"
+		}
+		t.Run(name, func(t *testing.T) { test(t, relay) })
+	}
+}
+
+// requireCopiedBy fails unless target's rebuild chunks were all copied the
+// way relay says, at least one.
+func requireCopiedBy(t *testing.T, target *memReplica, relay bool) {
+	t.Helper()
+	target.mu.Lock()
+	relayed, copied := target.rebuildOps, target.copies
+	target.mu.Unlock()
+	if relay && (relayed == 0 || copied != 0) || !relay && (copied == 0 || relayed != 0) {
+		t.Fatalf("the rebuild relayed %d chunks and the target copied %d; want them all %s", relayed, copied, map[bool]string{true: "relayed", false: "copied by the target"}[relay])
+	}
+}
+
+func testRebuildCopyNeverOverwritesAWriteInFlight(t *testing.T, relay bool) {
 	f := newFixture(t)
 	cfg := f.config("n1")
+	cfg.RebuildRelay = relay
 	cfg.IOTimeout = 10 * time.Second               // the held requests below must not time out
 	cfg.LocalServerID = f.vol.Replicas[0].ServerId // replica 0 is the rebuild's source
 	e := f.open(cfg)
@@ -103,10 +133,7 @@ func TestRebuildCopyNeverOverwritesAWriteInFlight(t *testing.T) {
 	// has a second to run before W reaches the source.
 	target.gates.open("BeginRebuild")
 	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		target.mu.Lock()
-		copied := target.rebuildOps
-		target.mu.Unlock()
-		if copied > 0 {
+		if target.chunksCopied() > 0 {
 			break
 		}
 	}
@@ -122,6 +149,7 @@ func TestRebuildCopyNeverOverwritesAWriteInFlight(t *testing.T) {
 			t.Fatalf("replica %d lacks the acknowledged write W after the rebuild (it holds the older block: %v)", i, bytes.Equal(got, old))
 		}
 	}
+	requireCopiedBy(t, target, relay)
 }
 
 // ISSUE13 C, the other half: a write W that took the write set just
@@ -131,8 +159,13 @@ func TestRebuildCopyNeverOverwritesAWriteInFlight(t *testing.T) {
 // acknowledged and the target comes back healthy without it. The rebuild
 // plans only after the writes that missed the target are done.
 func TestRebuildCopiesAWriteThatMissedTheTarget(t *testing.T) {
+	bothCopies(t, testRebuildCopiesAWriteThatMissedTheTarget)
+}
+
+func testRebuildCopiesAWriteThatMissedTheTarget(t *testing.T, relay bool) {
 	f := newFixture(t)
 	cfg := f.config("n1")
+	cfg.RebuildRelay = relay
 	cfg.IOTimeout = 10 * time.Second
 	e := f.open(cfg)
 	target := f.replica(2)
@@ -177,13 +210,20 @@ func TestRebuildCopiesAWriteThatMissedTheTarget(t *testing.T) {
 			t.Fatalf("replica %d lacks the acknowledged write W after the rebuild", i)
 		}
 	}
+	requireCopiedBy(t, target, relay)
 }
 
 // The broken mode for the jepsen harness: with UnsafeUnorderedRebuild the
-// test above loses W, so the knob really reintroduces ISSUE13 C.
+// test above loses W, so the knob really reintroduces ISSUE13 C, whoever
+// copies.
 func TestUnsafeUnorderedRebuildReintroducesTheBug(t *testing.T) {
+	bothCopies(t, testUnsafeUnorderedRebuildReintroducesTheBug)
+}
+
+func testUnsafeUnorderedRebuildReintroducesTheBug(t *testing.T, relay bool) {
 	f := newFixture(t)
 	cfg := f.config("n1")
+	cfg.RebuildRelay = relay
 	cfg.IOTimeout = 10 * time.Second
 	cfg.LocalServerID = f.vol.Replicas[0].ServerId
 	cfg.UnsafeUnorderedRebuild = true
@@ -210,11 +250,7 @@ func TestUnsafeUnorderedRebuildReintroducesTheBug(t *testing.T) {
 	go func() { wrote <- e.WriteAt(ctx10(t), w, off, false) }()
 	waitFor(t, "W on the target", func() bool { return bytes.Equal(target.snapshot()[off:off+4096], w) })
 	target.gates.open("BeginRebuild")
-	waitFor(t, "the unordered copy", func() bool {
-		target.mu.Lock()
-		defer target.mu.Unlock()
-		return target.rebuildOps > 0
-	})
+	waitFor(t, "the unordered copy", func() bool { return target.chunksCopied() > 0 })
 	release(source)
 	if err := recv(t, "W", wrote); err != nil {
 		t.Fatal(err)
@@ -225,6 +261,7 @@ func TestUnsafeUnorderedRebuildReintroducesTheBug(t *testing.T) {
 	if bytes.Equal(target.snapshot()[off:off+4096], w) {
 		t.Fatal("with UnsafeUnorderedRebuild the rebuilt target still holds W: the broken mode does not break")
 	}
+	requireCopiedBy(t, target, relay)
 }
 
 // ISSUE13 J: a read returned the value of a write still in flight (on

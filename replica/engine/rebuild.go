@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -11,6 +12,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // RebuildSource is what a rebuild reads from: one healthy replica, and the
@@ -18,6 +20,10 @@ import (
 type RebuildSource struct {
 	// Read is the healthy replica the data is copied from.
 	Read ReplicaConn
+	// ReadID is Read's replica id: a target that can read it itself
+	// (CopyTarget) is asked to copy each chunk from it. "" relays every
+	// chunk (read from Read, written to the target).
+	ReadID string
 	// History are all healthy replicas (Read among them): a delta copies
 	// the regions any of them wrote since the target fell behind.
 	History []ReplicaConn
@@ -58,6 +64,9 @@ type RebuildPlan struct {
 	// InFlight is how many chunks are copied at once; default
 	// DefaultRebuildInFlight.
 	InFlight int
+	// Relay copies every chunk through the caller (read from the source,
+	// written to the target) even when the target could copy it itself.
+	Relay bool
 	// Order orders the copy against the writes of the engine that serves
 	// the volume while it is copied; nil when nothing writes the volume
 	// meanwhile (a detached volume, whose replicas an attach would fence
@@ -93,6 +102,19 @@ type RebuildStats struct {
 	Delta  bool  // a delta rebuild (false: full, also when a delta was impossible)
 	Ranges int   // ranges copied
 	Bytes  int64 // bytes copied
+	// Copied is how many of Bytes the target copied from the source
+	// itself (CopyTarget); the rest was relayed through the caller.
+	Copied int64
+}
+
+// CopyTarget is a rebuild target whose server can copy a chunk from the
+// source itself (the replica protocol's REBUILD_COPY; wire.Handle): the
+// bytes then go from the source's server to the target's, not through the
+// rebuilder. A source it cannot read within budget is wire.ErrCopySource,
+// and nothing is written; a server that cannot copy answers
+// wire.ErrUnknownOp.
+type CopyTarget interface {
+	RebuildCopy(ctx context.Context, o replica.Op, source string, off, n int64, budget time.Duration) error
 }
 
 // Rebuild copies a volume into a rebuilding target replica while writes
@@ -139,6 +161,10 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 		}
 	}
 	cp := copier{o: o, src: src.Read, dst: dst, order: plan.Order, report: report, st: &st}
+	if ct, ok := dst.(CopyTarget); ok && src.ReadID != "" && !plan.Relay {
+		cp.copyTarget, cp.srcID = ct, src.ReadID
+		cp.pull.Store(true)
+	}
 	cp.chunk = plan.ChunkBytes
 	if cp.chunk <= 0 {
 		cp.chunk = DefaultRebuildChunk
@@ -172,7 +198,13 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 // from the source and written to the target under its own hold on the
 // write order (copyChunk), so the rule for a copy and a write to the same
 // block is the one a single copy keeps; chunks in flight together never
-// overlap. A copy is a round trip to the source and one to the target,
+// overlap. Where the target can (CopyTarget), the target's server reads
+// the chunk from the source itself, under the same hold, and the bytes
+// never pass through here; the first chunk it cannot read from the source
+// (the two servers cut off from each other, the source failing, a server
+// without REBUILD_COPY) is read here instead, which blames the source only
+// if it fails here too, as a relayed copy always did, and the rest of the
+// rebuild is relayed. A copy is a round trip to the source and one to the target,
 // most of it waiting on the other side: serial, they left both replicas
 // idle most of the time. The checkpoints stay where a serial copy puts
 // them: a chunk is retired in offset order, and each checkpoint (after
@@ -190,6 +222,12 @@ type copier struct {
 	checkpoint int64 // bytes between checkpoints; 0: none (a delta)
 	report     func(resume int64)
 	st         *RebuildStats
+
+	// copyTarget is dst when it copies chunks itself, from replica srcID,
+	// while pull holds.
+	copyTarget CopyTarget
+	srcID      string
+	pull       atomic.Bool
 }
 
 // copyJob is one chunk of a range, from launch to retirement.
@@ -198,6 +236,7 @@ type copyJob struct {
 	lastOf bool // the last chunk of its range
 	buf    []byte
 	err    error
+	copied bool // by the target (CopyTarget)
 	done   bool
 }
 
@@ -256,12 +295,10 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 			}
 			if n := len(free); n > 0 {
 				j.buf, free = free[n-1], free[:n-1]
-			} else {
-				j.buf = make([]byte, c.chunk)
 			}
 			queue = append(queue, j)
 			go func() {
-				j.err = copyChunk(ctx, c.o, c.src, c.dst, c.order, j.buf[:j.n], j.off)
+				j.err = c.copyChunk(ctx, j)
 				results <- j
 			}()
 		}
@@ -280,11 +317,16 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 		for len(queue) > 0 && queue[0].done {
 			j := queue[0]
 			queue = queue[1:]
-			free = append(free, j.buf)
+			if j.buf != nil {
+				free = append(free, j.buf)
+			}
 			if j.err != nil || first != nil {
 				continue
 			}
 			c.st.Bytes += j.n
+			if j.copied {
+				c.st.Copied += j.n
+			}
 			if j.lastOf {
 				c.st.Ranges++
 			}
@@ -320,24 +362,54 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 	return first
 }
 
-// copyChunk copies p's worth of bytes at off from src to dst, holding the
-// range against writes (order) from the read to the write.
-func copyChunk(ctx context.Context, o replica.Op, src, dst ReplicaConn, order WriteOrder, p []byte, off int64) error {
-	if order != nil {
-		copyCtx, unlock, err := order.LockCopy(ctx, off, int64(len(p)))
+// copyChunk copies chunk j from the source to the target, holding its
+// range against writes (order) from the read to the write: the target
+// copies it if it can (copier), else it is relayed in j.buf.
+func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
+	if c.order != nil {
+		copyCtx, unlock, err := c.order.LockCopy(ctx, j.off, j.n)
 		if err != nil {
 			return fmt.Errorf("rebuild: %w", err)
 		}
 		defer unlock()
 		ctx = copyCtx
 	}
-	if err := src.ReadAt(ctx, o, p, off); err != nil {
+	if c.pull.Load() {
+		err := c.copyTarget.RebuildCopy(ctx, c.o, c.srcID, j.off, j.n, copyBudget(ctx))
+		switch {
+		case err == nil:
+			j.copied = true
+			return nil
+		case errors.Is(err, wire.ErrCopySource), errors.Is(err, wire.ErrUnknownOp):
+			// Not the target's failure, nor surely the source's: relay
+			// this chunk and the rest, so that a source that fails here
+			// too is blamed, and only then.
+			c.pull.Store(false)
+		default:
+			return fmt.Errorf("rebuild: copy into target: %w", err)
+		}
+	}
+	if j.buf == nil {
+		j.buf = make([]byte, c.chunk)
+	}
+	p := j.buf[:j.n]
+	if err := c.src.ReadAt(ctx, c.o, p, j.off); err != nil {
 		return fmt.Errorf("rebuild: read source: %w", errSource{err, -1})
 	}
-	if err := dst.RebuildWrite(ctx, o, p, off); err != nil {
+	if err := c.dst.RebuildWrite(ctx, c.o, p, j.off); err != nil {
 		return fmt.Errorf("rebuild: write target: %w", err)
 	}
 	return nil
+}
+
+// copyBudget is how long a target may spend reading a chunk from the
+// source: half of what is left of ctx, so that a source it cannot read
+// leaves the time to read it here and blame the right replica.
+func copyBudget(ctx context.Context) time.Duration {
+	if d, ok := ctx.Deadline(); ok {
+		return max(time.Until(d)/2, time.Millisecond)
+	}
+	return wire.DefaultCopyBudget
 }
 
 // flushTarget flushes the target, in the engine's flush order if there is
@@ -556,9 +628,9 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	// rebuildLeft (RebuildProgress).
 	var copied, left int64
 	defer func() { e.rebuildLeft.Add(-left) }()
-	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, History: history}, target.conn,
+	stats, err := Rebuild(ctx, e.op(false), RebuildSource{Read: sources[0].conn, ReadID: sources[0].info.Id, History: history}, target.conn,
 		RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(e.size.Load()), ResumeFrom: int64(r.RebuildResumeOffset), Order: engineOrder{e},
-			ChunkBytes: e.cfg.RebuildChunkBytes, InFlight: e.cfg.RebuildInFlight},
+			ChunkBytes: e.cfg.RebuildChunkBytes, InFlight: e.cfg.RebuildInFlight, Relay: e.cfg.RebuildRelay},
 		func(p Progress) {
 			e.rebuildCopied.Add(p.Done - copied)
 			copied = p.Done
@@ -605,7 +677,8 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 		return
 	}
 	e.applyVolume(resp.Volume)
-	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
+	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "copied_by_target", stats.Copied,
+		"took", time.Since(start).Round(time.Millisecond))
 }
 
 // ProgressRequest is the control-plane report of the progress of a
