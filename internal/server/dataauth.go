@@ -35,7 +35,11 @@ import (
 //     replica holds, and a clone of it still being created has a replica
 //     on server Node that is not filled yet (copyFrom);
 //     inspect: the peer is a verified operator (or InsecureDataInspect is
-//     set, for test harnesses).
+//     set, for test harnesses);
+//     rebuild-source: the replica is healthy, and Node is the server of one
+//     of the volume's rebuilding replicas, attached volume or not (its
+//     server reads the replica for the REBUILD_COPY requests its target
+//     serves; copysource.go).
 //
 // A handle may then do only what its purpose needs: a clone copy reads
 // that snapshot's layers (EXTENTS, SNAPSHOT_READ), an inspection reads
@@ -74,6 +78,10 @@ import (
 // requests. With a verified identity, attach needs a csi-node certificate
 // for Node or an operator, the server purposes a server certificate for
 // Node, and inspect an operator.
+//
+// A rebuild-source handle only reads (READ). A REBUILD_COPY is a rebuild
+// write: a handle that may rebuild-write its replica (an attach, a
+// detached rebuild's target) may ask for one.
 
 // dataAuthWait bounds how long an OPEN or request waits for this server
 // to catch up before a refusal that a later entry could lift is final.
@@ -182,7 +190,7 @@ func speaksFor(id wire.Identity, r wire.OpenRequest, insecureInspect bool) error
 	switch r.Purpose {
 	case wire.PurposeAttach:
 		ok = id.Role == "operator" || (id.Role == "csi-node" && id.Name == r.Node)
-	case wire.PurposeRebuild, wire.PurposeSnapshotCut, wire.PurposeCloneCopy:
+	case wire.PurposeRebuild, wire.PurposeSnapshotCut, wire.PurposeCloneCopy, wire.PurposeRebuildSource:
 		ok = id.Role == "server" && id.Name == r.Node
 	case wire.PurposeInspect:
 		ok = id.Role == "operator"
@@ -239,6 +247,15 @@ func (a *dataAccess) checkOpen(m metaView, r wire.OpenRequest) (*dataGrant, erro
 	case wire.PurposeCloneCopy:
 		if err := a.checkClone(m, v, r); err != nil {
 			return nil, err
+		}
+	case wire.PurposeRebuildSource:
+		if rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			return nil, lagging("OPEN %s as a rebuild source: the replica is %v, not healthy", r.Replica, rep.State)
+		}
+		if !slices.ContainsFunc(v.Replicas, func(x *storpb.Replica) bool {
+			return x.ServerId == r.Node && x.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && !x.ServerRemoved
+		}) {
+			return nil, lagging("OPEN %s as a rebuild source: volume %s has no rebuilding replica on server %q", r.Replica, v.Name, r.Node)
 		}
 	case wire.PurposeInspect:
 	default:
@@ -340,6 +357,10 @@ func (g *dataGrant) Allow(ctx context.Context, r wire.Request) error {
 		if !rebuildOps[r.Op] || (!g.rebuildTarget && rebuildWrites[r.Op]) {
 			return denied("%v on %s: not a rebuild's (target: %v)", r.Op, o.Replica, g.rebuildTarget)
 		}
+	case wire.PurposeRebuildSource:
+		if r.Op != wire.OpRead {
+			return denied("%v on %s: a rebuild source only reads", r.Op, o.Replica)
+		}
 	}
 	switch r.Op {
 	case wire.OpGrow:
@@ -370,9 +391,11 @@ var (
 	rebuildOps = map[wire.Opcode]bool{
 		wire.OpRead: true, wire.OpExtents: true, wire.OpWrittenSince: true, wire.OpDirtyRegions: true,
 		wire.OpRebuildBegin: true, wire.OpRebuildWrite: true, wire.OpRebuildEnd: true, wire.OpFlush: true,
+		wire.OpRebuildCopy: true,
 	}
 	rebuildWrites = map[wire.Opcode]bool{
 		wire.OpRebuildBegin: true, wire.OpRebuildWrite: true, wire.OpRebuildEnd: true, wire.OpFlush: true,
+		wire.OpRebuildCopy: true,
 	}
 )
 

@@ -20,6 +20,7 @@ type fakeMeta struct {
 	vols    map[string]*storpb.Volume
 	snaps   map[string]*storpb.Snapshot
 	servers map[string]bool
+	addrs   map[string]string // data addresses of servers (optional)
 }
 
 func (m *fakeMeta) Volume(id string) (*storpb.Volume, error) {
@@ -46,7 +47,7 @@ func (m *fakeMeta) Snapshot(id string) (*storpb.Snapshot, error) {
 
 func (m *fakeMeta) Server(id string) (*storpb.Server, error) {
 	if m.servers[id] {
-		return &storpb.Server{Id: id}, nil
+		return &storpb.Server{Id: id, DataAddress: m.addrs[id]}, nil
 	}
 	return nil, fmt.Errorf("server %q: %w", id, raftstore.ErrNotFound)
 }
@@ -138,6 +139,14 @@ func TestDataAccessOpenRules(t *testing.T) {
 	rebuilding := testMeta()
 	rebuilding.vols[testVol].Attachment = nil
 	rebuilding.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	attachedRebuilding := testMeta() // r2 on s2 rebuilds; r1 here is its source
+	attachedRebuilding.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	sourceRebuilding := testMeta() // r1 here is not healthy: no one's source
+	sourceRebuilding.vols[testVol].Replicas[0].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	sourceRebuilding.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	copySource := func(node string) wire.OpenRequest {
+		return wire.OpenRequest{Replica: "r1", Volume: testVol, Node: node, Epoch: 4, Purpose: wire.PurposeRebuildSource}
+	}
 	for _, tc := range []struct {
 		name string
 		meta *fakeMeta
@@ -165,6 +174,13 @@ func TestDataAccessOpenRules(t *testing.T) {
 		{"clone copy for a server with no clone", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s1", Snapshot: "snap-1", Epoch: 4, Purpose: wire.PurposeCloneCopy}, wire.ErrDenied},
 		{"clone copy of a snapshot not ready", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Snapshot: "snap-2", Epoch: 4, Purpose: wire.PurposeCloneCopy}, wire.ErrDenied},
 		{"inspect, unverified", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Epoch: 4, Purpose: wire.PurposeInspect}, wire.ErrDenied},
+		{"rebuild source, attached", attachedRebuilding, copySource("s2"), nil},
+		{"rebuild source, detached", rebuilding, copySource("s2"), nil},
+		{"rebuild source for a server with no rebuilding replica", attachedRebuilding, copySource("s3"), wire.ErrDenied},
+		{"rebuild source with nothing rebuilding", testMeta(), copySource("s2"), wire.ErrDenied},
+		{"rebuild source not healthy", sourceRebuilding, copySource("s2"), wire.ErrDenied},
+		{"rebuild source at the next epoch", attachedRebuilding, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 5, Purpose: wire.PurposeRebuildSource}, wire.ErrDenied},
+		{"rebuild source at an old epoch", attachedRebuilding, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 3, Purpose: wire.PurposeRebuildSource}, replica.ErrStaleEpoch},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := &laggingAccess{applied: tc.meta}
@@ -188,6 +204,9 @@ func TestDataAccessIdentities(t *testing.T) {
 	detached.vols[testVol].Attachment = nil
 	cut := wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeSnapshotCut}
 	inspect := wire.OpenRequest{Replica: "r1", Volume: testVol, Epoch: 4, Purpose: wire.PurposeInspect}
+	rebuilding := testMeta()
+	rebuilding.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	source := wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeRebuildSource}
 	for _, tc := range []struct {
 		name string
 		meta *fakeMeta
@@ -204,6 +223,10 @@ func TestDataAccessIdentities(t *testing.T) {
 		{"node cut", detached, wire.Identity{Verified: true, Role: "csi-node", Name: "s2"}, cut, false},
 		{"operator inspects", testMeta(), wire.Identity{Verified: true, Role: "operator"}, inspect, true},
 		{"node inspects", testMeta(), wire.Identity{Verified: true, Role: "csi-node", Name: "node-a"}, inspect, false},
+		{"server reads a source as itself", rebuilding, wire.Identity{Verified: true, Role: "server", Name: "s2"}, source, true},
+		{"server reads a source as another", rebuilding, wire.Identity{Verified: true, Role: "server", Name: "s1"}, source, false},
+		{"node reads a source", rebuilding, wire.Identity{Verified: true, Role: "csi-node", Name: "s2"}, source, false},
+		{"operator reads a source", rebuilding, wire.Identity{Verified: true, Role: "operator", Name: "s2"}, source, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := &laggingAccess{applied: tc.meta}
@@ -294,6 +317,9 @@ func TestDataGrantRules(t *testing.T) {
 	target.vols[testVol].Attachment = nil
 	target.vols[testVol].Replicas[0].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
 	rebuild := grant(target, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s1", Epoch: 4, Purpose: wire.PurposeRebuild})
+	attachedRebuilding := testMeta()
+	attachedRebuilding.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	copySource := grant(attachedRebuilding, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeRebuildSource})
 	for _, tc := range []struct {
 		name string
 		g    *dataGrant
@@ -335,6 +361,19 @@ func TestDataGrantRules(t *testing.T) {
 		{"rebuild begins on a source", source, wire.Request{Op: wire.OpRebuildBegin, Epoch: 4}, false},
 		{"rebuild grows", rebuild, wire.Request{Op: wire.OpGrow, Epoch: 4, Len: 1 << 20}, false},
 		{"rebuild deletes a snapshot", rebuild, wire.Request{Op: wire.OpSnapshotDelete, Epoch: 4, ID: replica.LayerName("snap-7", 2)}, false},
+		{"rebuild has its target copy", rebuild, wire.Request{Op: wire.OpRebuildCopy, Epoch: 4, ID: "r2"}, true},
+		{"rebuild has a source copy", source, wire.Request{Op: wire.OpRebuildCopy, Epoch: 4, ID: "r2"}, false},
+		{"engine has its rebuild target copy", eng, wire.Request{Op: wire.OpRebuildCopy, Epoch: 4, ID: "r2"}, true},
+		{"clone copy has its replica copy", clone, wire.Request{Op: wire.OpRebuildCopy, Epoch: 4, ID: "r2"}, false},
+		{"inspection has its replica copy", inspect, wire.Request{Op: wire.OpRebuildCopy, Epoch: 4, ID: "r2"}, false},
+		{"a copy's source is read", copySource, wire.Request{Op: wire.OpRead, Epoch: 4}, true},
+		{"a copy's source read above its epoch", copySource, wire.Request{Op: wire.OpRead, Epoch: 5}, false},
+		{"a copy's source is written", copySource, wire.Request{Op: wire.OpWrite, Epoch: 4}, false},
+		{"a copy's source is rebuild-written", copySource, wire.Request{Op: wire.OpRebuildWrite, Epoch: 4}, false},
+		{"a copy's source lists its extents", copySource, wire.Request{Op: wire.OpExtents, Epoch: 4}, false},
+		{"a copy's source has its snapshot read", copySource, wire.Request{Op: wire.OpSnapshotRead, Epoch: 4, ID: replica.LayerName("snap-1", 3)}, false},
+		{"a copy's source is flushed", copySource, wire.Request{Op: wire.OpFlush, Epoch: 4}, false},
+		{"a copy's source copies", copySource, wire.Request{Op: wire.OpRebuildCopy, Epoch: 4, ID: "r2"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.g.Allow(ctx, tc.r)

@@ -43,6 +43,9 @@ type dataPlane struct {
 	wire  *wire.Server
 	lis   net.Listener
 	local *localread.Server // nil without Config.LocalSocket
+	// sources reads the sources of the rebuild copies this server's
+	// rebuilding replicas are asked to make (copysource.go).
+	sources *wire.Sources
 
 	// view reads the cluster's state and catchUp waits until this server
 	// has applied what the leader has (the Server's; seams for tests);
@@ -89,13 +92,17 @@ func (s *Server) startDataPlane() error {
 			cfg.DataIdentify = tlsDataIdentity
 		}
 	}
+	access := newDataAccess(s)
+	d.sources = newCopySources(s, access)
+	wcfg := dataConfig(cfg.Data, s.logger, access, cfg.DataIdentify)
+	wcfg.CopySource = d.sources
 	d.wire, err = wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
 		r, err := store.Get(id)
 		if err != nil {
 			return nil, err
 		}
 		return r, nil
-	}), dataConfig(cfg.Data, s.logger, newDataAccess(s), cfg.DataIdentify))
+	}), wcfg)
 	if err != nil {
 		d.lis.Close()
 		store.Close()
@@ -136,6 +143,7 @@ func (s *Server) startDataPlane() error {
 // close stops the data service and the loop, waits for rebuilds, and
 // closes the store. The server's context is already cancelled.
 func (d *dataPlane) close() error {
+	d.sources.Close() // before the data service: its copies in flight fail at once
 	err := d.wire.Close()
 	if d.local != nil {
 		d.local.Close()
@@ -341,6 +349,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		})
 	}
 	var history []engine.ReplicaConn
+	var historyIDs []string
 	defer func() {
 		for _, c := range history {
 			c.Close(context.Background())
@@ -356,6 +365,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 			continue
 		}
 		history = append(history, c)
+		historyIDs = append(historyIDs, rep.Id)
 	}
 	if len(history) == 0 {
 		return fmt.Errorf("no healthy replica of %s reachable", v.Name)
@@ -369,7 +379,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	vols := storpb.NewVolumeServiceClient(d.s.selfConn())
 	start := time.Now()
 	stats, err := engine.Rebuild(ctx, replica.Op{Epoch: v.Epoch, Generation: v.Generation},
-		engine.RebuildSource{Read: history[0], History: history}, dst,
+		engine.RebuildSource{Read: history[0], ReadID: historyIDs[0], History: history}, dst,
 		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes), ResumeFrom: int64(r.RebuildResumeOffset)},
 		func(p engine.Progress) {
 			_, _ = vols.SetReplicaState(ctx, engine.ProgressRequest(v.Id, r, v.Epoch, p))
@@ -384,7 +394,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		return fmt.Errorf("record rebuild: %w", err)
 	}
 	d.s.logger.Info("rebuild complete", "volume", v.Name, "volume_id", v.Id, "replica", r.Id, "delta", stats.Delta,
-		"bytes", stats.Bytes, "took", time.Since(start).Round(time.Millisecond))
+		"bytes", stats.Bytes, "copied_by_target", stats.Copied, "took", time.Since(start).Round(time.Millisecond))
 	return nil
 }
 

@@ -15,12 +15,13 @@ type Network struct {
 	mu    sync.Mutex
 	owner map[string]int            // listen address -> node index
 	cut   map[[2]int]bool           // {from, to} -> no traffic
+	ports map[int]map[string]bool   // from -> listen addresses it cannot reach
 	conns map[[2]int]map[*conn]bool // open connections per direction
 }
 
 // NewNetwork returns a network with no cuts.
 func NewNetwork() *Network {
-	return &Network{owner: map[string]int{}, cut: map[[2]int]bool{}, conns: map[[2]int]map[*conn]bool{}}
+	return &Network{owner: map[string]int{}, cut: map[[2]int]bool{}, ports: map[int]map[string]bool{}, conns: map[[2]int]map[*conn]bool{}}
 }
 
 // Register says which node listens on addr.
@@ -35,7 +36,7 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 	return func(ctx context.Context, network, addr string) (net.Conn, error) {
 		n.mu.Lock()
 		to, known := n.owner[addr]
-		blocked := known && n.cut[[2]int{from, to}]
+		blocked := known && (n.cut[[2]int{from, to}] || n.ports[from][addr])
 		n.mu.Unlock()
 		if blocked {
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
@@ -46,10 +47,10 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 			return c, err
 		}
 		key := [2]int{from, to}
-		tc := &conn{Conn: c, n: n, key: key}
+		tc := &conn{Conn: c, n: n, key: key, addr: addr}
 		n.mu.Lock()
 		defer n.mu.Unlock()
-		if n.cut[key] { // cut while dialing
+		if n.cut[key] || n.ports[from][addr] { // cut while dialing
 			c.Close()
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
 		}
@@ -77,6 +78,29 @@ func (n *Network) Cut(a, b int) {
 	}
 }
 
+// CutPort stops the traffic from node from to the listener at addr (one
+// port of another node: its data port, say), leaving that node's other
+// ports reachable. Heal lifts it.
+func (n *Network) CutPort(from int, addr string) {
+	n.mu.Lock()
+	if n.ports[from] == nil {
+		n.ports[from] = map[string]bool{}
+	}
+	n.ports[from][addr] = true
+	var victims []*conn
+	if to, ok := n.owner[addr]; ok {
+		for c := range n.conns[[2]int{from, to}] {
+			if c.addr == addr {
+				victims = append(victims, c)
+			}
+		}
+	}
+	n.mu.Unlock()
+	for _, c := range victims {
+		c.Close()
+	}
+}
+
 // Isolate cuts node i off from every node in others.
 func (n *Network) Isolate(i int, others []int) {
 	for _, j := range others {
@@ -91,12 +115,14 @@ func (n *Network) Heal() {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	clear(n.cut)
+	clear(n.ports)
 }
 
 type conn struct {
 	net.Conn
 	n    *Network
 	key  [2]int
+	addr string // dialed
 	once sync.Once
 }
 
