@@ -3,15 +3,22 @@ package replica
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 )
 
 // rebuildState records, per sector, what normal writes touched since
 // BeginRebuild. It lives in memory only: after a reopen the rebuilder must
-// call BeginRebuild again and read its source after that.
+// call BeginRebuild again and read its source after that. Its session
+// names it (RebuildSession), so that a rebuild write made for it is never
+// applied to a later one (RebuildWriteSession).
 type rebuildState struct {
+	session uint64 // never 0; set at creation
 	mu      sync.Mutex
 	touched blockSet // sector numbers
 }
+
+// rebuildSessions numbers the rebuild sessions of the process.
+var rebuildSessions atomic.Uint64
 
 func (s *rebuildState) touch(sector, n uint64) {
 	s.mu.Lock()
@@ -44,7 +51,7 @@ func (r *Replica) BeginRebuild(o Op) error {
 		if err := r.invalidateDirect("rebuild begun"); err != nil {
 			return err
 		}
-		r.rebuild = &rebuildState{}
+		r.rebuild = &rebuildState{session: rebuildSessions.Add(1)}
 		r.log.Info("rebuild begun")
 	}
 	return nil
@@ -71,6 +78,38 @@ func (r *Replica) EndRebuild(o Op) error {
 // write that lost a race with a normal one. Without a rebuild in progress
 // it is ErrInvalid.
 func (r *Replica) RebuildWrite(o Op, p []byte, off int64) error {
+	return r.rebuildWrite(0, o, p, off)
+}
+
+// RebuildSession names the rebuild in progress (the tracking BeginRebuild
+// started, until EndRebuild): a number no other rebuild of any replica of
+// this process has. Without a rebuild in progress it is ErrInvalid.
+func (r *Replica) RebuildSession(o Op) (uint64, error) {
+	if err := r.enter(o); err != nil {
+		return 0, err
+	}
+	defer r.mu.RUnlock()
+	if r.rebuild == nil {
+		return 0, fmt.Errorf("%w: no rebuild in progress on replica %s", ErrInvalid, r.id)
+	}
+	return r.rebuild.session, nil
+}
+
+// RebuildWriteSession is RebuildWrite for the rebuild named session only:
+// once that rebuild has ended (and another may have begun: a rebuild that
+// starts over), it writes nothing and fails with ErrInvalid. A copy that
+// read its source for one rebuild may carry bytes older than a write the
+// next rebuild's tracking no longer knows of; it must not land there.
+func (r *Replica) RebuildWriteSession(session uint64, o Op, p []byte, off int64) error {
+	if session == 0 {
+		return fmt.Errorf("%w: rebuild session 0", ErrInvalid)
+	}
+	return r.rebuildWrite(session, o, p, off)
+}
+
+// rebuildWrite is RebuildWrite, for the rebuild named session only if it
+// is not 0.
+func (r *Replica) rebuildWrite(session uint64, o Op, p []byte, off int64) error {
 	if err := r.enter(o); err != nil {
 		return err
 	}
@@ -81,6 +120,9 @@ func (r *Replica) RebuildWrite(o Op, p []byte, off int64) error {
 	st := r.rebuild
 	if st == nil {
 		return fmt.Errorf("%w: no rebuild in progress on replica %s", ErrInvalid, r.id)
+	}
+	if session != 0 && st.session != session {
+		return fmt.Errorf("%w: rebuild session %d of replica %s has ended (now %d)", ErrInvalid, session, r.id, st.session)
 	}
 	return r.writeLocked(o, off, int64(len(p)), false, func(h *layer) error {
 		return r.rebuildLocked(h, st, p, off)

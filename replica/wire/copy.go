@@ -77,25 +77,54 @@ func decodeCopyRequest(p []byte) (source string, budget time.Duration) {
 	return string(p[copyBudgetSize:]), budget
 }
 
+// sessionRebuilder is a Replica whose rebuilds are named
+// (*replica.Replica): a copy is applied only to the rebuild it was asked
+// for.
+type sessionRebuilder interface {
+	RebuildSession(o replica.Op) (uint64, error)
+	RebuildWriteSession(session uint64, o replica.Op, p []byte, off int64) error
+}
+
 // rebuildCopy serves a REBUILD_COPY on handle hd (a validated request).
+// The budget runs from here: the wait for payload memory counts. What it
+// read is written only within the budget, and, on a replica whose
+// rebuilds are named, only to the rebuild in progress when the request
+// began: the rebuilder may have given up on this copy (its own time ran
+// out, its rebuild failed and started over, resetting the tracking that
+// keeps a copy off newer writes) while the source was being read.
 func (c *serverConn) rebuildCopy(hd handle, o replica.Op, payload []byte, off, n int64) error {
 	source, budget := decodeCopyRequest(payload)
 	cs := c.s.cfg.CopySource
 	if cs == nil {
 		return fmt.Errorf("wire: %v: this server copies from no source: %w", OpRebuildCopy, ErrUnknownOp)
 	}
-	buf, err := c.getBuf(int(n))
+	ctx, cancel := context.WithTimeout(c.ctx, budget)
+	defer cancel()
+	sr, named := hd.r.(sessionRebuilder)
+	var session uint64
+	if named {
+		var err error
+		if session, err = sr.RebuildSession(o); err != nil {
+			return err // no rebuild in progress, a stale epoch: the target's own
+		}
+	}
+	buf, err := c.getBufCtx(ctx, int(n))
 	if err != nil {
-		return err
+		return fmt.Errorf("wire: %v of %d bytes at %d from %s: %v: %w", OpRebuildCopy, n, off, source, err, ErrCopySource)
 	}
 	defer c.putBuf(buf)
 	p := (*buf)[:n]
-	ctx, cancel := context.WithTimeout(c.ctx, budget)
-	defer cancel()
-	if err := cs.ReadSource(ctx, hd.open, source, o, p, off); err != nil {
+	err = cs.ReadSource(ctx, hd.open, source, o, p, off)
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err() // read, but too late to be written
+	}
+	if err != nil {
 		// %v, not %w: whatever the source said (a stale epoch, say) is not
 		// the target's status.
 		return fmt.Errorf("wire: %v of %d bytes at %d from %s: %v: %w", OpRebuildCopy, n, off, source, err, ErrCopySource)
+	}
+	if named {
+		return sr.RebuildWriteSession(session, o, p, off)
 	}
 	return hd.r.RebuildWrite(o, p, off)
 }
@@ -122,10 +151,14 @@ func (h *Handle) RebuildCopy(ctx context.Context, o replica.Op, source string, o
 // Sources is a CopySource over this protocol. It opens each source on the
 // server Resolve names, with the OPEN Resolve states (whose purpose the
 // source's server authorises), and keeps it open while copies use it, so a
-// rebuild's chunks share one connection and one OPEN; a source unused for
-// Idle is closed, and one whose read fails is never used again. Its
-// methods are safe for concurrent use; it starts no goroutine (an idle
-// source is closed by a timer's function).
+// rebuild's chunks share one connection and one OPEN. A source is opened
+// in the background, within the client's Timeout, not within the budget
+// of the read that asked first (the others wait for it within theirs); a
+// read whose budget ends before its reply is in closes the source's
+// connection, so that it answers within its budget; a source whose link or
+// replica failed is never used again, and one unused for Idle is closed.
+// Its methods are safe for concurrent use; Close waits for the opens it
+// started.
 type Sources struct {
 	// Resolve says where source is and how to open it, for a rebuild of
 	// the replica target opened, at o's epoch. It is asked on every read,
@@ -139,6 +172,9 @@ type Sources struct {
 	mu     sync.Mutex
 	open   map[sourceKey]*sourceConn // guarded by mu
 	closed bool                      // guarded by mu
+	ctx    context.Context           // of the opens; cancelled by Close
+	cancel context.CancelFunc
+	opens  sync.WaitGroup // the opens in the background
 }
 
 type sourceKey struct {
@@ -146,8 +182,8 @@ type sourceKey struct {
 	open OpenRequest
 }
 
-// sourceConn is one source, opened once by the read that found none:
-// ready is closed when that open is done, with conn and h set or err.
+// sourceConn is one source, opened in the background once: ready is
+// closed when the open is done, with conn and h set or err.
 type sourceConn struct {
 	ready chan struct{}
 	conn  *Conn
@@ -155,8 +191,8 @@ type sourceConn struct {
 	err   error
 
 	// Guarded by Sources.mu.
-	users  int  // reads using it, its opener's included
-	broken bool // out of the map; closed when its last user leaves
+	users  int  // reads using it or waiting for it
+	broken bool // out of the map; closed once it is open and unused
 	idle   *time.Timer
 }
 
@@ -174,13 +210,28 @@ func (s *Sources) ReadSource(ctx context.Context, target OpenRequest, source str
 	if err != nil {
 		return err
 	}
+	// A reply still coming in when the budget ends would be waited for
+	// (ClientConfig.Timeout): cut the link instead, and answer in time.
+	stop := context.AfterFunc(ctx, func() { sc.conn.Close() })
 	err = sc.h.ReadAt(ctx, o, p, off)
-	s.release(key, sc, err != nil)
+	cut := !stop()
+	s.release(key, sc, cut || sourceFailed(err))
 	return err
 }
 
-// acquire returns the source for key, opened, with one more user; open
-// it if there is none.
+// sourceFailed reports whether a read's failure takes its source out of
+// service: its link or its replica failed, not the request (a budget that
+// ended first, an offset out of range).
+func sourceFailed(err error) bool {
+	switch {
+	case err == nil, errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded), errors.Is(err, replica.ErrInvalid):
+		return false
+	}
+	return true
+}
+
+// acquire returns the open source for key with one more user, starting
+// its open if there is none, and waiting for it within ctx.
 func (s *Sources) acquire(ctx context.Context, key sourceKey) (*sourceConn, error) {
 	s.mu.Lock()
 	if s.closed {
@@ -189,80 +240,111 @@ func (s *Sources) acquire(ctx context.Context, key sourceKey) (*sourceConn, erro
 	}
 	if s.open == nil {
 		s.open = map[sourceKey]*sourceConn{}
+		s.ctx, s.cancel = context.WithCancel(context.Background())
 	}
 	sc := s.open[key]
-	opener := sc == nil
-	if opener {
+	if sc == nil {
 		sc = &sourceConn{ready: make(chan struct{})}
 		s.open[key] = sc
+		s.opens.Add(1)
+		go s.openSource(key, sc)
 	}
 	sc.users++
 	if sc.idle != nil {
 		sc.idle.Stop()
 	}
 	s.mu.Unlock()
-	if opener {
-		sc.conn, sc.h, sc.err = openSource(ctx, key, s.Client)
-		close(sc.ready)
-	} else {
-		select {
-		case <-sc.ready:
-		case <-ctx.Done():
-			s.release(key, sc, false)
-			return nil, ctx.Err()
-		}
+	select {
+	case <-sc.ready:
+	case <-ctx.Done():
+		s.release(key, sc, false)
+		return nil, ctx.Err()
 	}
 	if sc.err != nil {
 		s.release(key, sc, true)
 		return nil, sc.err
 	}
 	s.mu.Lock()
-	broken := sc.broken // Close ran while it was being opened
+	broken := sc.broken // Close ran, or a read failed, while it was being opened
 	s.mu.Unlock()
 	if broken {
-		s.release(key, sc, true)
-		return nil, fmt.Errorf("wire: copy sources closed: %w", replica.ErrClosed)
+		s.release(key, sc, false)
+		return nil, fmt.Errorf("wire: copy source %s on %s: out of service: %w", key.open.Replica, key.addr, ErrDisconnected)
 	}
 	return sc, nil
 }
 
-func openSource(ctx context.Context, key sourceKey, cfg ClientConfig) (*Conn, *Handle, error) {
-	c, err := Dial(ctx, "tcp", key.addr, cfg)
-	if err != nil {
-		return nil, nil, err
+// openSource opens sc, within the client's Timeout (dial and OPEN each)
+// or until Close.
+func (s *Sources) openSource(key sourceKey, sc *sourceConn) {
+	defer s.opens.Done()
+	timeout := s.Client.Timeout
+	if timeout <= 0 {
+		timeout = DefaultClientConfig().Timeout
 	}
-	h, err := c.OpenFor(ctx, key.open)
-	if err != nil {
-		c.Close()
-		return nil, nil, err
+	ctx, cancel := context.WithTimeout(s.ctx, timeout)
+	defer cancel()
+	var conn *Conn
+	var h *Handle
+	conn, err := Dial(ctx, "tcp", key.addr, s.Client)
+	if err == nil {
+		if h, err = conn.OpenFor(ctx, key.open); err != nil {
+			conn.Close()
+			conn = nil
+		}
 	}
-	return c, h, nil
+	s.mu.Lock()
+	sc.conn, sc.h, sc.err = conn, h, err
+	close(sc.ready)
+	if err != nil {
+		s.breakLocked(key, sc)
+	}
+	closeNow := s.settleLocked(key, sc)
+	s.mu.Unlock()
+	if closeNow {
+		sc.close()
+	}
 }
 
-// release ends one use of sc; a failed use takes it out of service. The
-// last user of a source out of service closes it.
+// release ends one use of sc; a failed use takes it out of service.
 func (s *Sources) release(key sourceKey, sc *sourceConn, failed bool) {
 	s.mu.Lock()
 	sc.users--
 	if failed {
 		s.breakLocked(key, sc)
 	}
-	closeNow := sc.users == 0 && sc.broken
-	if sc.users == 0 && !sc.broken {
-		idle := s.Idle
-		if idle <= 0 {
-			idle = 30 * time.Second
-		}
-		if sc.idle == nil {
-			sc.idle = time.AfterFunc(idle, func() { s.reap(key, sc) })
-		} else {
-			sc.idle.Reset(idle)
-		}
-	}
+	closeNow := s.settleLocked(key, sc)
 	s.mu.Unlock()
 	if closeNow {
 		sc.close()
 	}
+}
+
+// settleLocked decides what becomes of sc once it is open and unused:
+// closed now if it is out of service (true: the caller closes it, off
+// the lock), else closed after Idle unless used again.
+func (s *Sources) settleLocked(key sourceKey, sc *sourceConn) bool {
+	select {
+	case <-sc.ready:
+	default:
+		return false // its open settles it
+	}
+	if sc.users > 0 {
+		return false
+	}
+	if sc.broken {
+		return true
+	}
+	idle := s.Idle
+	if idle <= 0 {
+		idle = 30 * time.Second
+	}
+	if sc.idle == nil {
+		sc.idle = time.AfterFunc(idle, func() { s.reap(key, sc) })
+	} else {
+		sc.idle.Reset(idle)
+	}
+	return false
 }
 
 // breakLocked takes sc out of service.
@@ -289,7 +371,7 @@ func (s *Sources) reap(key sourceKey, sc *sourceConn) {
 }
 
 // close closes an opened source's connection, which closes its handle on
-// the source's server. Only the last user calls it, once ready is closed.
+// the source's server. Closing twice does nothing more.
 func (sc *sourceConn) close() {
 	if sc.conn != nil {
 		sc.conn.Close()
@@ -303,18 +385,21 @@ func (s *Sources) Open() int {
 	return len(s.open)
 }
 
-// Close closes every source: reads in flight fail, and later ones are
-// refused.
+// Close closes every source: reads in flight fail, later ones are
+// refused, opens under way stop; it returns once they have.
 func (s *Sources) Close() {
 	s.mu.Lock()
 	s.closed = true
+	if s.cancel != nil {
+		s.cancel()
+	}
 	var opened []*sourceConn
 	for key, sc := range s.open {
 		s.breakLocked(key, sc)
 		select {
 		case <-sc.ready:
 			opened = append(opened, sc)
-		default: // being opened: its opener sees broken and releases it
+		default: // being opened: its open closes it
 		}
 	}
 	s.mu.Unlock()
@@ -323,4 +408,5 @@ func (s *Sources) Close() {
 	for _, sc := range opened {
 		sc.close()
 	}
+	s.opens.Wait()
 }

@@ -605,6 +605,15 @@ func (c *serverConn) getBuf(n int) (*[]byte, error) {
 	return getBuf(n), nil
 }
 
+// getBufCtx is getBuf waiting at most until ctx (derived from the
+// connection's) ends.
+func (c *serverConn) getBufCtx(ctx context.Context, n int) (*[]byte, error) {
+	if err := c.s.mem.Acquire(ctx, int64(bufSize(n))); err != nil {
+		return nil, fmt.Errorf("wire: waiting for payload memory: %w", err)
+	}
+	return getBuf(n), nil
+}
+
 // getFrameBuf is getBuf for the reader, which may already hold part of a
 // frame: it waits at most FrameTimeout, so that readers holding chunks and
 // waiting for each other's memory cannot wait forever (the one that gives
