@@ -117,7 +117,9 @@ func unorderedRebuild(cfg *engine.Config) { cfg.UnsafeUnorderedRebuild = true }
 // rebuild's copy is written to the target as a plain write, so the
 // target's tracking of the blocks written since the rebuild began (which
 // makes RebuildWrite skip them) no longer keeps an older block from
-// overwriting a newer acknowledged one.
+// overwriting a newer acknowledged one. The wrapper hides the target's
+// engine.CopyTarget, so every chunk is relayed and written so: a chunk the
+// target's server copies itself (REBUILD_COPY) is always tracked.
 func untrackedRebuildWrites(c engine.ReplicaConn) engine.ReplicaConn { return untrackedConn{c} }
 
 type untrackedConn struct{ engine.ReplicaConn }

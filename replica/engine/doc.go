@@ -73,7 +73,11 @@
 //     block and a write to that block never interleave. Several chunks
 //     are copied at once, each under its own hold; a checkpoint names
 //     only an offset below which every chunk was copied before the
-//     target's flush (rebuild.go).
+//     target's flush (rebuild.go). Under the hold, the target's server
+//     reads the chunk from the source's server itself (REBUILD_COPY), so
+//     the bytes cross one link, not two through the engine; a chunk the
+//     target cannot read from the source is read and written by the
+//     engine, which blames the source only if it cannot read it either.
 //
 // The ordering of writes, reads and rebuild copies to overlapping ranges
 // is one first-come, first-served set (overlap.go).

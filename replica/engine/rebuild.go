@@ -366,13 +366,19 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 // range against writes (order) from the read to the write: the target
 // copies it if it can (copier), else it is relayed in j.buf.
 func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
+	parent := ctx
+	var span time.Duration // how long the order lets one copy take
 	if c.order != nil {
+		start := time.Now()
 		copyCtx, unlock, err := c.order.LockCopy(ctx, j.off, j.n)
 		if err != nil {
 			return fmt.Errorf("rebuild: %w", err)
 		}
 		defer unlock()
 		ctx = copyCtx
+		if d, ok := ctx.Deadline(); ok {
+			span = d.Sub(start)
+		}
 	}
 	if c.pull.Load() {
 		err := c.copyTarget.RebuildCopy(ctx, c.o, c.srcID, j.off, j.n, copyBudget(ctx))
@@ -383,8 +389,19 @@ func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
 		case errors.Is(err, wire.ErrCopySource), errors.Is(err, wire.ErrUnknownOp):
 			// Not the target's failure, nor surely the source's: relay
 			// this chunk and the rest, so that a source that fails here
-			// too is blamed, and only then.
+			// too is blamed, and only then. The relay has a copy's whole
+			// time of its own (the hold lasts until it is done): the
+			// target's answer may have come late, and a source must not
+			// be blamed for the time the target took.
 			c.pull.Store(false)
+			if err := parent.Err(); err != nil {
+				return fmt.Errorf("rebuild: %w", err)
+			}
+			if span > 0 {
+				relayCtx, cancel := context.WithTimeout(parent, span)
+				defer cancel()
+				ctx = relayCtx
+			}
 		default:
 			return fmt.Errorf("rebuild: copy into target: %w", err)
 		}
