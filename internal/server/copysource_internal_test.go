@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"testing"
 
@@ -54,6 +55,48 @@ func TestCopySourceAddress(t *testing.T) {
 			}
 			if err == nil || !errors.Is(err, wire.ErrDenied) || !errors.Is(err, errLagging) {
 				t.Fatalf("= %q, %v; want a refusal that catching up may lift", addr, err)
+			}
+		})
+	}
+}
+
+// TestCopySourceReadsEndWithTheSourcesHealth: a rebuild-source handle's
+// reads are refused once its replica is no longer healthy, or its opener's
+// server no longer holds a rebuilding replica, though the handle stays
+// open; after catching up, not on a lagging view alone.
+func TestCopySourceReadsEndWithTheSourcesHealth(t *testing.T) {
+	ctx := context.Background()
+	m := testMeta()
+	m.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	l := &laggingAccess{applied: m}
+	g, err := l.access().Open(ctx, wire.Peer{}, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeRebuildSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	read := wire.Request{Op: wire.OpRead, Epoch: 4}
+	if err := g.Allow(ctx, read); err != nil {
+		t.Fatalf("read of a healthy source: %v", err)
+	}
+	for _, tc := range []struct {
+		name string
+		edit func(v *storpb.Volume)
+	}{
+		{"source faulty", func(v *storpb.Volume) { v.Replicas[0].State = storpb.ReplicaState_REPLICA_STATE_FAULTY }},
+		{"target healthy", func(v *storpb.Volume) { v.Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_HEALTHY }},
+		{"source removed", func(v *storpb.Volume) { v.Replicas = v.Replicas[1:] }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			changed := testMeta()
+			changed.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+			tc.edit(changed.vols[testVol])
+			l.mu.Lock()
+			l.applied, l.catchUps = changed, 0
+			l.mu.Unlock()
+			if err := g.Allow(ctx, read); !errors.Is(err, wire.ErrDenied) {
+				t.Fatalf("read: %v, want ErrDenied", err)
+			}
+			if l.catchUps == 0 {
+				t.Fatal("refused without catching up")
 			}
 		})
 	}

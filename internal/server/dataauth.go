@@ -75,7 +75,10 @@ import (
 // engine could (it cannot fence that engine, grow the volume or touch
 // snapshots beyond the metadata); or name the server doing a detached
 // rebuild, cut or clone copy while one is due, with that purpose's
-// requests. With a verified identity, attach needs a csi-node certificate
+// requests; or name a server with a rebuilding replica of a volume and
+// read a healthy replica of it as that rebuild's source (rebuild-source),
+// attached volume or not (what the purpose rebuild already lets it read
+// of a detached volume). With a verified identity, attach needs a csi-node certificate
 // for Node or an operator, the server purposes a server certificate for
 // Node, and inspect an operator.
 //
@@ -361,6 +364,11 @@ func (g *dataGrant) Allow(ctx context.Context, r wire.Request) error {
 		if r.Op != wire.OpRead {
 			return denied("%v on %s: a rebuild source only reads", r.Op, o.Replica)
 		}
+		// Every read, not only the OPEN: a source recorded faulty since
+		// must not be copied from through a handle kept open.
+		if err := g.a.decide(ctx, func(m metaView) error { return g.checkSource(m) }); err != nil {
+			return err
+		}
 	}
 	switch r.Op {
 	case wire.OpGrow:
@@ -405,6 +413,26 @@ func (g *dataGrant) volume(m metaView) (*storpb.Volume, error) {
 		return nil, denied("volume %s is gone", g.open.Volume)
 	}
 	return v, err
+}
+
+// checkSource: the replica is still a healthy replica of its volume, and
+// the opener's server still holds a rebuilding one (the rebuild-source
+// OPEN's rules).
+func (g *dataGrant) checkSource(m metaView) error {
+	v, err := g.volume(m)
+	if err != nil {
+		return err
+	}
+	o := g.open
+	if rep := replicaOf(v, o.Replica); rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		return lagging("READ of %s as a rebuild source: no longer a healthy replica of volume %s", o.Replica, v.Name)
+	}
+	if !slices.ContainsFunc(v.Replicas, func(x *storpb.Replica) bool {
+		return x.ServerId == o.Node && x.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && !x.ServerRemoved
+	}) {
+		return lagging("READ of %s as a rebuild source: volume %s has no rebuilding replica on server %q now", o.Replica, v.Name, o.Node)
+	}
+	return nil
 }
 
 func (g *dataGrant) checkGeneration(m metaView, gen uint64) error {
