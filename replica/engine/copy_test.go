@@ -228,3 +228,89 @@ func TestRebuildCopyFailureIsTheTargetsUnlessItNamesTheSource(t *testing.T) {
 		}
 	}
 }
+
+// joinLog records the replicas an engine logs joining its write set, as
+// faultLog records the faults.
+type joinLog struct {
+	faultLog
+	jmu    sync.Mutex
+	joined map[string]int
+}
+
+func (l *joinLog) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *joinLog) WithGroup(string) slog.Handler      { return l }
+
+func (l *joinLog) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == "replica joined the write set" {
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == "replica" {
+				l.jmu.Lock()
+				if l.joined == nil {
+					l.joined = map[string]int{}
+				}
+				l.joined[a.Value.String()]++
+				l.jmu.Unlock()
+			}
+			return true
+		})
+	}
+	return l.faultLog.Handle(ctx, r)
+}
+
+func (l *joinLog) joins(id string) int {
+	l.jmu.Lock()
+	defer l.jmu.Unlock()
+	return l.joined[id]
+}
+
+// A request to a replica that left the write set while it was on its way
+// (its connection closed by the engine) fails; that is no failure of the
+// replica. Found in the VM tests under load: a replica recorded faulty
+// came back as REBUILDING on a new connection while writes taken with the
+// old set were still failing on the old one, and each of them recorded
+// the new incarnation faulty, which threw it out, again and again (the
+// write set churned for seconds, until the last healthy replica timed out
+// and the device got I/O errors). The write is acknowledged: the new
+// incarnation's rebuild waits for it and copies it.
+func TestAFailureOfALeftIncarnationIsNotTheNewOnes(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	cfg.IOTimeout = 15 * time.Second // the held write must outlast the leaving and the return
+	log := &joinLog{}
+	cfg.Logger = slog.New(log)
+	e := f.open(cfg)
+	target := f.replica(2)
+	// W is held in replica 2, on the connection of its first incarnation.
+	holdWrites(target)
+	defer release(target)
+	w := randomBytes(90, 4096)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	wrote := make(chan error, 1)
+	go func() { wrote <- e.WriteAt(ctx, w, 0, false) }()
+	waitFor(t, "W on replicas 0 and 1", func() bool {
+		return bytes.Equal(f.replica(0).snapshot()[:4096], w) && bytes.Equal(f.replica(1).snapshot()[:4096], w)
+	})
+	// Replica 2 is recorded faulty (by an operator: not by the engine),
+	// leaves the write set and comes back, rebuilding, on a new
+	// connection.
+	if _, err := f.client.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{VolumeId: f.vol.Id, ReplicaId: target.id,
+		State: storpb.ReplicaState_REPLICA_STATE_FAULTY, Epoch: e.Epoch(), Reason: "test"}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "replica 2 back in the write set", func() bool { return log.joins(target.id) > 0 })
+	// W's request on the old connection is let go, and fails: closed.
+	release(target)
+	if err := recv(t, "W", wrote); err != nil {
+		t.Fatalf("W: %v", err)
+	}
+	waitHealthy(t, f, 2)
+	if got := log.of(target.id); len(got) > 0 {
+		t.Fatalf("the new incarnation of replica 2 was recorded faulty for the old one's failure: %q", got)
+	}
+	for i := range 3 {
+		if !bytes.Equal(f.replica(i).snapshot()[:4096], w) {
+			t.Fatalf("replica %d lacks the acknowledged write W", i)
+		}
+	}
+}

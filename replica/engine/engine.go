@@ -142,11 +142,16 @@ func (c *Config) Validate() error {
 }
 
 // member is one replica the engine writes to. It is never modified once
-// in the write set; a state change replaces it.
+// in the write set; a state change replaces it, keeping its conn and its
+// incarnation. An incarnation is one connection's stay in the write set,
+// from its join to its leaving (the replica recorded faulty or removed);
+// a replica that leaves and rejoins is a new incarnation, on a new
+// connection.
 type member struct {
-	info  *storpb.Replica
-	conn  ReplicaConn
-	local *localRead // nil unless its server is on this host (localread.go)
+	info        *storpb.Replica
+	conn        ReplicaConn
+	local       *localRead // nil unless its server is on this host (localread.go)
+	incarnation uint64
 }
 
 // Engine is an open volume. See the package documentation for its rules.
@@ -197,6 +202,7 @@ type Engine struct {
 	members    map[string]*member // replica id -> opened replica (healthy or rebuilding)
 	rebuilding map[string]bool    // replica ids with a rebuild goroutine running
 	generation uint64
+	joins      uint64 // incarnations made (member.incarnation)
 	servers    map[string]*storpb.Server // server id -> server, for data addresses
 	last       *storpb.Volume            // the latest committed state seen on the watch
 	cutting    bool                      // a snapshot cut goroutine runs (snapshot.go)
@@ -371,7 +377,8 @@ func (e *Engine) openReplicas(ctx context.Context, v *storpb.Volume) error {
 			failed = append(failed, o)
 			continue
 		}
-		e.members[o.r.Id] = &member{info: o.r, conn: o.conn, local: e.newLocalRead(o.r.ServerId)}
+		e.joins++
+		e.members[o.r.Id] = &member{info: o.r, conn: o.conn, local: e.newLocalRead(o.r.ServerId), incarnation: e.joins}
 	}
 	if e.fenced.Load() {
 		return fmt.Errorf("engine: open %s: %w", e.name, ErrFenced)
@@ -582,6 +589,9 @@ func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
 		}
 		if err := e.classify(ctx, err); err != nil {
 			return err
+		}
+		if !e.current(m) {
+			continue // it left the read set meanwhile: read another (settle)
 		}
 		// The replica failed: report it, then try the next one.
 		if ferr := e.markFaulty(ctx, m.info.Id, err.Error()); ferr != nil {
@@ -821,13 +831,33 @@ func (e *Engine) settle(ctx context.Context, set []*member, errs []error, again 
 		if err := e.classify(ctx, errs[i]); err != nil {
 			return err
 		}
+		if !e.current(set[i]) {
+			// It left the write set while the request was on its way (its
+			// connection is closed then), recorded faulty or removed: it
+			// needs no write, and there is nothing to record. Come back
+			// since, it is a new incarnation whose rebuild waits for this
+			// request and copies what it wrote, as the request applied
+			// again below names it in the write history at the generation
+			// of its leaving. Recording the replica faulty would throw the
+			// new incarnation out for the old one's failure, again and
+			// again while writes go on.
+			e.logger.Debug("a replica that left the write set failed a request", "replica", set[i].info.Id, "err", err)
+			failed = true
+			continue
+		}
 		// The ack rule: commit the failed replica as faulty first.
 		if ferr := e.markFaulty(ctx, set[i].info.Id, err.Error()); ferr != nil {
 			return ferr
 		}
 		failed = true
 	}
-	if failed && len(ok) > 0 {
+	if failed && len(ok) == 0 {
+		// Every replica it went to failed and left: it is on none that
+		// stays. (Recording the last healthy one faulty is refused, so
+		// this is a set that changed entirely during one request.)
+		return fmt.Errorf("%w: volume %s: every replica the request went to left the write set", ErrIO, e.name)
+	}
+	if failed {
 		// The replicas that applied the request recorded it in their
 		// write history at the generation before the fault; a delta
 		// rebuild of the failed replica copies only regions written at or
@@ -837,6 +867,15 @@ func (e *Engine) settle(ctx context.Context, set []*member, errs []error, again 
 		return again(ok)
 	}
 	return nil
+}
+
+// current reports whether m is the incarnation of its replica in the write
+// set now.
+func (e *Engine) current(m *member) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	cur := e.members[m.info.Id]
+	return cur != nil && cur.incarnation == m.incarnation
 }
 
 // call runs one replica request bounded by IOTimeout.
@@ -1008,7 +1047,7 @@ func (e *Engine) applyVolume(v *storpb.Volume) {
 			continue
 		}
 		// Members are immutable (requests in flight hold them): replace.
-		e.members[id] = &member{info: r, conn: m.conn, local: m.local}
+		e.members[id] = &member{info: r, conn: m.conn, local: m.local, incarnation: m.incarnation}
 	}
 	e.mu.Unlock()
 	for _, m := range drop {

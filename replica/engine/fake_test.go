@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/stor-io/stor/replica"
@@ -337,7 +338,77 @@ func (m *memReplicas) connect(ctx context.Context, addr string, open wire.OpenRe
 	if err := r.fence(epoch); err != nil {
 		return nil, err
 	}
-	return conn{r}, nil
+	return &openConn{conn: conn{r}}, nil
+}
+
+// openConn is one connection to a memReplica, as the engine's Connect
+// returns it: once closed, its requests fail, those in flight included
+// (as a wire connection's calls fail when it closes), and a request held
+// in the replica (hold) fails when released.
+type openConn struct {
+	conn
+	closed atomic.Bool
+}
+
+func (c *openConn) check(err error) error {
+	if c.closed.Load() {
+		return fmt.Errorf("fake: connection to %s closed: %w", c.r.id, wire.ErrDisconnected)
+	}
+	return err
+}
+
+func (c *openConn) Close(ctx context.Context) error {
+	c.closed.Store(true)
+	return nil
+}
+
+func (c *openConn) ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.ReadAt(ctx, o, p, off))
+}
+
+func (c *openConn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.WriteAt(ctx, o, p, off))
+}
+
+func (c *openConn) Flush(ctx context.Context, o replica.Op) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.Flush(ctx, o))
+}
+
+func (c *openConn) BeginRebuild(ctx context.Context, o replica.Op) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.BeginRebuild(ctx, o))
+}
+
+func (c *openConn) EndRebuild(ctx context.Context, o replica.Op) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.EndRebuild(ctx, o))
+}
+
+func (c *openConn) RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int64) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.RebuildWrite(ctx, o, p, off))
+}
+
+func (c *openConn) RebuildCopy(ctx context.Context, o replica.Op, source string, off, n int64, budget time.Duration) error {
+	if err := c.check(nil); err != nil {
+		return err
+	}
+	return c.check(c.conn.RebuildCopy(ctx, o, source, off, n, budget))
 }
 
 // gates hold chosen kinds of request to one replica until released, so a

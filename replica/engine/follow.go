@@ -125,7 +125,8 @@ func (e *Engine) joinGrown(ctx context.Context, r *storpb.Replica, conn ReplicaC
 	if _, raced := e.members[r.Id]; raced {
 		return false, nil
 	}
-	e.members[r.Id] = &member{info: r, conn: conn, local: e.newLocalRead(r.ServerId)}
+	e.joins++
+	e.members[r.Id] = &member{info: r, conn: conn, local: e.newLocalRead(r.ServerId), incarnation: e.joins}
 	return true, nil
 }
 

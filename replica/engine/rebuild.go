@@ -603,24 +603,34 @@ func (e *Engine) startRebuilds() {
 		e.wg.Add(1)
 		go func() {
 			defer e.wg.Done()
-			e.rebuild(info)
+			rebuilt := e.rebuild(info)
 			e.mu.Lock()
 			delete(e.rebuilding, info.Id)
+			cur := e.members[info.Id]
+			// A new incarnation joined while this rebuild ran (the one it
+			// copied into left): it needs a rebuild of its own, and no
+			// change of the volume may come to start it.
+			again := cur != nil && cur.incarnation != rebuilt && cur.info.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING
 			e.mu.Unlock()
+			if again {
+				e.startRebuilds()
+			}
 		}()
 	}
 }
 
-// rebuild copies into one rebuilding replica and reports it healthy.
-func (e *Engine) rebuild(r *storpb.Replica) {
+// rebuild copies into one rebuilding replica and reports it healthy. It
+// returns the incarnation of the replica it copied into (0: none).
+func (e *Engine) rebuild(r *storpb.Replica) (incarnation uint64) {
 	ctx := e.ctx
 	log := e.logger.With("replica", r.Id, "server", r.ServerId, "delta_from", r.RebuildFromGeneration)
 	e.mu.Lock()
 	target := e.members[r.Id]
 	e.mu.Unlock()
 	if target == nil {
-		return
+		return 0
 	}
+	incarnation = target.incarnation
 	// The target is in the write set: every write that takes the set from
 	// now on reaches it. A write that took the set before does not, and
 	// may not yet be on any source when the copy reads their extents or
@@ -673,13 +683,20 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 		// that replica's: blaming the read source instead took a replica
 		// holding every write out of the read set and left the failing
 		// one the last healthy copy (jepsen seed 1016, docs/JEPSEN.md).
-		blame := r.Id
+		blame := target
 		if i, ok := FailedHistory(err); ok {
-			blame = sources[i].info.Id
+			blame = sources[i]
 		} else if IsSourceError(err) {
-			blame = sources[0].info.Id
+			blame = sources[0]
 		}
-		_ = e.markFaulty(ctx, blame, fmt.Sprintf("rebuild: %v", err))
+		if !e.current(blame) {
+			// It left the write set during the copy (its connection was
+			// closed then); come back, it is a new incarnation, with a
+			// rebuild of its own if it is the target.
+			log.Info("rebuild stopped: a replica it used left the write set", "replica", blame.info.Id)
+			return
+		}
+		_ = e.markFaulty(ctx, blame.info.Id, fmt.Sprintf("rebuild: %v", err))
 		return
 	}
 	resp, err := e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
@@ -696,6 +713,7 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	e.applyVolume(resp.Volume)
 	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "copied_by_target", stats.Copied,
 		"took", time.Since(start).Round(time.Millisecond))
+	return incarnation
 }
 
 // ProgressRequest is the control-plane report of the progress of a

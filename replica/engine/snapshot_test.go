@@ -49,12 +49,12 @@ func (s *snapLayers) connect(mem *memReplicas) engine.Connector {
 		if err != nil {
 			return nil, err
 		}
-		return snapConn{c.(conn), s}, nil
+		return snapConn{c.(*openConn), s}, nil
 	}
 }
 
 type snapConn struct {
-	conn
+	*openConn
 	s *snapLayers
 }
 
