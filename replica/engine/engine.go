@@ -202,7 +202,7 @@ type Engine struct {
 	members    map[string]*member // replica id -> opened replica (healthy or rebuilding)
 	rebuilding map[string]bool    // replica ids with a rebuild goroutine running
 	generation uint64
-	joins      uint64 // incarnations made (member.incarnation)
+	joins      uint64                    // incarnations made (member.incarnation)
 	servers    map[string]*storpb.Server // server id -> server, for data addresses
 	last       *storpb.Volume            // the latest committed state seen on the watch
 	cutting    bool                      // a snapshot cut goroutine runs (snapshot.go)
