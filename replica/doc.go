@@ -181,8 +181,13 @@
 // blocks they copy.
 //
 // Rebuild tracking lives in memory only: after a reopen the rebuilder
-// calls BeginRebuild again and reads its source after that. RebuildWrite
-// writes the head; snapshot layers are not rebuilt. That is the cluster's
+// calls BeginRebuild again and reads its source after that. Each tracking,
+// from BeginRebuild to EndRebuild, is a session with a name of its own
+// (RebuildSession); RebuildWriteSession writes only while that session is
+// the one in progress, so bytes read from a source for one rebuild never
+// land in the next one, whose tracking no longer knows the writes that
+// the copy may be older than (a copy made by the target's server, which
+// its rebuilder may have given up on). RebuildWrite writes the head; snapshot layers are not rebuilt. That is the cluster's
 // chosen rule (raftstore/snapshot.go): a snapshot is served only by the
 // replicas its record names as having cut it. A replica that returns and
 // is rebuilt in place (delta or full) keeps the layers it cut before, which
