@@ -193,8 +193,9 @@ func (f failingTarget) RebuildCopy(context.Context, replica.Op, string, int64, i
 	return f.err
 }
 
-// Only wire.ErrCopySource and wire.ErrUnknownOp send a chunk back to the
-// relay; any other failure of a copy is the target's, whatever it wraps.
+// Only wire.ErrCopySource, wire.ErrUnknownOp and a copy that did not answer
+// in time send a chunk back to the relay; any other failure of a copy is
+// the target's, whatever it wraps.
 func TestRebuildCopyFailureIsTheTargetsUnlessItNamesTheSource(t *testing.T) {
 	o := replica.Op{Epoch: 1, Generation: 1}
 	for _, c := range []struct {
@@ -203,6 +204,7 @@ func TestRebuildCopyFailureIsTheTargetsUnlessItNamesTheSource(t *testing.T) {
 	}{
 		{err: fmt.Errorf("remote: %w", wire.ErrCopySource), ok: true},
 		{err: fmt.Errorf("remote: %w", wire.ErrUnknownOp), ok: true},
+		{err: fmt.Errorf("no answer: %w", context.DeadlineExceeded), ok: true}, // slow source or target: the relay tells
 		{err: fmt.Errorf("target disk: %w", replica.ErrIO)},
 		{err: fmt.Errorf("target fenced: %w", replica.ErrStaleEpoch)},
 		{err: fmt.Errorf("target gone: %w", wire.ErrDisconnected)},

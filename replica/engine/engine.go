@@ -388,7 +388,7 @@ func (e *Engine) openReplicas(ctx context.Context, v *storpb.Volume) error {
 	}
 	for _, o := range failed {
 		e.logger.Warn("replica did not open", "replica", o.r.Id, "server", o.r.ServerId, "err", o.err)
-		if err := e.markFaulty(ctx, o.r.Id, fmt.Sprintf("open failed: %v", o.err)); err != nil {
+		if err := e.markFaulty(ctx, nil, o.r.Id, fmt.Sprintf("open failed: %v", o.err)); err != nil {
 			return err
 		}
 	}
@@ -594,7 +594,7 @@ func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
 			continue // it left the read set meanwhile: read another (settle)
 		}
 		// The replica failed: report it, then try the next one.
-		if ferr := e.markFaulty(ctx, m.info.Id, err.Error()); ferr != nil {
+		if ferr := e.markFaulty(ctx, m, m.info.Id, err.Error()); ferr != nil {
 			return ferr
 		}
 	}
@@ -846,7 +846,7 @@ func (e *Engine) settle(ctx context.Context, set []*member, errs []error, again 
 			continue
 		}
 		// The ack rule: commit the failed replica as faulty first.
-		if ferr := e.markFaulty(ctx, set[i].info.Id, err.Error()); ferr != nil {
+		if ferr := e.markFaulty(ctx, set[i], set[i].info.Id, err.Error()); ferr != nil {
 			return ferr
 		}
 		failed = true
@@ -960,15 +960,36 @@ var faultAnswers = map[codes.Code]faultAnswer{
 // of the set); any other outcome fences the engine or stops it (see
 // faultAnswers), so a replica that missed a write is never read from
 // again by this engine, whatever the control plane answered.
-func (e *Engine) markFaulty(ctx context.Context, replicaID, reason string) error {
+//
+// m is the incarnation that failed (nil: a replica that never joined the
+// set, one that failed to open). A report waits its turn (faultMu) and
+// may retry through elections; once m has left the set meanwhile (the
+// replica recorded faulty by an earlier report, and maybe back as a new
+// incarnation) it records nothing and returns nil: the replica is out of
+// the set m was in, as the caller needs, and a report decided on the old
+// incarnation's failure must not throw the new one out.
+func (e *Engine) markFaulty(ctx context.Context, m *member, replicaID, reason string) error {
+	left := func() bool {
+		if m != nil && !e.current(m) {
+			e.logger.Info("a failed replica left the write set before its fault was recorded; nothing to record", "replica", replicaID)
+			return true
+		}
+		return false
+	}
+	e.faultMu.Lock()
+	defer e.faultMu.Unlock()
+	if left() {
+		return nil
+	}
 	e.logger.Warn("replica failed; recording it faulty", "replica", replicaID, "reason", reason)
 	e.stopLocal(replicaID)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.FaultTimeout)
 	defer cancel()
-	e.faultMu.Lock()
-	defer e.faultMu.Unlock()
 	backoff := 50 * time.Millisecond
 	for {
+		if left() {
+			return nil
+		}
 		resp, err := e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
 			VolumeId: e.id, ReplicaId: replicaID, State: storpb.ReplicaState_REPLICA_STATE_FAULTY,
 			Epoch: e.epoch, Reason: reason,

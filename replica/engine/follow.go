@@ -47,7 +47,9 @@ func (e *Engine) follow() {
 
 // retryJoins retries, every second, opening rebuilding replicas that
 // could not be opened when they joined (their server was still starting,
-// or moved to a new address).
+// or moved to a new address), and starting the rebuilds of rebuilding
+// replicas that have none running (one stopped when its source left the
+// write set, say: no change of the volume may come to start it again).
 func (e *Engine) retryJoins() {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
@@ -63,9 +65,8 @@ func (e *Engine) retryJoins() {
 		if v == nil || e.fenced.Load() {
 			continue
 		}
-		if e.addNewReplicas(v) {
-			e.startRebuilds()
-		}
+		e.addNewReplicas(v)
+		e.startRebuilds()
 	}
 }
 

@@ -386,7 +386,10 @@ func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
 		case err == nil:
 			j.copied = true
 			return nil
-		case errors.Is(err, wire.ErrCopySource), errors.Is(err, wire.ErrUnknownOp):
+		case errors.Is(err, wire.ErrCopySource), errors.Is(err, wire.ErrUnknownOp),
+			errors.Is(err, context.DeadlineExceeded) && parent.Err() == nil:
+			// (A copy that did not answer in time may be a slow source as
+			// well as a slow target: the relay tells them apart.)
 			// Not the target's failure, nor surely the source's: relay
 			// this chunk and the rest, so that a source that fails here
 			// too is blamed, and only then. The relay has a copy's whole
@@ -696,7 +699,7 @@ func (e *Engine) rebuild(r *storpb.Replica) (incarnation uint64) {
 			log.Info("rebuild stopped: a replica it used left the write set", "replica", blame.info.Id)
 			return
 		}
-		_ = e.markFaulty(ctx, blame.info.Id, fmt.Sprintf("rebuild: %v", err))
+		_ = e.markFaulty(ctx, blame, blame.info.Id, fmt.Sprintf("rebuild: %v", err))
 		return
 	}
 	resp, err := e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{

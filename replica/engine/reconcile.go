@@ -28,7 +28,7 @@ func (e *Engine) reconcile(ctx context.Context) error {
 			if cerr := e.classify(ctx, err); cerr != nil {
 				return cerr
 			}
-			if ferr := e.markFaulty(ctx, m.info.Id, fmt.Sprintf("dirty regions: %v", err)); ferr != nil {
+			if ferr := e.markFaulty(ctx, m, m.info.Id, fmt.Sprintf("dirty regions: %v", err)); ferr != nil {
 				return ferr
 			}
 			continue
@@ -70,7 +70,7 @@ func (e *Engine) copyFromOne(ctx context.Context, p []byte, off int64) error {
 			if cerr := e.classify(ctx, err); cerr != nil {
 				return cerr
 			}
-			if ferr := e.markFaulty(ctx, src[0].info.Id, fmt.Sprintf("reconcile read: %v", err)); ferr != nil {
+			if ferr := e.markFaulty(ctx, src[0], src[0].info.Id, fmt.Sprintf("reconcile read: %v", err)); ferr != nil {
 				return ferr
 			}
 			continue

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/stor-io/stor/replica"
@@ -154,9 +155,10 @@ func (h *Handle) RebuildCopy(ctx context.Context, o replica.Op, source string, o
 // rebuild's chunks share one connection and one OPEN. A source is opened
 // in the background, within the client's Timeout, not within the budget
 // of the read that asked first (the others wait for it within theirs); a
-// read whose budget ends before its reply is in closes the source's
-// connection, so that it answers within its budget; a source whose link or
-// replica failed is never used again, and one unused for Idle is closed.
+// read still receiving its reply stallGrace after its budget ended cuts
+// the source's connection, so that it answers about in time; a source
+// whose link or replica failed is never used again, and one unused for
+// Idle is closed.
 // Its methods are safe for concurrent use; Close waits for the opens it
 // started.
 type Sources struct {
@@ -210,14 +212,33 @@ func (s *Sources) ReadSource(ctx context.Context, target OpenRequest, source str
 	if err != nil {
 		return err
 	}
-	// A reply still coming in when the budget ends would be waited for
-	// (ClientConfig.Timeout): cut the link instead, and answer in time.
-	stop := context.AfterFunc(ctx, func() { sc.conn.Close() })
+	// A read whose budget ends returns at once, unless its reply is
+	// already coming in: then it is waited for (up to the client's
+	// Timeout). One still stuck stallGrace after its budget has a stalled
+	// link: cut it, so that the copy answers in time; the other reads on
+	// it would stall as well.
+	done := make(chan struct{})
+	var cut atomic.Bool
+	stop := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(stallGrace)
+		defer t.Stop()
+		select {
+		case <-done:
+		case <-t.C:
+			cut.Store(true)
+			sc.conn.Close()
+		}
+	})
 	err = sc.h.ReadAt(ctx, o, p, off)
-	cut := !stop()
-	s.release(key, sc, cut || sourceFailed(err))
+	close(done)
+	stop()
+	s.release(key, sc, cut.Load() || sourceFailed(err))
 	return err
 }
+
+// stallGrace is how long past its budget a source read may still be
+// receiving its reply before its connection is cut.
+const stallGrace = 500 * time.Millisecond
 
 // sourceFailed reports whether a read's failure takes its source out of
 // service: its link or its replica failed, not the request (a budget that
