@@ -33,6 +33,8 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
 
@@ -642,14 +644,26 @@ func (k *k8sT) waitSnapshotReady(name string) {
 
 func (k *k8sT) taintOutOfService(node string) {
 	k.t.Helper()
-	n, err := k.s.CP.Client.CoreV1().Nodes().Get(k.ctx(), node, metav1.GetOptions{})
-	if err != nil {
+	if err := addOutOfServiceTaint(k.ctx(), k.s.CP.Client, node); err != nil {
 		k.t.Fatal(err)
 	}
-	n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: "node.kubernetes.io/out-of-service", Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute})
-	if _, err := k.s.CP.Client.CoreV1().Nodes().Update(k.ctx(), n, metav1.UpdateOptions{}); err != nil {
-		k.t.Fatal(err)
-	}
+}
+
+// addOutOfServiceTaint adds the out-of-service taint to node, again on a
+// fresh read when the update conflicts: the node lifecycle controller
+// updates a node that stopped reporting at about the same moment (its
+// NotReady condition, the unreachable taint), and an update of the copy
+// read before it fails ("the object has been modified"; seen in make k8s).
+func addOutOfServiceTaint(ctx context.Context, c kubernetes.Interface, node string) error {
+	return retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+		n, err := c.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: "node.kubernetes.io/out-of-service", Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute})
+		_, err = c.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
+		return err
+	})
 }
 
 // sidecarOfLease is the container whose leader-election Lease this is
