@@ -252,13 +252,8 @@ func (a *dataAccess) checkOpen(m metaView, r wire.OpenRequest) (*dataGrant, erro
 			return nil, err
 		}
 	case wire.PurposeRebuildSource:
-		if rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-			return nil, lagging("OPEN %s as a rebuild source: the replica is %v, not healthy", r.Replica, rep.State)
-		}
-		if !slices.ContainsFunc(v.Replicas, func(x *storpb.Replica) bool {
-			return x.ServerId == r.Node && x.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && !x.ServerRemoved
-		}) {
-			return nil, lagging("OPEN %s as a rebuild source: volume %s has no rebuilding replica on server %q", r.Replica, v.Name, r.Node)
+		if err := checkRebuildSource(v, r.Replica, r.Node); err != nil {
+			return nil, err
 		}
 	case wire.PurposeInspect:
 	default:
@@ -415,22 +410,26 @@ func (g *dataGrant) volume(m metaView) (*storpb.Volume, error) {
 	return v, err
 }
 
-// checkSource: the replica is still a healthy replica of its volume, and
-// the opener's server still holds a rebuilding one (the rebuild-source
-// OPEN's rules).
+// checkSource: the rebuild-source OPEN's rules still hold.
 func (g *dataGrant) checkSource(m metaView) error {
 	v, err := g.volume(m)
 	if err != nil {
 		return err
 	}
-	o := g.open
-	if rep := replicaOf(v, o.Replica); rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-		return lagging("READ of %s as a rebuild source: no longer a healthy replica of volume %s", o.Replica, v.Name)
+	return checkRebuildSource(v, g.open.Replica, g.open.Node)
+}
+
+// checkRebuildSource: replica id is a healthy replica of v, and server
+// node holds a rebuilding one (the rebuild-source rule, at the OPEN and at
+// every READ).
+func checkRebuildSource(v *storpb.Volume, id, node string) error {
+	if rep := replicaOf(v, id); rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		return lagging("%s as a rebuild source: not a healthy replica of volume %s", id, v.Name)
 	}
 	if !slices.ContainsFunc(v.Replicas, func(x *storpb.Replica) bool {
-		return x.ServerId == o.Node && x.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && !x.ServerRemoved
+		return x.ServerId == node && x.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && !x.ServerRemoved
 	}) {
-		return lagging("READ of %s as a rebuild source: volume %s has no rebuilding replica on server %q now", o.Replica, v.Name, o.Node)
+		return lagging("%s as a rebuild source: volume %s has no rebuilding replica on server %q", id, v.Name, node)
 	}
 	return nil
 }

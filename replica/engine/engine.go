@@ -590,10 +590,8 @@ func (e *Engine) readChunk(ctx context.Context, p []byte, off int64) error {
 		if err := e.classify(ctx, err); err != nil {
 			return err
 		}
-		if !e.current(m) {
-			continue // it left the read set meanwhile: read another (settle)
-		}
-		// The replica failed: report it, then try the next one.
+		// The replica failed: report it (nothing is recorded if it left
+		// the set meanwhile), then try the next one.
 		if ferr := e.markFaulty(ctx, m, m.info.Id, err.Error()); ferr != nil {
 			return ferr
 		}
@@ -831,21 +829,12 @@ func (e *Engine) settle(ctx context.Context, set []*member, errs []error, again 
 		if err := e.classify(ctx, errs[i]); err != nil {
 			return err
 		}
-		if !e.current(set[i]) {
-			// It left the write set while the request was on its way (its
-			// connection is closed then), recorded faulty or removed: it
-			// needs no write, and there is nothing to record. Come back
-			// since, it is a new incarnation whose rebuild waits for this
-			// request and copies what it wrote, as the request applied
-			// again below names it in the write history at the generation
-			// of its leaving. Recording the replica faulty would throw the
-			// new incarnation out for the old one's failure, again and
-			// again while writes go on.
-			e.logger.Debug("a replica that left the write set failed a request", "replica", set[i].info.Id, "err", err)
-			failed = true
-			continue
-		}
-		// The ack rule: commit the failed replica as faulty first.
+		// The ack rule: commit the failed replica as faulty first. (One
+		// that left the set while the request was on its way, recorded
+		// faulty or removed, needs no write and nothing is recorded
+		// (markFaulty); back since, it is a new incarnation whose rebuild
+		// waits for this request and copies what it wrote, as the request
+		// applied again below names it in the write history.)
 		if ferr := e.markFaulty(ctx, set[i], set[i].info.Id, err.Error()); ferr != nil {
 			return ferr
 		}

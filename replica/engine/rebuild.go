@@ -606,34 +606,26 @@ func (e *Engine) startRebuilds() {
 		e.wg.Add(1)
 		go func() {
 			defer e.wg.Done()
-			rebuilt := e.rebuild(info)
+			e.rebuild(info)
 			e.mu.Lock()
 			delete(e.rebuilding, info.Id)
-			cur := e.members[info.Id]
-			// A new incarnation joined while this rebuild ran (the one it
-			// copied into left): it needs a rebuild of its own, and no
-			// change of the volume may come to start it.
-			again := cur != nil && cur.incarnation != rebuilt && cur.info.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING
 			e.mu.Unlock()
-			if again {
-				e.startRebuilds()
-			}
 		}()
 	}
 }
 
-// rebuild copies into one rebuilding replica and reports it healthy. It
-// returns the incarnation of the replica it copied into (0: none).
-func (e *Engine) rebuild(r *storpb.Replica) (incarnation uint64) {
+// rebuild copies into one rebuilding replica and reports it healthy. A
+// rebuild that stops (a replica it used left the write set, no source)
+// is started again by retryJoins.
+func (e *Engine) rebuild(r *storpb.Replica) {
 	ctx := e.ctx
 	log := e.logger.With("replica", r.Id, "server", r.ServerId, "delta_from", r.RebuildFromGeneration)
 	e.mu.Lock()
 	target := e.members[r.Id]
 	e.mu.Unlock()
 	if target == nil {
-		return 0
+		return
 	}
-	incarnation = target.incarnation
 	// The target is in the write set: every write that takes the set from
 	// now on reaches it. A write that took the set before does not, and
 	// may not yet be on any source when the copy reads their extents or
@@ -692,13 +684,8 @@ func (e *Engine) rebuild(r *storpb.Replica) (incarnation uint64) {
 		} else if IsSourceError(err) {
 			blame = sources[0]
 		}
-		if !e.current(blame) {
-			// It left the write set during the copy (its connection was
-			// closed then); come back, it is a new incarnation, with a
-			// rebuild of its own if it is the target.
-			log.Info("rebuild stopped: a replica it used left the write set", "replica", blame.info.Id)
-			return
-		}
+		// (If it left the write set during the copy, its connection closed
+		// then, markFaulty records nothing.)
 		_ = e.markFaulty(ctx, blame, blame.info.Id, fmt.Sprintf("rebuild: %v", err))
 		return
 	}
@@ -716,7 +703,6 @@ func (e *Engine) rebuild(r *storpb.Replica) (incarnation uint64) {
 	e.applyVolume(resp.Volume)
 	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "copied_by_target", stats.Copied,
 		"took", time.Since(start).Round(time.Millisecond))
-	return incarnation
 }
 
 // ProgressRequest is the control-plane report of the progress of a

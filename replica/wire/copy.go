@@ -399,8 +399,8 @@ func (sc *sourceConn) close() {
 	}
 }
 
-// Open reports how many sources are open or being opened.
-func (s *Sources) Open() int {
+// openCount reports how many sources are open or being opened.
+func (s *Sources) openCount() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.open)

@@ -102,7 +102,7 @@ func TestRebuildCopyCopiesFromTheSource(t *testing.T) {
 	if n := p.resolves.Load(); n != 16 {
 		t.Fatalf("Resolve asked %d times, want once per copy (16)", n)
 	}
-	waitFor(t, "the idle source closed", func() bool { return p.sources.Open() == 0 && p.srcH.srv.Stats().Conns == 0 })
+	waitFor(t, "the idle source closed", func() bool { return p.sources.openCount() == 0 && p.srcH.srv.Stats().Conns == 0 })
 	// A later copy opens it again.
 	if err := h.RebuildCopy(context.Background(), o, "src", 0, 4096, 0); err != nil {
 		t.Fatal(err)
@@ -133,7 +133,7 @@ func TestRebuildCopySourceFailures(t *testing.T) {
 	if !errors.Is(err, ErrCopySource) || errors.Is(err, replica.ErrStaleEpoch) {
 		t.Fatalf("copy from a source at a higher epoch: %v; want ErrCopySource and not the target's stale epoch", err)
 	}
-	if p.sources.Open() != 0 {
+	if p.sources.openCount() != 0 {
 		t.Fatal("a source that failed is still open for the next copy")
 	}
 	// A replica the source's server does not have.
@@ -289,8 +289,8 @@ func TestSourcesClose(t *testing.T) {
 	if err := p.sources.ReadSource(context.Background(), OpenRequest{Replica: "dst"}, "src", o, buf, 0); err != nil {
 		t.Fatal(err)
 	}
-	if p.sources.Open() != 1 || p.srcH.srv.Stats().Conns != 1 {
-		t.Fatalf("%d sources open, %d connections", p.sources.Open(), p.srcH.srv.Stats().Conns)
+	if p.sources.openCount() != 1 || p.srcH.srv.Stats().Conns != 1 {
+		t.Fatalf("%d sources open, %d connections", p.sources.openCount(), p.srcH.srv.Stats().Conns)
 	}
 	p.sources.Close()
 	waitFor(t, "the source's connection closed", func() bool { return p.srcH.srv.Stats().Conns == 0 })

@@ -52,7 +52,7 @@ func TestSourcesChurn(t *testing.T) {
 		close(stop)
 		wg.Wait()
 		waitFor(t, "every source connection closed", func() bool { return p.srcH.srv.Stats().Conns == 0 })
-		if n := p.sources.Open(); n != 0 {
+		if n := p.sources.openCount(); n != 0 {
 			t.Fatalf("%d sources left in the map after Close", n)
 		}
 	}
