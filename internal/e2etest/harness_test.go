@@ -13,6 +13,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -179,21 +180,39 @@ func requireBinaries(t *testing.T) {
 	}
 }
 
-// freePorts reserves n distinct loopback ports: it binds them all, notes
-// them, and releases them for the servers to bind.
+// freePorts reserves n loopback ports no earlier call of this test binary
+// handed out: it binds them, notes them, and releases them for the servers
+// to bind. A port released here is free for the kernel to hand out again
+// before its server binds it, and did go to the next server (make test:
+// s2's --raft-listen was s1's --data-listen, "address already in use").
 func freePorts(t *testing.T, n int) []int {
 	t.Helper()
-	ports := make([]int, n)
-	for i := range ports {
+	givenMu.Lock()
+	defer givenMu.Unlock()
+	ports := make([]int, 0, n)
+	for tries := 0; len(ports) < n; tries++ {
+		if tries > 1000 {
+			t.Fatalf("no loopback port not handed out already after %d tries", tries)
+		}
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatalf("reserve a port: %v", err)
 		}
 		defer l.Close()
-		ports[i] = l.Addr().(*net.TCPAddr).Port
+		port := l.Addr().(*net.TCPAddr).Port
+		if given[port] {
+			continue
+		}
+		given[port] = true
+		ports = append(ports, port)
 	}
 	return ports
 }
+
+var (
+	givenMu sync.Mutex
+	given   = map[int]bool{} // ports freePorts handed out; guarded by givenMu
+)
 
 func loopback(port int) string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(port)) }
 
