@@ -114,6 +114,33 @@ type snapWriter struct {
 	mu       sync.Mutex
 	log      []uint64 // blocks in issue order; write k wrote generation k+1
 	acked    int      // writes acknowledged (a prefix of log)
+	stopped  bool     // the writer's goroutine returned
+}
+
+// waitCounts waits until the writer has issued at least issuedAtLeast
+// writes and had ackedAtLeast acknowledged. It fails the test when the
+// writer stopped short (an error, or its bound of writes) or when within
+// passes: a writer that stalls must not hang the test binary until go
+// test's own timeout.
+func (w *snapWriter) waitCounts(t *testing.T, issuedAtLeast, ackedAtLeast int, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		w.mu.Lock()
+		issued, acked, stopped := len(w.log), w.acked, w.stopped
+		w.mu.Unlock()
+		switch {
+		case issued >= issuedAtLeast && acked >= ackedAtLeast:
+			return
+		case stopped:
+			t.Fatalf("writer of blocks %d..%d stopped after %d writes (%d acknowledged), want %d (%d acknowledged)",
+				w.first, w.first+w.n-1, issued, acked, issuedAtLeast, ackedAtLeast)
+		case time.Now().After(deadline):
+			t.Fatalf("writer of blocks %d..%d issued %d writes (%d acknowledged) in %v, want %d (%d acknowledged)",
+				w.first, w.first+w.n-1, issued, acked, within, issuedAtLeast, ackedAtLeast)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 func (w *snapWriter) counts() (issued, acked int) {
@@ -200,6 +227,11 @@ func TestSnapshotOfAttachedVolumeIsCrashConsistent(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			defer func() {
+				w.mu.Lock()
+				w.stopped = true
+				w.mu.Unlock()
+			}()
 			rng := rand.New(rand.NewPCG(seed, uint64(i)))
 			for k := 0; k < 5000; k++ { // bounded; normally stopped far earlier
 				select {
@@ -233,12 +265,7 @@ func TestSnapshotOfAttachedVolumeIsCrashConsistent(t *testing.T) {
 	defer stopWriters()
 
 	// Let the writers get going, then snapshot.
-	for {
-		if _, a := writers[0].counts(); a >= 20 {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	writers[0].waitCounts(t, 0, 20, 30*time.Second)
 	lo := make([]int, nWriters)
 	for i, w := range writers {
 		_, lo[i] = w.counts()
@@ -253,12 +280,7 @@ func TestSnapshotOfAttachedVolumeIsCrashConsistent(t *testing.T) {
 		t.Fatalf("snapshot cut on %d replicas, want 3: %v", cutCount(s), s)
 	}
 	// Keep writing after the cut.
-	for {
-		if i, _ := writers[0].counts(); i >= hi[0]+20 {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	writers[0].waitCounts(t, hi[0]+20, 0, 30*time.Second)
 
 	var snapData []byte
 	for _, r := range v.Replicas {
