@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/stor-io/stor/internal/hangtest"
 	"github.com/stor-io/stor/internal/pki"
 )
 
@@ -57,6 +58,9 @@ var operator = pki.Identity{Role: pki.RoleOperator, Name: "e2etest"}
 
 func TestMain(m *testing.M) {
 	flag.Parse()
+	// A hanging test names itself last, before go test's -timeout (as
+	// after that timeout, no cleanup runs).
+	hangtest.Watch(os.Stderr)
 	dir, err := os.MkdirTemp("", "stor-e2e-bin-")
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "e2etest: %v\n", err)
