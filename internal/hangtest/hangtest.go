@@ -96,21 +96,34 @@ func report(w io.Writer, after, timeout time.Duration, stacks []byte) {
 }
 
 // testGoroutines picks, from a dump of every goroutine, those running a
-// test (started by testing.tRunner) and the test function each runs.
+// test or its cleanups (started by testing.tRunner), each named by its
+// test function, or "cleanup" and the cleanup function.
 func testGoroutines(stacks []byte) (tests []string, goroutines []string) {
 	for _, g := range bytes.Split(stacks, []byte("\n\n")) {
 		lines := strings.Split(strings.TrimSpace(string(g)), "\n")
 		for i, l := range lines {
-			if !strings.HasPrefix(l, "testing.tRunner(") || i < 2 {
+			if !strings.HasPrefix(l, "testing.tRunner(") {
 				continue
 			}
-			// The frame above tRunner's is the test function: its call
-			// line, then its file line. The testing package's own runner
-			// (runTests) waits on the tests; it is not one.
-			if strings.HasPrefix(lines[i-2], "testing.") {
+			// Frames are a call line and a file line each, innermost
+			// first. The nearest frame above tRunner's that is not the
+			// testing package's is the test function, or in a cleanup
+			// the cleanup function. The testing package's own runner
+			// (runTests) has none: it is not a test.
+			name := ""
+			for j := i - 2; j >= 1; j -= 2 {
+				if !strings.HasPrefix(lines[j], "testing.") && !strings.HasPrefix(lines[j], "runtime.") {
+					name = funcName(lines[j])
+					break
+				}
+			}
+			if name == "" {
 				break
 			}
-			tests = append(tests, funcName(lines[i-2]))
+			if strings.Contains(string(g), "testing.(*common).runCleanup(") {
+				name = "cleanup " + name
+			}
+			tests = append(tests, name)
 			goroutines = append(goroutines, strings.Join(lines, "\n"))
 			break
 		}

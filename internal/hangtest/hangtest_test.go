@@ -32,54 +32,68 @@ func TestFireAfter(t *testing.T) {
 	}
 }
 
-// blockedForever stands for a test body that never returns; the report
-// must name it.
+// blockedForever stands for a test body, or a cleanup, that never
+// returns; the report must name it.
 func blockedForever(stop <-chan struct{}) { <-stop }
 
-// TestHangingChild hangs when run as the child of TestAHangNamesItselfLast.
+// TestHangingChild hangs when run as the child of
+// TestAHangNamesItselfLast: in a subtest's body, or in its cleanup.
 func TestHangingChild(t *testing.T) {
-	if os.Getenv("HANGTEST_CHILD") != "1" {
+	mode := os.Getenv("HANGTEST_CHILD")
+	if mode == "" {
 		t.Skip("runs only as the child of TestAHangNamesItselfLast")
 	}
 	t.Run("sub", func(t *testing.T) {
+		if mode == "cleanup" {
+			t.Cleanup(func() { blockedForever(make(chan struct{})) })
+			return
+		}
 		blockedForever(make(chan struct{}))
 	})
 }
 
 // TestAHangNamesItselfLast runs a test binary whose test hangs, with a
 // 10 s timeout: the watchdog fires at 5 s, before go test's own panic,
-// and the last lines of the output name the hanging test and the
-// function it is blocked in.
+// and the last lines of the output name the hanging test, or its
+// cleanup, and the function it is blocked in.
 func TestAHangNamesItselfLast(t *testing.T) {
 	if testing.Short() {
 		t.Skip("takes 5 s")
 	}
-	cmd := exec.Command(os.Args[0], "-test.run", "^TestHangingChild$", "-test.timeout", "10s", "-test.v")
-	cmd.Env = append(os.Environ(), "HANGTEST_CHILD=1")
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	start := time.Now()
-	err := cmd.Run()
-	took := time.Since(start)
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.ExitCode() != 2 {
-		t.Fatalf("child: %v after %v, want exit status 2; output:\n%s", err, took, out.String())
-	}
-	if took > 9*time.Second {
-		t.Errorf("the watchdog fired after %v, want about 5 s (before the 10 s timeout)", took)
-	}
-	text := out.String()
-	if strings.Contains(text, "panic: test timed out") {
-		t.Errorf("go test's own timeout fired first:\n%s", text)
-	}
-	lines := strings.Split(strings.TrimSpace(text), "\n")
-	last := lines[len(lines)-1]
-	if !strings.HasPrefix(last, "hangtest: running tests") || !strings.Contains(last, "TestHangingChild.func1") {
-		t.Errorf("last line %q does not name TestHangingChild and its subtest", last)
-	}
-	tail := strings.Join(lines[max(0, len(lines)-40):], "\n")
-	if !strings.Contains(tail, "hangtest.blockedForever(") {
-		t.Errorf("the last 40 lines do not show where the test is blocked:\n%s", tail)
+	for _, tc := range []struct{ mode, want string }{
+		{"body", "TestHangingChild.func1"},
+		{"cleanup", "cleanup TestHangingChild.func1.1"},
+	} {
+		t.Run(tc.mode, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.Command(os.Args[0], "-test.run", "^TestHangingChild$", "-test.timeout", "10s", "-test.v")
+			cmd.Env = append(os.Environ(), "HANGTEST_CHILD="+tc.mode)
+			var out bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, &out
+			start := time.Now()
+			err := cmd.Run()
+			took := time.Since(start)
+			var exit *exec.ExitError
+			if !errors.As(err, &exit) || exit.ExitCode() != 2 {
+				t.Fatalf("child: %v after %v, want exit status 2; output:\n%s", err, took, out.String())
+			}
+			if took > 9*time.Second {
+				t.Errorf("the watchdog fired after %v, want about 5 s (before the 10 s timeout)", took)
+			}
+			text := out.String()
+			if strings.Contains(text, "panic: test timed out") {
+				t.Errorf("go test's own timeout fired first:\n%s", text)
+			}
+			lines := strings.Split(strings.TrimSpace(text), "\n")
+			last := lines[len(lines)-1]
+			if !strings.HasPrefix(last, "hangtest: running tests") || !strings.Contains(last, tc.want) {
+				t.Errorf("last line %q does not name %q", last, tc.want)
+			}
+			tail := strings.Join(lines[max(0, len(lines)-40):], "\n")
+			if !strings.Contains(tail, "hangtest.blockedForever(") {
+				t.Errorf("the last 40 lines do not show where the test is blocked:\n%s", tail)
+			}
+		})
 	}
 }
 
