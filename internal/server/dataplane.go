@@ -352,7 +352,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	var historyIDs []string
 	defer func() {
 		for _, c := range history {
-			c.Close(context.Background())
+			closeWithin(c, closeTimeout)
 		}
 	}()
 	for _, rep := range v.Replicas {
@@ -374,7 +374,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	if err != nil {
 		return fmt.Errorf("open target: %w", err)
 	}
-	defer dst.Close(context.Background())
+	defer closeWithin(dst, closeTimeout)
 
 	vols := storpb.NewVolumeServiceClient(d.s.selfConn())
 	start := time.Now()
@@ -414,4 +414,17 @@ func tlsDataIdentity(conn net.Conn) wire.Identity {
 		return wire.Identity{}
 	}
 	return wire.Identity{Verified: true, Role: string(id.Role), Name: id.Name}
+}
+
+// closeTimeout bounds the CLOSE a data-plane task sends as it ends. It is
+// sent after the task's context may have ended (the server shutting down,
+// which waits for the task), so it cannot use that context, and a peer
+// that never answers must not hold the shutdown.
+const closeTimeout = 5 * time.Second
+
+// closeWithin closes c, waiting at most d for the server's answer.
+func closeWithin(c interface{ Close(context.Context) error }, d time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	_ = c.Close(ctx)
 }

@@ -281,7 +281,7 @@ func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storp
 	if err != nil {
 		return 0, err
 	}
-	defer h.Close(context.Background())
+	defer closeWithin(h, closeTimeout)
 	so := replica.Op{Epoch: epoch}
 	layer := replica.LayerName(s.Id, s.CutEpoch)
 	buf := make([]byte, replica.MaxIO)
