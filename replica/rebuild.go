@@ -43,18 +43,25 @@ func (s *rebuildState) untouched(b uint64) uint8 {
 // BeginRebuild starts tracking normal writes for RebuildWrite. Calling it
 // while a rebuild is in progress keeps the tracking so far.
 func (r *Replica) BeginRebuild(o Op) error {
+	_, err := r.BeginRebuildSession(o)
+	return err
+}
+
+// BeginRebuildSession is BeginRebuild, and names the rebuild it leaves in
+// progress (RebuildSession), in the same step.
+func (r *Replica) BeginRebuildSession(o Op) (uint64, error) {
 	if err := r.enterExclusive(o); err != nil {
-		return err
+		return 0, err
 	}
 	defer r.mu.Unlock()
 	if r.rebuild == nil {
 		if err := r.invalidateDirect("rebuild begun"); err != nil {
-			return err
+			return 0, err
 		}
 		r.rebuild = &rebuildState{session: rebuildSessions.Add(1)}
 		r.log.Info("rebuild begun")
 	}
-	return nil
+	return r.rebuild.session, nil
 }
 
 // EndRebuild stops the tracking. Without a rebuild in progress it is a

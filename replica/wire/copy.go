@@ -79,9 +79,10 @@ func decodeCopyRequest(p []byte) (source string, budget time.Duration) {
 }
 
 // sessionRebuilder is a Replica whose rebuilds are named
-// (*replica.Replica): a copy is applied only to the rebuild it was asked
-// for.
+// (*replica.Replica): a copy, or a rebuild write, is applied only to the
+// rebuild it was made for.
 type sessionRebuilder interface {
+	BeginRebuildSession(o replica.Op) (uint64, error)
 	RebuildSession(o replica.Op) (uint64, error)
 	RebuildWriteSession(session uint64, o replica.Op, p []byte, off int64) error
 }
@@ -90,10 +91,12 @@ type sessionRebuilder interface {
 // The budget runs from here: the wait for payload memory counts. What it
 // read is written only within the budget, and, on a replica whose
 // rebuilds are named, only to the rebuild in progress when the request
-// began: the rebuilder may have given up on this copy (its own time ran
-// out, its rebuild failed and started over, resetting the tracking that
-// keeps a copy off newer writes) while the source was being read.
-func (c *serverConn) rebuildCopy(hd handle, o replica.Op, payload []byte, off, n int64) error {
+// was read off the connection (session, from the handle's REBUILD_BEGIN)
+// or, on a handle that began none, when it began here: the rebuilder may
+// have given up on this copy (its own time ran out, its rebuild failed
+// and started over, resetting the tracking that keeps a copy off newer
+// writes) while the source was being read.
+func (c *serverConn) rebuildCopy(hd handle, session uint64, o replica.Op, payload []byte, off, n int64) error {
 	source, budget := decodeCopyRequest(payload)
 	cs := c.s.cfg.CopySource
 	if cs == nil {
@@ -102,8 +105,7 @@ func (c *serverConn) rebuildCopy(hd handle, o replica.Op, payload []byte, off, n
 	ctx, cancel := context.WithTimeout(c.ctx, budget)
 	defer cancel()
 	sr, named := hd.r.(sessionRebuilder)
-	var session uint64
-	if named {
+	if named && session == 0 {
 		var err error
 		if session, err = sr.RebuildSession(o); err != nil {
 			return err // no rebuild in progress, a stale epoch: the target's own

@@ -79,6 +79,15 @@
 // it cannot read within the budget is StatusCopySource, and nothing is
 // written.
 //
+// A REBUILD_WRITE or REBUILD_COPY belongs to the rebuild its handle's last
+// REBUILD_BEGIN left in progress when the server read it off the
+// connection, and is applied to that rebuild only
+// (replica.Replica.RebuildWriteSession): one its rebuilder gave up on, and
+// that the server applies only after the rebuild started over
+// (REBUILD_END, REBUILD_BEGIN), fails with replica.ErrInvalid and writes
+// nothing. On a handle that sent no REBUILD_BEGIN it belongs to the
+// rebuild in progress when it is served.
+//
 // An extent list is a sequence of 16-byte entries, each offset u64 then
 // length u64, at most MaxExtents (524288, 8 MiB) of them. EXTENTS takes a
 // limit of 1..MaxExtents and an empty id for the head; it returns

@@ -352,6 +352,14 @@ type handle struct {
 	open  OpenRequest
 	grant Grant
 	unpin func()
+	// rebuild names the rebuild this handle's last REBUILD_BEGIN left in
+	// progress (0: none yet, or the replica's rebuilds are not named). A
+	// REBUILD_WRITE takes it when it is read off the connection, before
+	// anything can hold it up, and is applied to that rebuild only: a
+	// write its sender gave up on must not land in a rebuild begun after
+	// it, whose tracking no longer knows the newer writes it would
+	// overwrite.
+	rebuild *atomic.Uint64
 }
 
 // Pinner is implemented by a Replica whose files the store may close while
@@ -479,9 +487,25 @@ func (c *serverConn) readLoop() (bool, error) {
 			c.budget.release(weight)
 			continue
 		}
+		var session uint64
+		if h.Op == OpRebuildWrite || h.Op == OpRebuildCopy {
+			session = c.rebuildSession(h.Handle)
+		}
 		c.workers.Add(1)
-		go c.serve(h, payload, buf, weight)
+		go c.serve(h, session, payload, buf, weight)
 	}
+}
+
+// rebuildSession is the rebuild a REBUILD_WRITE or REBUILD_COPY on handle
+// hid read now belongs to (0: not named).
+func (c *serverConn) rebuildSession(hid uint32) uint64 {
+	c.hmu.Lock()
+	hd, ok := c.handles[hid]
+	c.hmu.Unlock()
+	if !ok {
+		return 0 // exec refuses the handle
+	}
+	return hd.rebuild.Load()
 }
 
 // awaitFrame waits for the first byte of the next request, for at most
@@ -641,10 +665,11 @@ func (c *serverConn) putBuf(b *[]byte) {
 	c.s.mem.Release(int64(n))
 }
 
-// serve runs one request and writes its reply.
-func (c *serverConn) serve(h RequestHeader, payload []byte, buf *[]byte, weight int64) {
+// serve runs one request and writes its reply. session is a
+// REBUILD_WRITE's or REBUILD_COPY's rebuild (rebuildSession).
+func (c *serverConn) serve(h RequestHeader, session uint64, payload []byte, buf *[]byte, weight int64) {
 	defer c.workers.Done()
-	reply, rbuf, err := c.exec(&h, payload)
+	reply, rbuf, err := c.exec(&h, session, payload)
 	c.putBuf(buf)
 	c.writeReply(h.ID, h.Op, err, reply)
 	c.putBuf(rbuf)
@@ -653,7 +678,7 @@ func (c *serverConn) serve(h RequestHeader, payload []byte, buf *[]byte, weight 
 
 // exec runs a validated request against the backend. A reply payload
 // from the pool comes back with its buffer, to be put back once written.
-func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf *[]byte, err error) {
+func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (reply []byte, rbuf *[]byte, err error) {
 	o := replica.Op{Epoch: h.Epoch, Generation: h.Generation, FUA: h.Flags&FlagFUA != 0}
 	switch h.Op {
 	case OpPing:
@@ -718,9 +743,12 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 	case OpWrite:
 		return nil, nil, r.WriteAt(o, payload, off)
 	case OpRebuildWrite:
+		if sr, named := r.(sessionRebuilder); named && session != 0 {
+			return nil, nil, sr.RebuildWriteSession(session, o, payload, off)
+		}
 		return nil, nil, r.RebuildWrite(o, payload, off)
 	case OpRebuildCopy:
-		return nil, nil, c.rebuildCopy(hd, o, payload, off, n)
+		return nil, nil, c.rebuildCopy(hd, session, o, payload, off, n)
 	case OpWriteZeroes:
 		return nil, nil, r.WriteZeroes(o, off, n)
 	case OpTrim:
@@ -734,7 +762,16 @@ func (c *serverConn) exec(h *RequestHeader, payload []byte) (reply []byte, rbuf 
 	case OpSnapshotDelete:
 		return nil, nil, r.DeleteSnapshot(o, string(payload))
 	case OpRebuildBegin:
-		return nil, nil, r.BeginRebuild(o)
+		sr, named := r.(sessionRebuilder)
+		if !named {
+			return nil, nil, r.BeginRebuild(o)
+		}
+		session, err := sr.BeginRebuildSession(o)
+		if err != nil {
+			return nil, nil, err
+		}
+		hd.rebuild.Store(session) // before the reply: the rebuilder's writes follow it
+		return nil, nil, nil
 	case OpRebuildEnd:
 		return nil, nil, r.EndRebuild(o)
 	case OpExtents:
@@ -781,7 +818,7 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 			return nil, nil, err
 		}
 	}
-	hd := handle{r: r, open: req, grant: grant}
+	hd := handle{r: r, open: req, grant: grant, rebuild: new(atomic.Uint64)}
 	if p, ok := r.(Pinner); ok {
 		hd.unpin = p.Pin()
 	}

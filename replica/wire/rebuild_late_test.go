@@ -1,0 +1,133 @@
+package wire
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stor-io/stor/replica"
+)
+
+// heldRebuildWrite is an Authorizer whose grant holds up the first
+// REBUILD_WRITE it is asked about until release is closed: anything
+// between reading a request off the connection and applying it (the
+// grant's wait for this server to catch up with the control plane, a
+// worker not yet scheduled, a wait for memory) that outlasts the sender's
+// timeout.
+type heldRebuildWrite struct {
+	held    chan struct{} // closed when the first REBUILD_WRITE is held
+	release chan struct{}
+	armed   atomic.Bool
+}
+
+func (a *heldRebuildWrite) Open(context.Context, Peer, OpenRequest) (Grant, error) { return a, nil }
+
+func (a *heldRebuildWrite) Allow(_ context.Context, r Request) error {
+	if r.Op == OpRebuildWrite && a.armed.CompareAndSwap(true, false) {
+		close(a.held)
+		<-a.release
+	}
+	return nil
+}
+
+// A relayed REBUILD_WRITE that its rebuilder abandoned (its IOTimeout ran
+// out; the engine released the chunk's hold and its rebuild failed) is
+// still on the target's server, read but not applied. The rebuild starts
+// over (EndRebuild+BeginRebuild) and copies the chunk again after a newer
+// acknowledged write W; then the abandoned write is applied. It used to
+// land in the new rebuild, whose tracking does not know W, and overwrite
+// W with the older bytes (noticed after the same defect of REBUILD_COPY).
+// The server now applies a REBUILD_WRITE only to the rebuild its handle's
+// REBUILD_BEGIN named when the write was read off the connection.
+func TestAbandonedRebuildWriteNeverLandsInALaterRebuild(t *testing.T) {
+	const size = 1 << 20
+	ctx := context.Background()
+	cfg := replica.DefaultConfig()
+	cfg.Dir = t.TempDir()
+	cfg.Logger = discardLogger()
+	st, err := replica.OpenStore(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
+		t.Fatal(err)
+	}
+	auth := &heldRebuildWrite{held: make(chan struct{}), release: make(chan struct{})}
+	auth.armed.Store(true)
+	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	h, err := conn.Open(ctx, "dst", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := replica.Op{Epoch: 1, Generation: 1}
+
+	// Attempt 1 relays D0 (read from the source under the chunk's hold);
+	// the engine's time runs out before the target applies it.
+	if err := h.BeginRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	d0 := pattern(1, 64<<10)
+	cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	err = h.RebuildWrite(cctx, o, d0, 0)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("attempt 1's rebuild write: %v, want the engine's deadline", err)
+	}
+	<-auth.held
+
+	// The hold is released: a write W (D1) is acknowledged.
+	d1 := pattern(2, 4096)
+	if err := h.WriteAt(ctx, o, d1, 0); err != nil {
+		t.Fatal(err)
+	}
+	// Attempt 2 (ResumeFrom 0) starts its tracking over and copies the
+	// chunk again, with W.
+	if err := h.EndRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.BeginRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	chunk := bytes.Clone(d0)
+	copy(chunk, d1)
+	if err := h.RebuildWrite(ctx, o, chunk, 0); err != nil {
+		t.Fatal(err)
+	}
+
+	// Attempt 1's write goes on.
+	close(auth.release)
+	got := make([]byte, 4096)
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := h.ReadAt(ctx, o, got, 0); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, d1) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if !bytes.Equal(got, d1) {
+		t.Fatalf("the acknowledged write W was overwritten on the target by attempt 1's abandoned REBUILD_WRITE (holds D0: %v)",
+			bytes.Equal(got, d0[:4096]))
+	}
+}
