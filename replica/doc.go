@@ -188,8 +188,10 @@
 // land in the next one, whose tracking no longer knows the writes that
 // the copy may be older than (a copy made by the target's server, or a
 // relayed write still on its way, which its rebuilder gave up on).
-// BeginRebuildSession begins and names in one step. RebuildWrite writes the head; snapshot layers are not rebuilt. That is the cluster's
-// chosen rule (raftstore/snapshot.go): a snapshot is served only by the
+// BeginRebuildSession begins and names in one step.
+//
+// RebuildWrite writes the head; snapshot layers are not rebuilt. That is
+// the cluster's chosen rule (raftstore/snapshot.go): a snapshot is served only by the
 // replicas its record names as having cut it. A replica that returns and
 // is rebuilt in place (delta or full) keeps the layers it cut before, which
 // never change, so it still serves those snapshots; a new replica (a

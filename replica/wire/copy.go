@@ -105,10 +105,15 @@ func (c *serverConn) rebuildCopy(hd handle, session uint64, o replica.Op, payloa
 	ctx, cancel := context.WithTimeout(c.ctx, budget)
 	defer cancel()
 	sr, named := hd.r.(sessionRebuilder)
-	if named && session == 0 {
-		var err error
-		if session, err = sr.RebuildSession(o); err != nil {
+	if named {
+		current, err := sr.RebuildSession(o)
+		switch {
+		case err != nil:
 			return err // no rebuild in progress, a stale epoch: the target's own
+		case session == 0:
+			session = current
+		case session != current:
+			return fmt.Errorf("wire: %v: rebuild session %d has ended (now %d): %w", OpRebuildCopy, session, current, replica.ErrInvalid)
 		}
 	}
 	buf, err := c.getBufCtx(ctx, int(n))

@@ -79,14 +79,18 @@
 // it cannot read within the budget is StatusCopySource, and nothing is
 // written.
 //
-// A REBUILD_WRITE or REBUILD_COPY belongs to the rebuild its handle's last
-// REBUILD_BEGIN left in progress when the server read it off the
-// connection, and is applied to that rebuild only
+// A REBUILD_WRITE or REBUILD_COPY belongs to the rebuild that its
+// handle's last REBUILD_BEGIN served so far left in progress when the
+// server read it off the connection, and is applied to that rebuild only
 // (replica.Replica.RebuildWriteSession): one its rebuilder gave up on, and
-// that the server applies only after the rebuild started over
-// (REBUILD_END, REBUILD_BEGIN), fails with replica.ErrInvalid and writes
-// nothing. On a handle that sent no REBUILD_BEGIN it belongs to the
-// rebuild in progress when it is served.
+// that the server comes to only after the rebuild started over
+// (REBUILD_END, REBUILD_BEGIN), writes nothing and fails: a REBUILD_WRITE
+// with replica.ErrInvalid, a REBUILD_COPY with replica.ErrInvalid when the
+// rebuild had ended before it began, else with whatever the source or the
+// target said (StatusCopySource, a stale epoch). On a handle that sent no
+// REBUILD_BEGIN it belongs to the rebuild in progress when it is served.
+// (REBUILD_BEGIN and REBUILD_END themselves are not tied to a session: a
+// late REBUILD_END still ends whatever rebuild is in progress.)
 //
 // An extent list is a sequence of 16-byte entries, each offset u64 then
 // length u64, at most MaxExtents (524288, 8 MiB) of them. EXTENTS takes a

@@ -13,13 +13,15 @@ import (
 )
 
 // heldRebuildWrite is an Authorizer whose grant holds up the first
-// REBUILD_WRITE it is asked about until release is closed: anything
+// request of op (default REBUILD_WRITE) it is asked about until release
+// is closed: anything
 // between reading a request off the connection and applying it (the
 // grant's wait for this server to catch up with the control plane, a
 // worker not yet scheduled, a wait for memory) that outlasts the sender's
 // timeout.
 type heldRebuildWrite struct {
-	held    chan struct{} // closed when the first REBUILD_WRITE is held
+	op      Opcode
+	held    chan struct{} // closed when the first such request is held
 	release chan struct{}
 	armed   atomic.Bool
 }
@@ -27,7 +29,11 @@ type heldRebuildWrite struct {
 func (a *heldRebuildWrite) Open(context.Context, Peer, OpenRequest) (Grant, error) { return a, nil }
 
 func (a *heldRebuildWrite) Allow(_ context.Context, r Request) error {
-	if r.Op == OpRebuildWrite && a.armed.CompareAndSwap(true, false) {
+	op := a.op
+	if op == 0 {
+		op = OpRebuildWrite
+	}
+	if r.Op == op && a.armed.CompareAndSwap(true, false) {
 		close(a.held)
 		<-a.release
 	}
@@ -129,5 +135,76 @@ func TestAbandonedRebuildWriteNeverLandsInALaterRebuild(t *testing.T) {
 	if !bytes.Equal(got, d1) {
 		t.Fatalf("the acknowledged write W was overwritten on the target by attempt 1's abandoned REBUILD_WRITE (holds D0: %v)",
 			bytes.Equal(got, d0[:4096]))
+	}
+}
+
+// countingSource is a CopySource that counts its reads and reads zeroes.
+type countingSource struct{ reads atomic.Int64 }
+
+func (s *countingSource) ReadSource(_ context.Context, _ OpenRequest, _ string, _ replica.Op, p []byte, _ int64) error {
+	s.reads.Add(1)
+	clear(p)
+	return nil
+}
+
+// A REBUILD_COPY held up on the target's server across a restart of its
+// rebuild (REBUILD_END, REBUILD_BEGIN) is refused as the target's
+// ErrInvalid when the server comes to it, before it reads the source, and
+// writes nothing.
+func TestHeldRebuildCopyIsRefusedAfterItsRebuildStartedOver(t *testing.T) {
+	const size = 1 << 20
+	ctx := context.Background()
+	cfg := replica.DefaultConfig()
+	cfg.Dir = t.TempDir()
+	cfg.Logger = discardLogger()
+	st, err := replica.OpenStore(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
+		t.Fatal(err)
+	}
+	auth := &heldRebuildWrite{op: OpRebuildCopy, held: make(chan struct{}), release: make(chan struct{})}
+	auth.armed.Store(true)
+	src := &countingSource{}
+	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth, CopySource: src})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	h, err := conn.Open(ctx, "dst", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := replica.Op{Epoch: 1, Generation: 1}
+	if err := h.BeginRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	copied := make(chan error, 1)
+	go func() { copied <- h.RebuildCopy(ctx, o, "src", 0, 64<<10, 5*time.Second) }()
+	<-auth.held
+	if err := h.EndRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.BeginRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	close(auth.release)
+	if err := <-copied; !errors.Is(err, replica.ErrInvalid) {
+		t.Fatalf("the held copy: %v, want ErrInvalid (its rebuild has ended)", err)
+	}
+	if n := src.reads.Load(); n != 0 {
+		t.Fatalf("the held copy read its source %d times, want 0", n)
 	}
 }

@@ -352,13 +352,13 @@ type handle struct {
 	open  OpenRequest
 	grant Grant
 	unpin func()
-	// rebuild names the rebuild this handle's last REBUILD_BEGIN left in
-	// progress (0: none yet, or the replica's rebuilds are not named). A
-	// REBUILD_WRITE takes it when it is read off the connection, before
-	// anything can hold it up, and is applied to that rebuild only: a
-	// write its sender gave up on must not land in a rebuild begun after
-	// it, whose tracking no longer knows the newer writes it would
-	// overwrite.
+	// rebuild names the rebuild this handle's last served REBUILD_BEGIN
+	// left in progress (0: none yet, or the replica's rebuilds are not
+	// named). A REBUILD_WRITE or REBUILD_COPY takes it when it is read off
+	// the connection, before anything can hold it up, and is applied to
+	// that rebuild only: a write its sender gave up on must not land in a
+	// rebuild begun after it, whose tracking no longer knows the newer
+	// writes it would overwrite.
 	rebuild *atomic.Uint64
 }
 
