@@ -89,8 +89,12 @@
 // rebuild had ended before it began, else with whatever the source or the
 // target said (StatusCopySource, a stale epoch). On a handle that sent no
 // REBUILD_BEGIN it belongs to the rebuild in progress when it is served.
-// (REBUILD_BEGIN and REBUILD_END themselves are not tied to a session: a
-// late REBUILD_END still ends whatever rebuild is in progress.)
+// REBUILD_BEGIN and REBUILD_END are not tied to a session (a new
+// rebuilder's first REBUILD_END must end whatever tracking an earlier one
+// left). A rebuilder gives up on them only by leaving the connection, so
+// one the server comes to after the connection's client closed it, or
+// lost it, is refused with replica.ErrClosed: begun or ended this late, it
+// could be a later rebuilder's rebuild.
 //
 // An extent list is a sequence of 16-byte entries, each offset u64 then
 // length u64, at most MaxExtents (524288, 8 MiB) of them. EXTENTS takes a

@@ -208,3 +208,83 @@ func TestHeldRebuildCopyIsRefusedAfterItsRebuildStartedOver(t *testing.T) {
 		t.Fatalf("the held copy read its source %d times, want 0", n)
 	}
 }
+
+// A REBUILD_END held up on the target's server while its client left
+// (closed the connection; it is the engine's only way to give up on one)
+// used to run after a later rebuilder, on a new connection, had begun its
+// own rebuild, and ended it: that rebuilder's next write failed with "no
+// rebuild in progress" and blamed a healthy target (found by review). A
+// REBUILD_BEGIN or REBUILD_END whose connection's reader has stopped is
+// now refused.
+func TestLateRebuildEndFromALeftConnectionEndsNoLaterRebuild(t *testing.T) {
+	const size = 1 << 20
+	ctx := context.Background()
+	cfg := replica.DefaultConfig()
+	cfg.Dir = t.TempDir()
+	cfg.Logger = discardLogger()
+	st, err := replica.OpenStore(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
+		t.Fatal(err)
+	}
+	auth := &heldRebuildWrite{op: OpRebuildEnd, held: make(chan struct{}), release: make(chan struct{})}
+	auth.armed.Store(true)
+	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	o := replica.Op{Epoch: 1, Generation: 1}
+	open := func() (*Conn, *Handle) {
+		conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := conn.Open(ctx, "dst", 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return conn, h
+	}
+
+	// Attempt 1 on connection A: begun; its END (a reset, or the end) is
+	// held up, and the engine gives up on A.
+	connA, hA := open()
+	if err := hA.BeginRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	ended := make(chan error, 1)
+	go func() { ended <- hA.EndRebuild(ctx, o) }()
+	<-auth.held
+	connA.Close()
+	if err := <-ended; err == nil {
+		t.Fatal("attempt 1's END answered on a closed connection")
+	}
+
+	// Attempt 2 on connection B starts over.
+	connB, hB := open()
+	defer connB.Close()
+	if err := hB.EndRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	if err := hB.BeginRebuild(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	// A's END goes on; B's rebuild is still in progress.
+	close(auth.release)
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := hB.RebuildWrite(ctx, o, pattern(3, 4096), 0); err != nil {
+			t.Fatalf("attempt 2's rebuild write after attempt 1's late END: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -330,6 +330,7 @@ type serverConn struct {
 
 	closeOnce sync.Once
 	closing   chan struct{}   // closed by shutdown
+	readDone  atomic.Bool     // the reader has stopped: the client closed its side, or the stream broke
 	ctx       context.Context // done once closing is closed; for waits on s.mem
 	cancel    context.CancelFunc
 
@@ -410,6 +411,7 @@ func (c *serverConn) run() {
 		c.peer.Identity = c.s.cfg.Identify(c.nc)
 	}
 	graceful, err := c.readLoop()
+	c.readDone.Store(true)
 	if graceful {
 		// The client closed its side between frames, or was told why it is
 		// being dropped: let the requests already read finish and every
@@ -761,7 +763,17 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 		return nil, nil, r.CreateSnapshot(o, string(payload))
 	case OpSnapshotDelete:
 		return nil, nil, r.DeleteSnapshot(o, string(payload))
-	case OpRebuildBegin:
+	case OpRebuildBegin, OpRebuildEnd:
+		if c.readDone.Load() {
+			// Its sender has closed the connection, or lost it: it
+			// awaits no answer, and a rebuild begun or ended this late
+			// may be a later rebuilder's (one on another connection
+			// ended the rebuild, or began its own, since).
+			return nil, nil, fmt.Errorf("wire: %v on a connection its client has left: %w", h.Op, replica.ErrClosed)
+		}
+		if h.Op == OpRebuildEnd {
+			return nil, nil, r.EndRebuild(o)
+		}
 		sr, named := r.(sessionRebuilder)
 		if !named {
 			return nil, nil, r.BeginRebuild(o)
@@ -772,8 +784,6 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 		}
 		hd.rebuild.Store(session) // before the reply: the rebuilder's writes follow it
 		return nil, nil, nil
-	case OpRebuildEnd:
-		return nil, nil, r.EndRebuild(o)
 	case OpExtents:
 		es, err := r.Extents(o, string(payload), off, int(n))
 		if len(es) > int(n) {
