@@ -209,14 +209,21 @@ func TestHeldRebuildCopyIsRefusedAfterItsRebuildStartedOver(t *testing.T) {
 	}
 }
 
-// A REBUILD_END held up on the target's server while its client left
-// (closed the connection; it is the engine's only way to give up on one)
-// used to run after a later rebuilder, on a new connection, had begun its
-// own rebuild, and ended it: that rebuilder's next write failed with "no
-// rebuild in progress" and blamed a healthy target (found by review). A
-// REBUILD_BEGIN or REBUILD_END whose connection's reader has stopped is
-// now refused.
-func TestLateRebuildEndFromALeftConnectionEndsNoLaterRebuild(t *testing.T) {
+// A REBUILD_END or REBUILD_BEGIN held up on the target's server while its
+// client left (closed the connection; it is the engine's only way to give
+// up on one) used to run after a later rebuilder, on a new connection, had
+// begun its own rebuild: a late END ended it, and that rebuilder's next
+// write failed with "no rebuild in progress" and blamed a healthy target;
+// a late BEGIN, after the later rebuild had ended, began a rebuild nobody
+// ends (found by review). A REBUILD_BEGIN or REBUILD_END whose
+// connection's reader has stopped is now refused.
+func TestLateRebuildBeginOrEndFromALeftConnectionTouchesNoLaterRebuild(t *testing.T) {
+	for _, op := range []Opcode{OpRebuildEnd, OpRebuildBegin} {
+		t.Run(op.String(), func(t *testing.T) { testLateRebuildControl(t, op) })
+	}
+}
+
+func testLateRebuildControl(t *testing.T, op Opcode) {
 	const size = 1 << 20
 	ctx := context.Background()
 	cfg := replica.DefaultConfig()
@@ -230,7 +237,7 @@ func TestLateRebuildEndFromALeftConnectionEndsNoLaterRebuild(t *testing.T) {
 	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
 		t.Fatal(err)
 	}
-	auth := &heldRebuildWrite{op: OpRebuildEnd, held: make(chan struct{}), release: make(chan struct{})}
+	auth := &heldRebuildWrite{op: op, held: make(chan struct{}), release: make(chan struct{})}
 	auth.armed.Store(true)
 	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth})
 	if err != nil {
@@ -255,21 +262,31 @@ func TestLateRebuildEndFromALeftConnectionEndsNoLaterRebuild(t *testing.T) {
 		return conn, h
 	}
 
-	// Attempt 1 on connection A: begun; its END (a reset, or the end) is
-	// held up, and the engine gives up on A.
+	// Attempt 1 on connection A: its END (a reset, or the end; after a
+	// BEGIN) or its BEGIN is held up, and the engine gives up on A.
 	connA, hA := open()
-	if err := hA.BeginRebuild(ctx, o); err != nil {
-		t.Fatal(err)
+	if op == OpRebuildEnd {
+		if err := hA.BeginRebuild(ctx, o); err != nil {
+			t.Fatal(err)
+		}
 	}
-	ended := make(chan error, 1)
-	go func() { ended <- hA.EndRebuild(ctx, o) }()
+	answered := make(chan error, 1)
+	go func() {
+		if op == OpRebuildEnd {
+			answered <- hA.EndRebuild(ctx, o)
+		} else {
+			answered <- hA.BeginRebuild(ctx, o)
+		}
+	}()
 	<-auth.held
 	connA.Close()
-	if err := <-ended; err == nil {
-		t.Fatal("attempt 1's END answered on a closed connection")
+	if err := <-answered; err == nil {
+		t.Fatalf("attempt 1's %v answered on a closed connection", op)
 	}
+	// The server's reader on A sees the close.
+	time.Sleep(100 * time.Millisecond)
 
-	// Attempt 2 on connection B starts over.
+	// Attempt 2 on connection B starts over, and for a late BEGIN, ends.
 	connB, hB := open()
 	defer connB.Close()
 	if err := hB.EndRebuild(ctx, o); err != nil {
@@ -278,12 +295,24 @@ func TestLateRebuildEndFromALeftConnectionEndsNoLaterRebuild(t *testing.T) {
 	if err := hB.BeginRebuild(ctx, o); err != nil {
 		t.Fatal(err)
 	}
-	// A's END goes on; B's rebuild is still in progress.
-	close(auth.release)
-	deadline := time.Now().Add(2 * time.Second)
+	if op == OpRebuildBegin {
+		if err := hB.EndRebuild(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(auth.release) // A's request goes on
+	r, err := st.Get("dst")
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Second)
 	for time.Now().Before(deadline) {
-		if err := hB.RebuildWrite(ctx, o, pattern(3, 4096), 0); err != nil {
-			t.Fatalf("attempt 2's rebuild write after attempt 1's late END: %v", err)
+		_, serr := r.RebuildSession(o)
+		switch {
+		case op == OpRebuildEnd && serr != nil:
+			t.Fatalf("attempt 1's late END ended attempt 2's rebuild: %v", serr)
+		case op == OpRebuildBegin && serr == nil:
+			t.Fatal("attempt 1's late BEGIN began a rebuild after attempt 2 had ended its own")
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
