@@ -67,31 +67,11 @@ func TestAbandonedRebuildCopyNeverLandsInALaterRebuild(t *testing.T) {
 	t.Cleanup(func() { srcSrv.Close() })
 
 	// The target: the real store, its REBUILD_COPY reading through Sources.
-	cfg := replica.DefaultConfig()
-	cfg.Dir = t.TempDir()
-	cfg.Logger = discardLogger()
-	st, err := replica.OpenStore(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
-		t.Fatal(err)
-	}
 	sources := &Sources{Resolve: func(context.Context, OpenRequest, string, replica.Op) (string, OpenRequest, error) {
 		return srcLn.Addr().String(), OpenRequest{Replica: "src", Volume: "v1", Node: "t", Epoch: 1, Purpose: PurposeRebuildSource}, nil
 	}}
 	t.Cleanup(sources.Close)
-	dstSrv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), CopySource: sources})
-	if err != nil {
-		t.Fatal(err)
-	}
-	dstLn, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go dstSrv.Serve(dstLn)
-	t.Cleanup(func() { dstSrv.Close() })
+	dstAddr, _ := newStoreServerWith(t, "dst", size, ServerConfig{CopySource: sources})
 
 	// The engine's connections.
 	sc, err := Dial(ctx, "tcp", srcLn.Addr().String(), ClientConfig{})
@@ -103,7 +83,7 @@ func TestAbandonedRebuildCopyNeverLandsInALaterRebuild(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dc, err := Dial(ctx, "tcp", dstLn.Addr().String(), ClientConfig{})
+	dc, err := Dial(ctx, "tcp", dstAddr, ClientConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"net"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -12,32 +11,54 @@ import (
 	"github.com/stor-io/stor/replica"
 )
 
-// heldRebuildWrite is an Authorizer whose grant holds up the first
-// request of op (default REBUILD_WRITE) it is asked about until release
-// is closed: anything
-// between reading a request off the connection and applying it (the
-// grant's wait for this server to catch up with the control plane, a
-// worker not yet scheduled, a wait for memory) that outlasts the sender's
-// timeout.
-type heldRebuildWrite struct {
+// heldRequest is an Authorizer whose grant holds up the first request of
+// op it is asked about until release is closed: anything between reading
+// a request off the connection and applying it (the grant's wait for this
+// server to catch up with the control plane, a worker not yet scheduled,
+// a wait for memory) that outlasts the sender's timeout.
+type heldRequest struct {
 	op      Opcode
 	held    chan struct{} // closed when the first such request is held
 	release chan struct{}
 	armed   atomic.Bool
 }
 
-func (a *heldRebuildWrite) Open(context.Context, Peer, OpenRequest) (Grant, error) { return a, nil }
+func (a *heldRequest) Open(context.Context, Peer, OpenRequest) (Grant, error) { return a, nil }
 
-func (a *heldRebuildWrite) Allow(_ context.Context, r Request) error {
-	op := a.op
-	if op == 0 {
-		op = OpRebuildWrite
-	}
-	if r.Op == op && a.armed.CompareAndSwap(true, false) {
+func (a *heldRequest) Allow(_ context.Context, r Request) error {
+	if r.Op == a.op && a.armed.CompareAndSwap(true, false) {
 		close(a.held)
 		<-a.release
 	}
 	return nil
+}
+
+// newHeldServer serves a real store holding replica "dst" (1 MiB) behind
+// a grant that holds up the first request of op, with copy source cs
+// (nil: none).
+func newHeldServer(t *testing.T, op Opcode, cs CopySource) (string, *replica.Store, *heldRequest) {
+	t.Helper()
+	auth := &heldRequest{op: op, held: make(chan struct{}), release: make(chan struct{})}
+	auth.armed.Store(true)
+	addr, st := newStoreServerWith(t, "dst", 1<<20, ServerConfig{Authorizer: auth, CopySource: cs})
+	return addr, st, auth
+}
+
+// openDst dials addr and opens "dst" at epoch 1; the connection closes
+// when the test ends.
+func openDst(t *testing.T, addr string) (*Conn, *Handle) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := Dial(ctx, "tcp", addr, ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	h, err := conn.Open(ctx, "dst", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return conn, h
 }
 
 // A relayed REBUILD_WRITE that its rebuilder abandoned (its IOTimeout ran
@@ -50,40 +71,9 @@ func (a *heldRebuildWrite) Allow(_ context.Context, r Request) error {
 // The server now applies a REBUILD_WRITE only to the rebuild its handle's
 // REBUILD_BEGIN named when the write was read off the connection.
 func TestAbandonedRebuildWriteNeverLandsInALaterRebuild(t *testing.T) {
-	const size = 1 << 20
 	ctx := context.Background()
-	cfg := replica.DefaultConfig()
-	cfg.Dir = t.TempDir()
-	cfg.Logger = discardLogger()
-	st, err := replica.OpenStore(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
-		t.Fatal(err)
-	}
-	auth := &heldRebuildWrite{held: make(chan struct{}), release: make(chan struct{})}
-	auth.armed.Store(true)
-	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	h, err := conn.Open(ctx, "dst", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	addr, _, auth := newHeldServer(t, OpRebuildWrite, nil)
+	_, h := openDst(t, addr)
 	o := replica.Op{Epoch: 1, Generation: 1}
 
 	// Attempt 1 relays D0 (read from the source under the chunk's hold);
@@ -93,7 +83,7 @@ func TestAbandonedRebuildWriteNeverLandsInALaterRebuild(t *testing.T) {
 	}
 	d0 := pattern(1, 64<<10)
 	cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
-	err = h.RebuildWrite(cctx, o, d0, 0)
+	err := h.RebuildWrite(cctx, o, d0, 0)
 	cancel()
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("attempt 1's rebuild write: %v, want the engine's deadline", err)
@@ -152,41 +142,10 @@ func (s *countingSource) ReadSource(_ context.Context, _ OpenRequest, _ string, 
 // ErrInvalid when the server comes to it, before it reads the source, and
 // writes nothing.
 func TestHeldRebuildCopyIsRefusedAfterItsRebuildStartedOver(t *testing.T) {
-	const size = 1 << 20
 	ctx := context.Background()
-	cfg := replica.DefaultConfig()
-	cfg.Dir = t.TempDir()
-	cfg.Logger = discardLogger()
-	st, err := replica.OpenStore(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
-		t.Fatal(err)
-	}
-	auth := &heldRebuildWrite{op: OpRebuildCopy, held: make(chan struct{}), release: make(chan struct{})}
-	auth.armed.Store(true)
 	src := &countingSource{}
-	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth, CopySource: src})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	h, err := conn.Open(ctx, "dst", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	addr, _, auth := newHeldServer(t, OpRebuildCopy, src)
+	_, h := openDst(t, addr)
 	o := replica.Op{Epoch: 1, Generation: 1}
 	if err := h.BeginRebuild(ctx, o); err != nil {
 		t.Fatal(err)
@@ -224,47 +183,13 @@ func TestLateRebuildBeginOrEndFromALeftConnectionTouchesNoLaterRebuild(t *testin
 }
 
 func testLateRebuildControl(t *testing.T, op Opcode) {
-	const size = 1 << 20
 	ctx := context.Background()
-	cfg := replica.DefaultConfig()
-	cfg.Dir = t.TempDir()
-	cfg.Logger = discardLogger()
-	st, err := replica.OpenStore(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	if _, err := st.Create(replica.Spec{ID: "dst", VolumeID: "v1", Size: size}); err != nil {
-		t.Fatal(err)
-	}
-	auth := &heldRebuildWrite{op: op, held: make(chan struct{}), release: make(chan struct{})}
-	auth.armed.Store(true)
-	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger(), Authorizer: auth})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
+	addr, st, auth := newHeldServer(t, op, nil)
 	o := replica.Op{Epoch: 1, Generation: 1}
-	open := func() (*Conn, *Handle) {
-		conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		h, err := conn.Open(ctx, "dst", 1)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return conn, h
-	}
 
 	// Attempt 1 on connection A: its END (a reset, or the end; after a
 	// BEGIN) or its BEGIN is held up, and the engine gives up on A.
-	connA, hA := open()
+	connA, hA := openDst(t, addr)
 	if op == OpRebuildEnd {
 		if err := hA.BeginRebuild(ctx, o); err != nil {
 			t.Fatal(err)
@@ -287,8 +212,7 @@ func testLateRebuildControl(t *testing.T, op Opcode) {
 	time.Sleep(100 * time.Millisecond)
 
 	// Attempt 2 on connection B starts over, and for a late BEGIN, ends.
-	connB, hB := open()
-	defer connB.Close()
+	_, hB := openDst(t, addr)
 	if err := hB.EndRebuild(ctx, o); err != nil {
 		t.Fatal(err)
 	}

@@ -26,18 +26,30 @@ func storeBackend(s *replica.Store) Backend {
 
 func newStoreServer(tb testing.TB, size uint64) string {
 	tb.Helper()
-	cfg := replica.DefaultConfig()
-	cfg.Dir = tb.TempDir()
-	cfg.Logger = discardLogger()
-	st, err := replica.OpenStore(cfg)
+	addr, _ := newStoreServerWith(tb, "r1", size, ServerConfig{})
+	return addr
+}
+
+// newStoreServerWith serves a real store holding one replica, id, of
+// volume v1, with cfg (its Logger discards when unset); it returns the
+// server's address and the store.
+func newStoreServerWith(tb testing.TB, id string, size uint64, cfg ServerConfig) (string, *replica.Store) {
+	tb.Helper()
+	scfg := replica.DefaultConfig()
+	scfg.Dir = tb.TempDir()
+	scfg.Logger = discardLogger()
+	st, err := replica.OpenStore(scfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { st.Close() })
-	if _, err := st.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: size}); err != nil {
+	if _, err := st.Create(replica.Spec{ID: id, VolumeID: "v1", Size: size}); err != nil {
 		tb.Fatal(err)
 	}
-	srv, err := NewServer(storeBackend(st), ServerConfig{Logger: discardLogger()})
+	if cfg.Logger == nil {
+		cfg.Logger = discardLogger()
+	}
+	srv, err := NewServer(storeBackend(st), cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -47,7 +59,7 @@ func newStoreServer(tb testing.TB, size uint64) string {
 	}
 	go srv.Serve(ln)
 	tb.Cleanup(func() { srv.Close() })
-	return ln.Addr().String()
+	return ln.Addr().String(), st
 }
 
 // TestRealStore runs the data path over the wire against the on-disk
