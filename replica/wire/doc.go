@@ -72,6 +72,12 @@
 //	  17 REBUILD_WRITE    yes    offset          bytes <= MaxIO    data (length)    -
 //	  18 REBUILD_END      yes    0               0                 -                -
 //	  19 REBUILD_COPY     yes    offset          bytes <= MaxIO    budget, source   -
+//	  20 DIGEST           yes    offset          bytes <= MaxIO    -                digests (u64 each)
+//
+// DIGEST (digest.go) reads the range as READ would and answers a CRC-64
+// of each 4096-byte block of it (the last one covers what remains), so
+// that replicas are compared without moving their data. A server that
+// predates it answers ErrUnknownOp, and the caller copies instead.
 //
 // REBUILD_COPY (copy.go) has the target's server read a rebuild's chunk
 // from the source replica and apply it as REBUILD_WRITE would: its payload

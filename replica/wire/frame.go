@@ -65,6 +65,7 @@ const (
 	OpRebuildWrite
 	OpRebuildEnd
 	OpRebuildCopy
+	OpDigest
 	opMax // one past the last opcode
 )
 
@@ -130,6 +131,7 @@ var opSpecs = [opMax]opSpec{
 	OpRebuildWrite:   {"REBUILD_WRITE", true, payloadData, argInt, argIOLen},
 	OpRebuildEnd:     {"REBUILD_END", true, payloadNone, argZero, argZero},
 	OpRebuildCopy:    {"REBUILD_COPY", true, payloadCopy, argInt, argIOLen},
+	OpDigest:         {"DIGEST", true, payloadNone, argInt, argIOLen},
 }
 
 func (op Opcode) valid() bool { return op > 0 && op < opMax }

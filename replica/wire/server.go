@@ -461,7 +461,7 @@ func (c *serverConn) readLoop() (bool, error) {
 			return true, err
 		}
 		weight := int64(h.PayloadLen)
-		if (h.Op.replyData() || h.Op == OpRebuildCopy) && h.Len <= replica.MaxIO {
+		if (h.Op.replyData() || h.Op == OpRebuildCopy || h.Op == OpDigest) && h.Len <= replica.MaxIO {
 			weight += int64(h.Len)
 		}
 		if !c.budget.acquire(weight, c.closing) {
@@ -742,6 +742,8 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 			return nil, nil, err
 		}
 		return p, rbuf, nil
+	case OpDigest:
+		return c.digest(r, o, off, n)
 	case OpWrite:
 		return nil, nil, r.WriteAt(o, payload, off)
 	case OpRebuildWrite:
