@@ -30,6 +30,7 @@ type memReplica struct {
 	hold      chan struct{} // if set, writes block until it is closed
 	gates     gates         // other requests held by kind
 	writes    int
+	written   int64    // bytes of the writes counted in writes
 	accepted  []uint64 // epochs of accepted writes
 
 	allocated  map[int64]bool   // 4 KiB blocks ever written
@@ -39,6 +40,8 @@ type memReplica struct {
 	rebuildOps int              // RebuildWrite calls (chunks relayed through the rebuilder)
 	copies     int              // RebuildCopy calls that copied (chunks the target read itself)
 	reads      int              // ReadAt calls
+	digests    int              // Digests calls
+	noDigest   bool             // Digests fails with wire.ErrUnknownOp, as a server that predates DIGEST
 
 	set *memReplicas // the set it is in, where RebuildCopy finds its source
 }
@@ -94,6 +97,22 @@ func (c conn) ReadAt(ctx context.Context, o replica.Op, p []byte, off int64) err
 	return nil
 }
 
+func (c conn) Digests(ctx context.Context, o replica.Op, off int64, n int) ([]uint64, error) {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	if err := c.r.check(o, off, int64(n)); err != nil {
+		return nil, err
+	}
+	switch {
+	case c.r.noDigest:
+		return nil, fmt.Errorf("fake: DIGEST: %w", wire.ErrUnknownOp)
+	case c.r.failRead:
+		return nil, fmt.Errorf("%w: injected (digest)", replica.ErrIO)
+	}
+	c.r.digests++
+	return wire.BlockDigests(nil, c.r.data[off:off+int64(n)]), nil
+}
+
 func (c conn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) error {
 	c.r.mu.Lock()
 	hold := c.r.hold
@@ -122,6 +141,7 @@ func (c conn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int64) er
 		c.r.history[reg] = max(c.r.history[reg], o.Generation)
 	}
 	c.r.writes++
+	c.r.written += int64(len(p))
 	c.r.accepted = append(c.r.accepted, o.Epoch)
 	return nil
 }
@@ -374,6 +394,14 @@ func (c *openConn) WriteAt(ctx context.Context, o replica.Op, p []byte, off int6
 		return err
 	}
 	return c.check(c.conn.WriteAt(ctx, o, p, off))
+}
+
+func (c *openConn) Digests(ctx context.Context, o replica.Op, off int64, n int) ([]uint64, error) {
+	if err := c.check(nil); err != nil {
+		return nil, err
+	}
+	ds, err := c.conn.Digests(ctx, o, off, n)
+	return ds, c.check(err)
 }
 
 func (c *openConn) Flush(ctx context.Context, o replica.Op) error {

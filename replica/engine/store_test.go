@@ -98,6 +98,14 @@ func (c storeConn) Trim(ctx context.Context, o replica.Op, off, n int64) error {
 	return c.r.Trim(o, off, n)
 }
 
+func (c storeConn) Digests(ctx context.Context, o replica.Op, off int64, n int) ([]uint64, error) {
+	p := make([]byte, n)
+	if err := c.r.ReadAt(o, p, off); err != nil {
+		return nil, err
+	}
+	return wire.BlockDigests(nil, p), nil
+}
+
 func (c storeConn) Flush(ctx context.Context, o replica.Op) error {
 	if err := c.g.pass(ctx, "Flush"); err != nil {
 		return err

@@ -12,7 +12,7 @@ import (
 // DIGEST (doc.go, "Operations") answers, for a range of the head, what a
 // READ of it would return, in a digest per DigestBlock bytes instead of
 // the data: the engine's reconcile compares them across replicas and
-// copies only the blocks where they differ (engine's doc, "Reconcile").
+// copies only the blocks where they differ (package engine, reconcile).
 //
 // The digest is CRC-64/ECMA (hash/crc64). It tells blocks apart that
 // differ at random with a probability of 1 - 2^-64 per block, and every
