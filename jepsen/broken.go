@@ -10,6 +10,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // The broken modes that reintroduce issue 13's rebuild bugs, each proven
@@ -126,4 +127,18 @@ type untrackedConn struct{ engine.ReplicaConn }
 
 func (c untrackedConn) RebuildWrite(ctx context.Context, o replica.Op, p []byte, off int64) error {
 	return c.ReplicaConn.WriteAt(ctx, o, p, off)
+}
+
+// blindReconcile is the "blind-reconcile" broken mode: every replica's
+// DIGEST answers the same digests whatever the replica holds, so the
+// engine's reconcile after an unclean stop takes the replicas for
+// identical and copies nothing, and what the stop left different stays
+// different (a reconcile that trusts digests it should not: issue 16's
+// reconcile by digests, engine.Digester).
+func blindReconcile(c engine.ReplicaConn) engine.ReplicaConn { return blindConn{c} }
+
+type blindConn struct{ engine.ReplicaConn }
+
+func (blindConn) Digests(ctx context.Context, o replica.Op, off int64, n int) ([]uint64, error) {
+	return make([]uint64, (n+wire.DigestBlock-1)/wire.DigestBlock), nil
 }

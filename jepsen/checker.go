@@ -18,7 +18,7 @@ type Op struct {
 	Client int    `json:"client"`
 	Host   string `json:"host"`  // the client host that ran it
 	Epoch  uint64 `json:"epoch"` // the engine epoch that ran it (0: unknown)
-	Kind   string `json:"kind"`  // write, read, flush, open, detach, fence, final-read, snapshot, snapshot-delete, clone, snapshot-read, snapshot-lost, replica-remove, replica-read, replica-check
+	Kind   string `json:"kind"`  // write, read, flush, open, detach, fence, final-read, snapshot, snapshot-delete, clone, snapshot-read, snapshot-lost, replica-remove, replica-read, replica-check, reconcile-read
 	Block  int    `json:"block"`
 	// Snapshot names the snapshot of a snapshot op; Replica the replica a
 	// snapshot-read read from; Clone the clone of the snapshot it read, if
@@ -34,6 +34,8 @@ type Op struct {
 	Err    string `json:"err,omitempty"`
 	// Bad says why a read's content is not a value of this block.
 	Bad string `json:"bad,omitempty"`
+	// Round groups the reconcile-read ops of one look at the replicas.
+	Round int `json:"round,omitempty"`
 	// Raw is the content of a bad read, for diagnosis (regenerate any
 	// write's content with encodeValue to compare sector by sector).
 	Raw []byte `json:"raw,omitempty"`
@@ -229,6 +231,37 @@ func checkReplicasAgree(ops []Op, a *Anomalies) {
 		if len(seen[b]) > 1 {
 			a.Divergence++
 			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the final open: %v (value: replicas)", b, seen[b]))
+		}
+	}
+}
+
+// checkReconciledReplicasAgree: right after an engine that was killed
+// with writes in flight is reopened (its reconcile done: a kill in a
+// flush storm), with nothing writing the cold registers, every healthy
+// replica holds the same value in each (the "reconcile-read" ops of one
+// Round). Either version of a write the kill left on some replicas only
+// is allowed, but one for all: replicas that differ are what the
+// reconcile should have made the same.
+func checkReconciledReplicasAgree(ops []Op, a *Anomalies) {
+	type look struct{ round, block int }
+	seen := map[look]map[uint64][]string{} // -> value -> replicas
+	for _, o := range ops {
+		if o.Kind != "reconcile-read" || !o.OK || o.Bad != "" {
+			continue
+		}
+		k := look{o.Round, o.Block}
+		if seen[k] == nil {
+			seen[k] = map[uint64][]string{}
+		}
+		seen[k][o.Value] = append(seen[k][o.Value], o.Replica)
+	}
+	looks := slices.SortedFunc(maps.Keys(seen), func(x, y look) int {
+		return cmp.Or(cmp.Compare(x.round, y.round), cmp.Compare(x.block, y.block))
+	})
+	for _, k := range looks {
+		if len(seen[k]) > 1 {
+			a.Divergence++
+			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the reconcile of look %d: %v (value: replicas)", k.block, k.round, seen[k]))
 		}
 	}
 }

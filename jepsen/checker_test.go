@@ -227,6 +227,25 @@ func TestReplicaAgreementChecker(t *testing.T) {
 	}
 }
 
+// TestReconciledReplicaAgreementChecker: reconcile-read ops are compared
+// within their look (Round) only: a register that changed between two
+// looks is no anomaly, one whose replicas differ within a look is.
+func TestReconciledReplicaAgreementChecker(t *testing.T) {
+	rr := func(round int, rep string, block int, value uint64) Op {
+		return Op{Client: -1, Kind: "reconcile-read", Round: round, Replica: rep, Block: block, Value: value, OK: true}
+	}
+	var a Anomalies
+	checkReconciledReplicasAgree([]Op{rr(1, "r1", 3, 7), rr(1, "r2", 3, 7), rr(1, "r3", 3, 7),
+		rr(2, "r1", 3, 9), rr(2, "r2", 3, 9), {Kind: "reconcile-read", Round: 2, Replica: "r3", Block: 3, Err: "unreachable"}}, &a)
+	if a.Divergence != 0 {
+		t.Fatalf("divergence %v where the replicas agree within each look", a.Details)
+	}
+	checkReconciledReplicasAgree([]Op{rr(1, "r1", 3, 7), rr(1, "r2", 3, 7), rr(1, "r3", 3, 6), rr(2, "r1", 3, 6), rr(2, "r2", 3, 6)}, &a)
+	if a.Divergence != 1 {
+		t.Fatalf("block 3 held as 7 and 6 in look 1: %d divergence anomalies, want 1 (%v)", a.Divergence, a.Details)
+	}
+}
+
 // TestLockHostsUnit: a second holder of the hosts lock is refused, saying
 // who holds it, until the first lets go.
 func TestLockHostsUnit(t *testing.T) {

@@ -93,6 +93,8 @@ var BrokenModes = map[string]BrokenMode{
 		Engine: rebuildFromLatestFault},
 	"unordered-rebuild": {Doc: "a rebuild's copies overwrite newer writes: they are ordered neither against the engine's writes in flight nor by the target's tracking of what was written since the rebuild began (issue 13, C)",
 		Engine: unorderedRebuild, Conn: untrackedRebuildWrites},
+	"blind-reconcile": {Doc: "the reconcile after an unclean stop copies nothing: every replica's digests say it holds what the others hold",
+		Conn: blindReconcile},
 	"stale-local-reads": {Doc: "a short-circuit read of the co-located server's replica uses what it read even after the server stopped vouching for the file (a snapshot cut, a newer epoch, a rebuild)",
 		Engine: func(cfg *engine.Config) { cfg.UnsafeStaleLocalReads = true }},
 }

@@ -164,6 +164,20 @@ func TestJepsenCatchesStaleLocalReads(t *testing.T) {
 	}
 }
 
+// TestJepsenCatchesBlindReconcile proves the checkers see a reconcile
+// that leaves replicas different (issue 16's reconcile compares digests
+// and copies only what differs): with every replica's digests claiming
+// it holds what the others hold, the writes an engine kill left on some
+// replicas only stay there, and reads that move to another replica, or
+// the final look at every replica, see two versions.
+func TestJepsenCatchesBlindReconcile(t *testing.T) {
+	rep := runBroken(t, RunConfig{Seed: 11, Duration: 60 * time.Second, Broken: "blind-reconcile", Blocks: 24, ColdBlocks: 12,
+		Nemeses: []string{"flush-storm"}})
+	if rep.Anomalies.Total() == 0 {
+		t.Fatalf("a reconcile that copies nothing passed every checker: the fault tests cannot see replicas left different")
+	}
+}
+
 // TestJepsenCatchesRebuildFromLatestFault proves the fault tests find issue
 // 13's A: an engine that restarts a failed delta rebuild from the replica's
 // latest fault (instead of where it stopped being healthy) skips the writes

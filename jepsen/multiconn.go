@@ -237,10 +237,10 @@ func fill(ctx context.Context, e *engine.Engine, off int64, n int) error {
 // with writes between them (each recorded like a worker's operation;
 // half of them to the cold registers); in
 // one storm of two the engine is killed with SIGKILL in the middle of it,
-// flushes in flight, while one server's link lags (an unclean stop: a
-// flush that cleared a dirty region on some replicas while a write to it
-// never reached another is what reconcile must not miss). Heal reopens
-// the engine if it was killed.
+// flushes in flight, while one server's link lags, and what that link
+// holds at the kill is cut (an unclean stop: a flush that cleared a dirty
+// region on some replicas while a write to it never reached another is
+// what reconcile must not miss). Heal reopens the engine if it was killed.
 type flushStorm struct{}
 
 func (flushStorm) Name() string { return "flush-storm" }
@@ -273,6 +273,7 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	flushes, inFlight, maxInFlight := 0, 0, 0
+	coldSince := make([]time.Time, NBDConns) // per connection: when its cold write in flight was called (zero: none)
 	for i := range NBDConns {
 		wg.Add(1)
 		go func() {
@@ -287,8 +288,14 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 				if r.cfg.ColdBlocks > 0 && wrng.IntN(2) == 0 {
 					b = r.cfg.Blocks - 1 - wrng.IntN(r.cfg.ColdBlocks)
 				}
+				if r.cold(b) {
+					mu.Lock()
+					coldSince[i] = time.Now()
+					mu.Unlock()
+				}
 				r.doConn(sctx, client, ch, "write", b, i+1)
 				mu.Lock()
+				coldSince[i] = time.Time{}
 				inFlight++
 				maxInFlight = max(maxInFlight, inFlight)
 				mu.Unlock()
@@ -308,21 +315,98 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 	desc := ""
 	if kill {
 		sleep(sctx, killAfter)
+		// Stop when a cold write has been in flight for 8-18 ms (up to a
+		// second): on the fast replicas by then, and still held by the
+		// slow link (20-50 ms). That is the write the cut keeps from
+		// one replica, in a register nothing writes until the look after
+		// the reconcile.
+		held := false
+		for wait := time.Now().Add(time.Second); !held && time.Now().Before(wait) && sctx.Err() == nil; {
+			mu.Lock()
+			for _, since := range coldSince {
+				age := time.Since(since)
+				held = held || (!since.IsZero() && age >= 8*time.Millisecond && age <= 18*time.Millisecond)
+			}
+			mu.Unlock()
+			if !held {
+				time.Sleep(time.Millisecond)
+			}
+		}
 		mu.Lock()
 		n := inFlight
 		mu.Unlock()
+		// What the slow link holds of the engine's writes is cut, not
+		// delivered late: those writes reached the other replicas and
+		// never reach this one (a delay alone delivers them before the
+		// next engine fences it, and the replicas end the same). The
+		// engine is stopped (SIGSTOP) first, so that it cannot see its
+		// connection drop and record the replica faulty, and killed
+		// after. The cut drops only the connections open now (the Raft
+		// ones reconnect; the next engine's are slow, as before).
+		if err := ch.Proc.Pause(); err != nil {
+			return "", err
+		}
+		if err := slow.ProxyCommand("cut"); err != nil {
+			return "", err
+		}
 		r.c.KillClient(ch)
+		// The storm ends with the kill: writes after it would cover what
+		// the kill left in the cold registers before the look at the
+		// replicas after the reconcile (checkColdAfterReconcile).
+		cancel()
 		if n > 1 {
 			r.hit("flush-storm: engine killed with several flushes in flight")
 		}
-		desc = fmt.Sprintf("; kill -9 the engine after %v with %d flushes in flight, %s's link delayed 20-50 ms", killAfter, n, slow.ID)
+		if held {
+			r.hit("flush-storm: engine killed with a cold write held by the slow link")
+		}
+		desc = fmt.Sprintf("; the engine stopped after %v with %d flushes in flight (a cold write 8-18 ms in flight: %v), what %s's link (delayed 20-50 ms) held of its writes cut, and the engine killed -9", killAfter, n, held, slow.ID)
 	}
 	wg.Wait()
 	if maxInFlight > 1 {
 		r.hit("flush-storm: several flushes in flight")
+	}
+	if kill {
+		desc += r.checkColdAfterReconcile(ctx)
 	}
 	return fmt.Sprintf("%d NBD connections on %s wrote and flushed for %v: %d flushes acknowledged, up to %d in flight at once%s",
 		NBDConns, ch.Host.Name, dur, flushes, maxInFlight, desc), nil
 }
 
 func (flushStorm) Heal(ctx context.Context, r *runner) error { return killClient{}.Heal(ctx, r) }
+
+// reconcileLook bounds the wait for the engine to reopen after a kill.
+const reconcileLook = 30 * time.Second
+
+// checkColdAfterReconcile waits (up to reconcileLook) for the active
+// client's engine to be open again, which it is only once its reconcile
+// is done, and reads the cold registers from every HEALTHY replica (ops
+// "reconcile-read" of a new Round, checkReconciledReplicasAgree): the
+// storm is over, and nothing else writes them now. It returns what it
+// did, for the fault's description.
+func (r *runner) checkColdAfterReconcile(ctx context.Context) string {
+	deadline := time.Now().Add(reconcileLook)
+	for {
+		if s, _ := r.active().Session(); s != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Sprintf("; the engine did not reopen within %v: replicas not compared", reconcileLook)
+		}
+		if err := (killClient{}).Heal(ctx, r); err != nil {
+			sleep(ctx, time.Second)
+		}
+		sleep(ctx, 100*time.Millisecond)
+	}
+	v, err := r.volume(ctx)
+	if err != nil {
+		return fmt.Sprintf("; replicas not compared: %v", err)
+	}
+	r.looks++
+	round := r.looks
+	if err := r.readHealthyReplicas(ctx, v, "reconcile-read", round, r.cold); err != nil {
+		return fmt.Sprintf("; cold registers not read after the reconcile: %v", err)
+	}
+	r.hit("flush-storm: replicas compared after the reconcile")
+	return fmt.Sprintf("; the cold registers read from the %d HEALTHY replicas after the reopen (look %d)", len(healthy(v)), round)
+}

@@ -21,6 +21,7 @@ import (
 //
 //	delay MS JITTER_MS   every chunk forwarded waits MS plus up to JITTER_MS
 //	reset P              each chunk forwarded cuts its connection with probability P
+//	cut                  cuts every connection open now, dropping what it holds
 //	ok                   back to a plain pipe
 //
 // A TCP stream cannot lose bytes and stay a stream, so a lossy link is
@@ -31,13 +32,13 @@ type linkProxy struct {
 	resetPPM      atomic.Uint32 // parts per million
 
 	mu    sync.Mutex
-	conns map[net.Conn]struct{}
+	conns map[net.Conn]net.Conn // the client's end of each pair -> the server's
 }
 
 // RunProxy serves pairs of "listen=target" addresses until stdin closes,
 // obeying the commands read from it.
 func RunProxy(pairs []string, stdin io.Reader, stdout io.Writer) error {
-	p := &linkProxy{conns: map[net.Conn]struct{}{}}
+	p := &linkProxy{conns: map[net.Conn]net.Conn{}}
 	for _, pair := range pairs {
 		listen, target, ok := strings.Cut(pair, "=")
 		if !ok {
@@ -66,6 +67,8 @@ func RunProxy(pairs []string, stdin io.Reader, stdout io.Writer) error {
 		case f[0] == "reset" && len(f) == 2:
 			pr, _ := strconv.ParseFloat(f[1], 64)
 			p.resetPPM.Store(uint32(pr * 1e6))
+		case f[0] == "cut" && len(f) == 1:
+			p.cut()
 		case f[0] == "ok":
 			p.delay.Store(0)
 			p.jitter.Store(0)
@@ -89,13 +92,26 @@ func (p *linkProxy) serve(ln net.Listener, target string) {
 	}
 }
 
-func (p *linkProxy) track(c net.Conn, add bool) {
+func (p *linkProxy) track(down, up net.Conn) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if add {
-		p.conns[c] = struct{}{}
+	if up != nil {
+		p.conns[down] = up
 	} else {
-		delete(p.conns, c)
+		delete(p.conns, down)
+	}
+}
+
+// cut closes both ends of every connection: a chunk read and not yet
+// forwarded (held by a delay) is dropped, as a peer that crashed or a
+// link that failed would drop it. Connections made after it are not
+// touched.
+func (p *linkProxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for down, up := range p.conns {
+		down.Close()
+		up.Close()
 	}
 }
 
@@ -106,8 +122,8 @@ func (p *linkProxy) pipe(down net.Conn, target string) {
 		return
 	}
 	defer up.Close()
-	p.track(down, true)
-	defer p.track(down, false)
+	p.track(down, up)
+	defer p.track(down, nil)
 	done := make(chan struct{}, 2)
 	go func() { p.copy(up, down); done <- struct{}{} }()
 	go func() { p.copy(down, up); done <- struct{}{} }()

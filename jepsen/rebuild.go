@@ -337,7 +337,7 @@ func (r *runner) checkColdAfterRebuilds(ctx context.Context) string {
 	if err != nil {
 		return fmt.Sprintf("; not every replica HEALTHY within %v: cold registers not checked", rebuildDone)
 	}
-	if err := r.readHealthyReplicas(ctx, v, "replica-check", r.cold); err != nil {
+	if err := r.readHealthyReplicas(ctx, v, "replica-check", 0, r.cold); err != nil {
 		return fmt.Sprintf("; cold registers not read: %v", err)
 	}
 	return "; every replica HEALTHY, the cold registers read from each"
@@ -595,7 +595,7 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 		// the cold registers again (which would hide it from the final
 		// checks): every HEALTHY replica, the target among them, must hold
 		// the last write to each cold register (checkReplicasHoldLastWrite).
-		if err := r.readHealthyReplicas(ctx, v, "replica-check", r.cold); err != nil {
+		if err := r.readHealthyReplicas(ctx, v, "replica-check", 0, r.cold); err != nil {
 			end += fmt.Sprintf("; the replicas were not read: %v", err)
 		} else {
 			end += "; the cold registers read from every HEALTHY replica"

@@ -150,6 +150,9 @@ type runner struct {
 	// register stride (0: none measured yet); only the nemesis goroutine
 	// uses it.
 	copyPerBlock time.Duration
+	// looks counts the looks at the replicas after a reconcile (Op.Round
+	// of reconcile-read); only the nemesis goroutine uses it.
+	looks int
 
 	volumeID string
 
@@ -585,13 +588,13 @@ func (r *runner) readReplicas(ctx context.Context) error {
 		}
 		sleep(ctx, 500*time.Millisecond)
 	}
-	return r.readHealthyReplicas(ctx, v, "replica-read", func(int) bool { return true })
+	return r.readHealthyReplicas(ctx, v, "replica-read", 0, func(int) bool { return true })
 }
 
 // readHealthyReplicas reads the registers keep picks from every replica
 // of v that is HEALTHY, directly, and records a read op of kind kind for
-// each (one per replica and register).
-func (r *runner) readHealthyReplicas(ctx context.Context, v *storpb.Volume, kind string, keep func(block int) bool) error {
+// each (one per replica and register), in round round (Op.Round).
+func (r *runner) readHealthyReplicas(ctx context.Context, v *storpb.Volume, kind string, round int, keep func(block int) bool) error {
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	servers, err := r.c.Control.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
 	cancel()
@@ -613,7 +616,7 @@ func (r *runner) readHealthyReplicas(ctx context.Context, v *storpb.Volume, kind
 			if !keep(b) {
 				continue
 			}
-			o := Op{Client: -1, Kind: kind, Replica: rep.Id, Block: b, Call: call, Return: ret}
+			o := Op{Client: -1, Kind: kind, Replica: rep.Id, Block: b, Call: call, Return: ret, Round: round}
 			if err != nil {
 				o.Err = err.Error()
 			} else {
@@ -699,6 +702,7 @@ func (r *runner) check(rep *Report) (*Report, error) {
 	checkFencing(ops, a)
 	checkDurability(ops, int(r.blocks.Load()), a)
 	checkReplicasAgree(ops, a)
+	checkReconciledReplicasAgree(ops, a)
 	checkReplicasHoldLastWrite(ops, a)
 	snapReads := checkSnapshots(ops, a)
 	rep.SnapshotsLost = checkSnapshotLosses(ops, a)
