@@ -87,9 +87,12 @@
 //     write acknowledged before the last completed flush, or a later one;
 //   - expansion: after an online expansion the engine serves the new space;
 //   - divergence: after the full restart and the final open, every healthy
-//     replica holds the same value in every register (readReplicas); and
-//     once each rebuild-writes rebuild is over, every healthy replica holds
-//     the last write to each cold register (checkReplicasHoldLastWrite);
+//     replica holds the same value in every register (readReplicas); right
+//     after the reconcile that follows a flush-storm kill, every healthy
+//     replica holds the same value in every cold register
+//     (checkReconciledReplicasAgree); and once each rebuild-writes rebuild
+//     is over, every healthy replica holds the last write to each cold
+//     register (checkReplicasHoldLastWrite);
 //   - snapshots: every replica that cut a ready snapshot serves the same
 //     contents, and they are the volume at one instant between the
 //     snapshot's request and the moment it was seen ready, consistent
