@@ -313,6 +313,7 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 		}()
 	}
 	desc := ""
+	var killedEpoch uint64 // the epoch of the engine killed
 	if kill {
 		sleep(sctx, killAfter)
 		// Stop when a cold write has been in flight for 8-18 ms (up to a
@@ -343,10 +344,12 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 		// connection drop and record the replica faulty, and killed
 		// after. The cut drops only the connections open now (the Raft
 		// ones reconnect; the next engine's are slow, as before).
+		_, killedEpoch = ch.Session()
 		if err := ch.Proc.Pause(); err != nil {
 			return "", err
 		}
 		if err := slow.ProxyCommand("cut"); err != nil {
+			r.c.KillClient(ch) // never left stopped
 			return "", err
 		}
 		r.c.KillClient(ch)
@@ -367,7 +370,7 @@ func (flushStorm) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string
 		r.hit("flush-storm: several flushes in flight")
 	}
 	if kill {
-		desc += r.checkColdAfterReconcile(ctx)
+		desc += r.checkColdAfterReconcile(ctx, ch, killedEpoch)
 	}
 	return fmt.Sprintf("%d NBD connections on %s wrote and flushed for %v: %d flushes acknowledged, up to %d in flight at once%s",
 		NBDConns, ch.Host.Name, dur, flushes, maxInFlight, desc), nil
@@ -378,20 +381,22 @@ func (flushStorm) Heal(ctx context.Context, r *runner) error { return killClient
 // reconcileLook bounds the wait for the engine to reopen after a kill.
 const reconcileLook = 30 * time.Second
 
-// checkColdAfterReconcile waits (up to reconcileLook) for the active
-// client's engine to be open again, which it is only once its reconcile
-// is done, and reads the cold registers from every HEALTHY replica (ops
-// "reconcile-read" of a new Round, checkReconciledReplicasAgree): the
-// storm is over, and nothing else writes them now. It returns what it
+// checkColdAfterReconcile waits (up to reconcileLook) for an engine
+// opened on ch after the one killed at epoch killed: ch's epoch is set
+// only once an open returned, its reconcile done (a session alone is not
+// enough: a process is started before its open, and stays after one that
+// failed). Then it reads the cold registers from every HEALTHY replica
+// (ops "reconcile-read" of a new Round, checkReconciledReplicasAgree):
+// the storm is over, and nothing else writes them now. It returns what it
 // did, for the fault's description.
-func (r *runner) checkColdAfterReconcile(ctx context.Context) string {
+func (r *runner) checkColdAfterReconcile(ctx context.Context, ch *ClientHost, killed uint64) string {
 	deadline := time.Now().Add(reconcileLook)
 	for {
-		if s, _ := r.active().Session(); s != nil {
+		if s, epoch := ch.Session(); s != nil && epoch > killed {
 			break
 		}
-		if time.Now().After(deadline) {
-			return fmt.Sprintf("; the engine did not reopen within %v: replicas not compared", reconcileLook)
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Sprintf("; no engine opened after the kill within %v: replicas not compared", reconcileLook)
 		}
 		if err := (killClient{}).Heal(ctx, r); err != nil {
 			sleep(ctx, time.Second)

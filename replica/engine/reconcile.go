@@ -128,6 +128,7 @@ func (e *Engine) differing(ctx context.Context, off, n int64) ([]replica.Extent,
 			continue
 		case err == nil:
 			err = fmt.Errorf("%d digests of %d bytes, want %d", len(digests[i]), n, want)
+			errs[i] = err // not compared
 		case errors.Is(err, wire.ErrUnknownOp):
 			return whole, nil
 		}

@@ -18,11 +18,13 @@ import (
 // differ at random with a probability of 1 - 2^-64 per block, and every
 // difference confined to 64 consecutive bits; it is not a cryptographic
 // hash, and a client who writes two crafted versions of a block could
-// make them collide. What a collision costs is bounded by where digests
-// are used: reconcile compares only blocks an unclean stop may have left
-// different, with writes that were never acknowledged, so a crafted
-// collision can keep two versions of the writer's own unacknowledged
-// write on different replicas of its own volume, and nothing else.
+// make them collide (a CRC is linear: that is easy). What a collision
+// costs is bounded by where digests are used: reconcile compares only
+// blocks an unclean stop may have left different, with writes that were
+// never acknowledged, so a crafted collision can keep two versions of the
+// writer's own unacknowledged write on different replicas of its own
+// volume (and so in what is cut or rebuilt from them later), and nothing
+// of another volume.
 // Cheap over strong on purpose: a reconcile reads every dirty byte on
 // every replica, before the restarted engine serves any I/O.
 const (

@@ -111,8 +111,9 @@ func (a *denyOp) Allow(_ context.Context, r Request) error {
 }
 
 // TestDigestIsPutToTheGrant: a grant's Allow sees DIGEST as its own op
-// (internal/server's grants allow it only where they name it), and a
-// refused one fails with ErrDenied.
+// (internal/server's grants allow it to the purposes that may send any
+// op, attach and snapshot-cut, and to no purpose limited to a list that
+// does not name it), and a refused one fails with ErrDenied.
 func TestDigestIsPutToTheGrant(t *testing.T) {
 	a := &denyOp{op: OpDigest}
 	addr, _ := newStoreServerWith(t, "r1", 1<<20, ServerConfig{Authorizer: a})
