@@ -217,22 +217,7 @@ func checkFencing(ops []Op, a *Anomalies) {
 // are two versions of a block kept for good: which one a read gets depends
 // on which replica it goes to.
 func checkReplicasAgree(ops []Op, a *Anomalies) {
-	seen := map[int]map[uint64][]string{} // block -> value -> replicas
-	for _, o := range ops {
-		if o.Kind != "replica-read" || !o.OK || o.Bad != "" {
-			continue
-		}
-		if seen[o.Block] == nil {
-			seen[o.Block] = map[uint64][]string{}
-		}
-		seen[o.Block][o.Value] = append(seen[o.Block][o.Value], o.Replica)
-	}
-	for _, b := range slices.Sorted(maps.Keys(seen)) {
-		if len(seen[b]) > 1 {
-			a.Divergence++
-			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the final open: %v (value: replicas)", b, seen[b]))
-		}
-	}
+	replicasAgree(ops, "replica-read", func(int) string { return "after the final open" }, a)
 }
 
 // checkReconciledReplicasAgree: right after an engine that was killed
@@ -243,10 +228,17 @@ func checkReplicasAgree(ops []Op, a *Anomalies) {
 // is allowed, but one for all: replicas that differ are what the
 // reconcile should have made the same.
 func checkReconciledReplicasAgree(ops []Op, a *Anomalies) {
+	replicasAgree(ops, "reconcile-read", func(round int) string { return fmt.Sprintf("after the reconcile of look %d", round) }, a)
+}
+
+// replicasAgree counts a divergence for every register whose ops of kind
+// kind in one Round read different values on different replicas; when
+// says when that Round looked.
+func replicasAgree(ops []Op, kind string, when func(round int) string, a *Anomalies) {
 	type look struct{ round, block int }
 	seen := map[look]map[uint64][]string{} // -> value -> replicas
 	for _, o := range ops {
-		if o.Kind != "reconcile-read" || !o.OK || o.Bad != "" {
+		if o.Kind != kind || !o.OK || o.Bad != "" {
 			continue
 		}
 		k := look{o.Round, o.Block}
@@ -261,7 +253,7 @@ func checkReconciledReplicasAgree(ops []Op, a *Anomalies) {
 	for _, k := range looks {
 		if len(seen[k]) > 1 {
 			a.Divergence++
-			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d after the reconcile of look %d: %v (value: replicas)", k.block, k.round, seen[k]))
+			a.Details = append(a.Details, fmt.Sprintf("divergence: block %d %s: %v (value: replicas)", k.block, when(k.round), seen[k]))
 		}
 	}
 }

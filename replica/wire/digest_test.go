@@ -20,15 +20,7 @@ import (
 func TestDigestsAreWhatAReadReads(t *testing.T) {
 	addr := newStoreServer(t, 8<<20)
 	ctx := context.Background()
-	c, err := Dial(ctx, "tcp", addr, ClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	hd, err := c.Open(ctx, "r1", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, hd := dialOpen(t, addr, "r1")
 	o := replica.Op{Epoch: 1, Generation: 1}
 	if err := hd.WriteAt(ctx, o, pattern(7, 64<<10), 1<<20); err != nil {
 		t.Fatal(err)
@@ -118,15 +110,7 @@ func TestDigestIsPutToTheGrant(t *testing.T) {
 	a := &denyOp{op: OpDigest}
 	addr, _ := newStoreServerWith(t, "r1", 1<<20, ServerConfig{Authorizer: a})
 	ctx := context.Background()
-	c, err := Dial(ctx, "tcp", addr, ClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	hd, err := c.Open(ctx, "r1", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, hd := dialOpen(t, addr, "r1")
 	if _, err := hd.Digests(ctx, replica.Op{Epoch: 1, Generation: 1}, 0, 4096); !errors.Is(err, ErrDenied) {
 		t.Fatalf("a DIGEST the grant refuses: %v, want ErrDenied", err)
 	}

@@ -44,9 +44,9 @@ func newHeldServer(t *testing.T, op Opcode, cs CopySource) (string, *replica.Sto
 	return addr, st, auth
 }
 
-// openDst dials addr and opens "dst" at epoch 1; the connection closes
-// when the test ends.
-func openDst(t *testing.T, addr string) (*Conn, *Handle) {
+// dialOpen dials addr and opens replica id at epoch 1; the connection
+// closes when the test ends.
+func dialOpen(t *testing.T, addr, id string) (*Conn, *Handle) {
 	t.Helper()
 	ctx := context.Background()
 	conn, err := Dial(ctx, "tcp", addr, ClientConfig{})
@@ -54,7 +54,7 @@ func openDst(t *testing.T, addr string) (*Conn, *Handle) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	h, err := conn.Open(ctx, "dst", 1)
+	h, err := conn.Open(ctx, id, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,7 @@ func openDst(t *testing.T, addr string) (*Conn, *Handle) {
 func TestAbandonedRebuildWriteNeverLandsInALaterRebuild(t *testing.T) {
 	ctx := context.Background()
 	addr, _, auth := newHeldServer(t, OpRebuildWrite, nil)
-	_, h := openDst(t, addr)
+	_, h := dialOpen(t, addr, "dst")
 	o := replica.Op{Epoch: 1, Generation: 1}
 
 	// Attempt 1 relays D0 (read from the source under the chunk's hold);
@@ -145,7 +145,7 @@ func TestHeldRebuildCopyIsRefusedAfterItsRebuildStartedOver(t *testing.T) {
 	ctx := context.Background()
 	src := &countingSource{}
 	addr, _, auth := newHeldServer(t, OpRebuildCopy, src)
-	_, h := openDst(t, addr)
+	_, h := dialOpen(t, addr, "dst")
 	o := replica.Op{Epoch: 1, Generation: 1}
 	if err := h.BeginRebuild(ctx, o); err != nil {
 		t.Fatal(err)
@@ -189,7 +189,7 @@ func testLateRebuildControl(t *testing.T, op Opcode) {
 
 	// Attempt 1 on connection A: its END (a reset, or the end; after a
 	// BEGIN) or its BEGIN is held up, and the engine gives up on A.
-	connA, hA := openDst(t, addr)
+	connA, hA := dialOpen(t, addr, "dst")
 	if op == OpRebuildEnd {
 		if err := hA.BeginRebuild(ctx, o); err != nil {
 			t.Fatal(err)
@@ -212,7 +212,7 @@ func testLateRebuildControl(t *testing.T, op Opcode) {
 	time.Sleep(100 * time.Millisecond)
 
 	// Attempt 2 on connection B starts over, and for a late BEGIN, ends.
-	_, hB := openDst(t, addr)
+	_, hB := dialOpen(t, addr, "dst")
 	if err := hB.EndRebuild(ctx, o); err != nil {
 		t.Fatal(err)
 	}
