@@ -6,7 +6,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
+	"time"
 )
 
 // The initramfs is a newc archive the kernel (and cpio) can unpack:
@@ -102,5 +104,70 @@ func TestModuleDependencies(t *testing.T) {
 	}
 	if _, err := m.resolve([]string{"no_such_module"}); err == nil {
 		t.Error("an unknown module resolved")
+	}
+}
+
+// The restart scenario's I/O pause is from the kill until the loop's
+// writes go again, whichever write waited for the new process: the one in
+// flight at the kill, or the next one when that one had completed its I/O
+// before the kill. (It was measured to the first write that completed
+// after the kill: a run where that write completed 10 ms after the kill
+// measured a pause of 10 ms, the stall after the reconnect at -2.28 s,
+// and could not fail.)
+func TestRestartPause(t *testing.T) {
+	const k, r = 100.0, 102.29 // killed, reconnected
+	for _, tc := range []struct {
+		name                  string
+		writes                []loopWrite
+		pause, restart, stall time.Duration
+		last                  int
+	}{
+		{"the write in flight at the kill completed right after it", []loopWrite{
+			{19, 99.5, 99.9}, {20, 99.9, 100.01}, {21, 100.01, 102.64}, {22, 102.64, 102.7}, {23, 102.7, 108},
+		}, 2640 * time.Millisecond, 2290 * time.Millisecond, 350 * time.Millisecond, 21},
+		{"the write in flight at the kill waited for the new process", []loopWrite{
+			{30, 99.9, 103.1}, {31, 103.1, 103.2},
+		}, 3100 * time.Millisecond, 2290 * time.Millisecond, 810 * time.Millisecond, 30},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := measureRestart("x", k, r, tc.writes)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p.pause != tc.pause || p.restart != tc.restart || p.stall != tc.stall || p.last.n != tc.last {
+				t.Fatalf("pause %v, restart %v, stall %v, last f%d; want %v, %v, %v, f%d", p.pause, p.restart, p.stall, p.last.n, tc.pause, tc.restart, tc.stall, tc.last)
+			}
+		})
+	}
+	if _, err := measureRestart("x", k, -1, []loopWrite{{1, 99, 101}}); err == nil {
+		t.Error("a restart without a reconnect was measured")
+	}
+	if _, err := measureRestart("x", k, r, []loopWrite{{1, 98, 99}, {2, 103, 104}}); err == nil {
+		t.Error("a restart with no write between the kill and the reconnect was measured")
+	}
+
+	markers := []string{
+		"VMTEST NOTE: (restart 1, SIGKILL) killed stor-ctl nbd attach (pid 198, kill) at 100.00s; the write loop is at file 20",
+		"VMTEST NOTE: restart (restart 1, SIGKILL): killed at 100.00, the kernel took the new socket at 102.29 (seconds since boot)",
+		"VMTEST NOTE: restart (restart 1, SIGKILL) write: 20 99.90 100.01 0",
+		"VMTEST NOTE: restart (restart 1, SIGKILL) write: 21 100.01 102.64 0",
+		"VMTEST NOTE: restart (restart 1, SIGKILL) write: 22 102.64 102.70 0",
+		"VMTEST NOTE: restart (restart 2, SIGSTOP+SIGKILL): killed at 200.00, the kernel took the new socket at never (seconds since boot)",
+	}
+	if _, err := restartPauses(markers); err == nil || !strings.Contains(err.Error(), "restart 2") {
+		t.Fatalf("a restart the kernel never reconnected: %v, want an error naming it", err)
+	}
+	markers[len(markers)-1] = "VMTEST NOTE: restart (restart 2, SIGSTOP+SIGKILL): killed at 200.00, the kernel took the new socket at 202.00 (seconds since boot)"
+	markers = append(markers, "VMTEST NOTE: restart (restart 2, SIGSTOP+SIGKILL) write: 40 199.50 202.50 0")
+	ps, err := restartPauses(markers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ps) != 2 || ps[0].label != "restart 1, SIGKILL" || ps[0].pause != 2640*time.Millisecond || ps[1].pause != 2500*time.Millisecond || ps[1].stall != 500*time.Millisecond {
+		t.Fatalf("measured %+v", ps)
+	}
+	markers = append(markers, "VMTEST NOTE: restart (restart 2, SIGSTOP+SIGKILL) write: 41 202.50 202.60 1")
+	if _, err := restartPauses(markers); err == nil {
+		t.Fatal("a failed write of the loop was not reported")
 	}
 }

@@ -38,23 +38,21 @@ loop &
 LPID=$!
 wait_for 120 "the write loop to write 20 files" loop_at_least 20
 
-# pause KILLED LABEL: reports the I/O pause of the restart after a kill at
-# KILLED (seconds since boot): how long after the kill the first write
-# completed, the longest write, when the kernel took the new process's
-# socket ("reconnected socket") and how long after that the first write
-# completed (the stall that is not the restart's own time), and how often
-# the kernel's request timer fired on requests that were in flight
-# ("Connection timed out, retrying" with a kernel request timeout;
+# pause KILLED LABEL: reports what TestVMNBDRestart needs to measure the
+# I/O pause of the restart after a kill at KILLED (seconds since boot):
+# when the kernel took the new process's socket ("reconnected socket"),
+# and the loop's writes around the kill (number, start, end, status);
+# and how often the kernel's request timer fired on requests that were in
+# flight ("Connection timed out, retrying" with a kernel request timeout;
 # "Possible stuck request" without one, where the timer resends a request
 # once its connection was replaced).
 pause() {
-	_reconn=$(dmesg | awk -v k="$1" '{ t = $2; gsub(/[\[\]]/, "", t) } /reconnected socket/ && t + 0 >= k { print t; exit }')
-	awk -v k="$1" -v r="${_reconn:-0}" -v label="$2" '
-		$3 > k && !seen { first = $3 - k; seen = 1; after = $3 - r }
-		$3 > k { d = $3 - $2; if (d > max) { max = d; at = $1 } }
-		END { printf "VMTEST NOTE: I/O pause (%s): the first write to complete after the kill completed %.2fs after it; the longest write then took %.2fs (f%d); the kernel took the new socket %.2fs after the kill, the first write completed %.2fs after that\n", label, first, max, at, r - k, after }
+	_reconn=$(dmesg | awk -v k="$1" '{ t = $0; sub(/^\[ */, "", t); sub(/\].*/, "", t) } /reconnected socket/ && t + 0 >= k { printf "%.3f\n", t; exit }')
+	note "restart ($2): killed at $1, the kernel took the new socket at ${_reconn:-never} (seconds since boot)"
+	awk -v k="$1" -v r="${_reconn:-$1}" -v label="$2" '
+		$3 + 1 > k && $2 < r + 1 { printf "VMTEST NOTE: restart (%s) write: %s %s %s %s\n", label, $1, $2, $3, $4 }
 	' /tmp/loop.log
-	_resent=$(dmesg | awk -v k="$1" '{ t = $2; gsub(/[\[\]]/, "", t); if ($0 ~ /Connection timed out, retrying|Possible stuck request/ && t + 0 >= k) n++ } END { print n + 0 }')
+	_resent=$(dmesg | awk -v k="$1" '{ t = $0; sub(/^\[ */, "", t); sub(/\].*/, "", t); if ($0 ~ /Connection timed out, retrying|Possible stuck request/ && t + 0 >= k) n++ } END { print n + 0 }')
 	note "($2) the kernel's request timer fired on requests in flight at the kill: $_resent timer message(s) after the kill"
 }
 
