@@ -118,8 +118,8 @@ func TestVMNBDKernel(t *testing.T) {
 		Name:    "nbd-kernel",
 		Modules: []string{"nbd"},
 		Files:   []File{{Guest: "/bin/kernel.test", Host: bins["kernel.test"], Mode: 0o755}},
-		Script: `
-kernel.test -test.v -test.count=1 -test.timeout 3m -test.run 'TestKernel' >/tmp/kernel-test.log 2>&1
+		Script: requeueEnv() + `
+kernel.test -test.v -test.count=1 -test.timeout 8m -test.run 'TestKernel' >/tmp/kernel-test.log 2>&1
 rc=$?
 cat /tmp/kernel-test.log
 grep -q -- '--- SKIP' /tmp/kernel-test.log && fail "the kernel tests skipped in the VM"
@@ -129,10 +129,24 @@ dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 `,
 		Expect: []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals",
 			"--- PASS: TestKernelRequeueOnReconnect", "--- PASS: TestKernelSlowRequest",
+			"--- PASS: TestKernelRequeueDelay",
 			"VMTEST PASS: nbd/kernel tests pass"},
-		Timeout: 3 * time.Minute,
+		Timeout: 10 * time.Minute,
 	}
 	run(t, env, s)
+}
+
+// requeueEnv exports to the guest the host's STOR_KERNEL_REQUEUE_TIMERS
+// and STOR_KERNEL_REQUEUE_ROUNDS, which choose the block-queue timers
+// and rounds nbd/kernel's TestKernelRequeueDelay measures.
+func requeueEnv() string {
+	var b strings.Builder
+	for _, k := range []string{"STOR_KERNEL_REQUEUE_TIMERS", "STOR_KERNEL_REQUEUE_ROUNDS"} {
+		if v, ok := os.LookupEnv(k); ok {
+			fmt.Fprintf(&b, "export %s='%s'\n", k, strings.ReplaceAll(v, "'", ""))
+		}
+	}
+	return b.String()
 }
 
 // Scenario (a) of issue 4: a 3-replica volume attached with stor-ctl nbd
