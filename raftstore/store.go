@@ -782,6 +782,10 @@ func (s *Store) Close() error {
 func (s *Store) closeResources() error {
 	var errs []error
 	if s.trans != nil {
+		// The connections this store dialed (raft keeps a pool of them)
+		// and those it accepted (streamLayer.Close): its peers' ends
+		// would otherwise read on.
+		s.trans.CloseStreams()
 		errs = append(errs, s.trans.Close())
 	}
 	if s.logs != nil {

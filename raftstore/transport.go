@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -14,13 +15,74 @@ import (
 
 // streamLayer is raft.StreamLayer over a listener, dialing through the
 // Config.Dial seam so tests can cut links.
+//
+// It also closes, when closed, the connections it accepted: raft's
+// NetworkTransport closes only its listener, and each accepted
+// connection's goroutine reads on until the peer hangs up, so a closed
+// store's peers kept talking to it (in a test binary, every closed
+// cluster's connections stayed; TestClosedStoreHangsUpItsPeers).
 type streamLayer struct {
 	net.Listener
 	advertise net.Addr
 	dial      func(ctx context.Context, network, addr string) (net.Conn, error)
+
+	mu       sync.Mutex
+	closed   bool
+	accepted map[net.Conn]struct{}
 }
 
 func (s *streamLayer) Addr() net.Addr { return s.advertise }
+
+// Accept accepts a peer's connection and keeps it until it is closed.
+func (s *streamLayer) Accept() (net.Conn, error) {
+	c, err := s.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.Close()
+		return nil, net.ErrClosed
+	}
+	if s.accepted == nil {
+		s.accepted = map[net.Conn]struct{}{}
+	}
+	tc := &trackedConn{Conn: c, s: s}
+	s.accepted[tc] = struct{}{}
+	return tc, nil
+}
+
+// Close closes the listener and every connection it accepted.
+func (s *streamLayer) Close() error {
+	err := s.Listener.Close()
+	s.mu.Lock()
+	s.closed = true
+	conns := s.accepted
+	s.accepted = nil
+	s.mu.Unlock()
+	for c := range conns {
+		c.(*trackedConn).Conn.Close()
+	}
+	return err
+}
+
+// trackedConn is an accepted connection, forgotten by its stream layer
+// once closed.
+type trackedConn struct {
+	net.Conn
+	s    *streamLayer
+	once sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	c.once.Do(func() {
+		c.s.mu.Lock()
+		delete(c.s.accepted, c)
+		c.s.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
 
 func (s *streamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
@@ -44,6 +106,10 @@ type slogWriter struct{ l *slog.Logger }
 func (w slogWriter) Write(p []byte) (int, error) {
 	line := strings.TrimSpace(string(p))
 	switch {
+	case strings.Contains(line, net.ErrClosed.Error()):
+		// A read or write on a connection this store closed: its own
+		// shutdown (streamLayer.Close), not a fault.
+		w.l.Debug(line)
 	case strings.HasPrefix(line, "[ERROR]"):
 		w.l.Error(strings.TrimSpace(line[7:]))
 	case strings.HasPrefix(line, "[WARN]"):
