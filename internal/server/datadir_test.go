@@ -1,14 +1,20 @@
 package server_test
 
 import (
+	"context"
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/client"
@@ -244,5 +250,78 @@ func TestOrdinalZeroWithoutStateNeverMakesASecondCluster(t *testing.T) {
 			t.Fatalf("ordinal 0 alone did not bootstrap a cluster of its own (it reports %q)", got)
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// A start refused after the control API began serving stops serving: the
+// connections it had taken are closed, and nothing answers on them. It
+// closed only its listener, which ends accepting, not what was accepted:
+// a client connected meanwhile kept being answered by a server that had
+// returned an error from Start. The refusal here is ordinal 0 with an
+// identity but no Raft state, which the cluster still counts as a member
+// (a start that stopped between writing its identity and bootstrapping,
+// then lost its disk's Raft state): that check runs with the API up.
+func TestRefusedStartClosesWhatItServed(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	c.Leader(10 * time.Second)
+	seeds := []string{c.Nodes[1].Addr}
+	cfg := loopbackConfig(t, "stor-server-0", t.TempDir())
+	cfg.Join = seeds
+	srv, err := server.Start(cfg)
+	if err != nil {
+		t.Fatalf("ordinal 0, not a member: %v", err)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		st, err := c.Client(1).Cluster.Status(ctxT(t, 5*time.Second), &storpb.StatusRequest{})
+		if err == nil && slices.ContainsFunc(st.Members, func(m *storpb.Member) bool { return m.Id == "stor-server-0" }) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("stor-server-0 did not join")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	srv.Kill()
+
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "identity.json"), []byte(`{"server_id": "stor-server-0"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg = loopbackConfig(t, "stor-server-0", dir)
+	cfg.Join = seeds
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Listener = lis
+	// A client that calls the server while it starts: answered once the
+	// API serves.
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	api := storpb.NewClusterServiceClient(cc)
+	answered := make(chan bool, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		_, err := api.Status(ctx, &storpb.StatusRequest{}, grpc.WaitForReady(true))
+		answered <- err == nil
+	}()
+	if srv, err := server.Start(cfg); err == nil {
+		srv.Kill()
+		t.Fatal("ordinal 0 without Raft state started although the cluster still has it as a member")
+	} else if !errors.Is(err, server.ErrSecondCluster) {
+		t.Fatalf("refusal: %v, want ErrSecondCluster", err)
+	}
+	if !<-answered {
+		t.Fatal("the client was not answered while the server started: the test shows nothing")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if _, err := api.Status(ctx, &storpb.StatusRequest{}); err == nil {
+		t.Fatal("a server whose Start returned an error still answers on a connection it took while starting")
 	}
 }

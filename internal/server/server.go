@@ -73,6 +73,11 @@ func Start(cfg Config) (*Server, error) {
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.start(); err != nil {
 		s.cancel()
+		if s.grpc != nil {
+			// Serving already: its connections too, not just the
+			// listener (closed below).
+			s.grpc.Stop()
+		}
 		if s.metricsSrv != nil {
 			s.metricsSrv.Close()
 		} else if cfg.MetricsListener != nil {
@@ -90,6 +95,7 @@ func Start(cfg Config) (*Server, error) {
 		if s.store != nil {
 			s.store.Close()
 		}
+		s.wg.Wait() // the API's Serve loop, a join loop
 		return nil, err
 	}
 	return s, nil
