@@ -65,6 +65,9 @@ type Store struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	closed atomic.Bool
+	// closing is set once the store closes its transport: raft's errors
+	// on the connections that closes are then not faults (hclogFor).
+	closing atomic.Bool
 }
 
 // Open opens or creates the store in cfg.Dir and starts its Raft node. A
@@ -90,7 +93,7 @@ func Open(cfg Config) (*Store, error) {
 
 func (s *Store) open() error {
 	cfg := s.cfg
-	hl := hclogFor(s.logger)
+	hl := hclogFor(s.logger, &s.closing)
 	if _, err := os.Stat(filepath.Join(cfg.Dir, raftDBFile)); s.ident.Member && errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("%w: %s was a member of cluster %q but its Raft state (%s) is gone; refusing to start a new cluster from it",
 			ErrCorrupt, cfg.Dir, s.ident.ClusterID, raftDBFile)
@@ -781,6 +784,7 @@ func (s *Store) Close() error {
 
 func (s *Store) closeResources() error {
 	var errs []error
+	s.closing.Store(true)
 	if s.trans != nil {
 		// The connections this store dialed (raft keeps a pool of them)
 		// and those it accepted (streamLayer.Close): its peers' ends

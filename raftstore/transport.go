@@ -7,6 +7,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -20,7 +21,8 @@ import (
 // NetworkTransport closes only its listener, and each accepted
 // connection's goroutine reads on until the peer hangs up, so a closed
 // store's peers kept talking to it (in a test binary, every closed
-// cluster's connections stayed; TestClosedStoreHangsUpItsPeers).
+// cluster's connections stayed; internal/server's
+// TestClosedClusterLeavesNoRaftConnections).
 type streamLayer struct {
 	net.Listener
 	advertise net.Addr
@@ -92,23 +94,28 @@ func (s *streamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (n
 
 // hclogFor routes hashicorp/raft's hclog output into slog. raft logs
 // preformatted lines; each becomes one slog record with component=raft.
-func hclogFor(l *slog.Logger) hclog.Logger {
+// Once closing is set, errors on connections closed by the store's own
+// shutdown are logged at debug level.
+func hclogFor(l *slog.Logger, closing *atomic.Bool) hclog.Logger {
 	return hclog.New(&hclog.LoggerOptions{
 		Name:        "raft",
 		Level:       hclog.Info,
-		Output:      slogWriter{l.With("component", "raft")},
+		Output:      slogWriter{l: l.With("component", "raft"), closing: closing},
 		DisableTime: true,
 	})
 }
 
-type slogWriter struct{ l *slog.Logger }
+type slogWriter struct {
+	l       *slog.Logger
+	closing *atomic.Bool
+}
 
 func (w slogWriter) Write(p []byte) (int, error) {
 	line := strings.TrimSpace(string(p))
 	switch {
-	case strings.Contains(line, net.ErrClosed.Error()):
-		// A read or write on a connection this store closed: its own
-		// shutdown (streamLayer.Close), not a fault.
+	case w.closing != nil && w.closing.Load() && strings.Contains(line, net.ErrClosed.Error()):
+		// A read or write on a connection this store closed as it shut
+		// down (streamLayer.Close), not a fault.
 		w.l.Debug(line)
 	case strings.HasPrefix(line, "[ERROR]"):
 		w.l.Error(strings.TrimSpace(line[7:]))

@@ -290,6 +290,20 @@ func TestRefusedStartClosesWhatItServed(t *testing.T) {
 	}
 	cfg = loopbackConfig(t, "stor-server-0", dir)
 	cfg.Join = seeds
+	// The seed's answer, which refuses the start, waits until the client
+	// below was answered: the API serves between the two.
+	served := make(chan struct{})
+	cfg.Dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if addr == seeds[0] {
+			select {
+			case <-served:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		var d net.Dialer
+		return d.DialContext(ctx, network, addr)
+	}
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -309,6 +323,7 @@ func TestRefusedStartClosesWhatItServed(t *testing.T) {
 		defer cancel()
 		_, err := api.Status(ctx, &storpb.StatusRequest{}, grpc.WaitForReady(true))
 		answered <- err == nil
+		close(served)
 	}()
 	if srv, err := server.Start(cfg); err == nil {
 		srv.Kill()

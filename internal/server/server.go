@@ -95,7 +95,7 @@ func Start(cfg Config) (*Server, error) {
 		if s.store != nil {
 			s.store.Close()
 		}
-		s.wg.Wait() // the API's Serve loop, a join loop
+		s.wg.Wait() // the API's Serve loop
 		return nil, err
 	}
 	return s, nil

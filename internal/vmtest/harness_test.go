@@ -145,6 +145,19 @@ func TestRestartPause(t *testing.T) {
 	if _, err := measureRestart("x", k, r, []loopWrite{{1, 98, 99}, {2, 103, 104}}); err == nil {
 		t.Error("a restart with no write between the kill and the reconnect was measured")
 	}
+	// The write that waited for the new process is missing: only the one
+	// done at the kill and ones after the reconnect are left.
+	if p, err := measureRestart("x", k, r, []loopWrite{{20, 99.9, 100.01}, {22, 102.64, 102.7}}); err == nil {
+		t.Errorf("a restart where no write waited for the new process was measured: pause %v, stall %v", p.pause, p.stall)
+	}
+	// A slow write after the reconnect is reported, not counted in the pause.
+	p, err := measureRestart("x", k, r, []loopWrite{{30, 99.9, 102.5}, {31, 102.5, 102.6}, {32, 102.6, 106.6}, {33, 106.6, 106.7}, {34, 108, 120}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.pause != 2500*time.Millisecond || !p.found || p.slowest.n != 32 {
+		t.Errorf("pause %v, slowest after the reconnect f%d (found %v); want 2.5s and f32", p.pause, p.slowest.n, p.found)
+	}
 
 	markers := []string{
 		"VMTEST NOTE: (restart 1, SIGKILL) killed stor-ctl nbd attach (pid 198, kill) at 100.00s; the write loop is at file 20",

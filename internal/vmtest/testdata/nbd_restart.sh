@@ -50,7 +50,7 @@ pause() {
 	_reconn=$(dmesg | awk -v k="$1" '{ t = $0; sub(/^\[ */, "", t); sub(/\].*/, "", t) } /reconnected socket/ && t + 0 >= k { printf "%.3f\n", t; exit }')
 	note "restart ($2): killed at $1, the kernel took the new socket at ${_reconn:-never} (seconds since boot)"
 	awk -v k="$1" -v r="${_reconn:-$1}" -v label="$2" '
-		$3 + 1 > k && $2 < r + 1 { printf "VMTEST NOTE: restart (%s) write: %s %s %s %s\n", label, $1, $2, $3, $4 }
+		$3 + 1 > k && $2 < r + 5 { printf "VMTEST NOTE: restart (%s) write: %s %s %s %s\n", label, $1, $2, $3, $4 }
 	' /tmp/loop.log
 	_resent=$(dmesg | awk -v k="$1" '{ t = $0; sub(/^\[ */, "", t); sub(/\].*/, "", t); if ($0 ~ /Connection timed out, retrying|Possible stuck request/ && t + 0 >= k) n++ } END { print n + 0 }')
 	note "($2) the kernel's request timer fired on requests in flight at the kill: $_resent timer message(s) after the kill"
