@@ -773,6 +773,7 @@ func (s *Store) Close() error {
 	if !s.closed.CompareAndSwap(false, true) {
 		return nil
 	}
+	s.closing.Store(true) // raft's Shutdown closes the transport too
 	s.cancel()
 	var err error
 	if s.raft != nil {
