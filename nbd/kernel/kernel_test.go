@@ -229,6 +229,20 @@ func alignedCopy(t *testing.T, p []byte) ([]byte, func()) {
 	return buf, func() { unix.Munmap(buf) }
 }
 
+// writeHeld starts writeDirect(path, p, off) and returns its result's
+// channel once held is closed: the server holds the write.
+func writeHeld(t *testing.T, path string, p []byte, off int64, held <-chan struct{}) <-chan error {
+	t.Helper()
+	wrote := make(chan error, 1)
+	go func() { wrote <- writeDirect(path, p, off) }()
+	select {
+	case <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the write did not reach the server")
+	}
+	return wrote
+}
+
 // writeDirect writes p at off bypassing the page cache: one request to the
 // server, answered before it returns.
 func writeDirect(path string, p []byte, off int64) error {
@@ -532,13 +546,7 @@ func TestKernelRequeueOnReconnect(t *testing.T) {
 	p := pattern(4096, 5)
 	buf, free := alignedCopy(t, p)
 	defer free()
-	wrote := make(chan error, 1)
-	go func() { wrote <- writeDirect(path, buf, holdOff) }()
-	select {
-	case <-held:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the write did not reach the server")
-	}
+	wrote := writeHeld(t, path, buf, holdOff, held)
 	conn.Close() // the server dies with the write in flight
 	// The request's timer fires (each second) and keeps it: its
 	// connection is still the one it went out on.
@@ -701,13 +709,7 @@ func TestKernelRequeueDelay(t *testing.T) {
 		mu.Lock()
 		held = h
 		mu.Unlock()
-		wrote := make(chan error, 1)
-		go func() { wrote <- writeDirect(path, buf, holdOff) }()
-		select {
-		case <-h:
-		case <-time.After(30 * time.Second):
-			t.Fatal("the write did not reach the server")
-		}
+		wrote := writeHeld(t, path, buf, holdOff, h)
 		conn.Close()
 		time.Sleep(300*time.Millisecond + time.Duration(r*379%1000)*time.Millisecond)
 		var k *os.File
