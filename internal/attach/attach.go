@@ -277,31 +277,6 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		}
 	}
 
-	// A resumed device with one connection and no kernel request timeout
-	// gets its new socket now, before the engine opens (package
-	// documentation, "Restart without a stall", step 3): the kernel's look
-	// at the requests the dead process had in flight then runs while the
-	// engine attaches and reconciles, instead of after. Nothing is read
-	// from the socket until the engine is open at its new epoch.
-	var early []net.Conn
-	var timer queueTimer
-	if resume && rec.Connections == 1 && cfg.IOTimeout == 0 {
-		early, timer, err = reconnectEarly(ctx, cfg, k, rec.Index, BackendID(id))
-		if err != nil {
-			return nil, fmt.Errorf("attach: reconnect %s: %w", rec.Device, err)
-		}
-		defer func() {
-			if err != nil {
-				// The kernel sees this socket end too: the requests it
-				// sent on it wait for the next resume, as those in flight
-				// at the death do (step 1).
-				for _, c := range early {
-					c.Close()
-				}
-			}
-		}()
-	}
-
 	openCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	eng, err := engine.Open(openCtx, engine.Config{
 		Volume: id, VolumeIsID: true, NodeID: cfg.NodeID,
@@ -364,15 +339,12 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 			log.Info("resuming with the recorded number of connections", "connections", n)
 		}
 	}
-	kernelEnds, serverEnds := []*os.File(nil), early
-	if early == nil {
-		kernelEnds, serverEnds, err = socketPairs(n)
-		if err != nil {
-			at.stopServing()
-			srv.Close()
-			closeEngine(cfg, eng, !cfg.KeepAttachment)
-			return nil, err
-		}
+	kernelEnds, serverEnds, err := socketPairs(n)
+	if err != nil {
+		at.stopServing()
+		srv.Close()
+		closeEngine(cfg, eng, !cfg.KeepAttachment)
+		return nil, err
 	}
 	// Serve before the kernel has the sockets: it may send at once.
 	for i, c := range serverEnds {
@@ -387,19 +359,13 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		timeout = kernel.NoTimeout
 	}
 	nlCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
-	switch {
-	case early != nil:
-		// The kernel has the sockets (reconnectEarly); it learns the
-		// volume's size now that the engine knows it.
-		at.index = rec.Index
-		err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{Backend: at.backend, Size: at.deviceSize.Load()})
-	case resume:
+	if resume {
 		at.index = rec.Index
 		err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{
 			Sockets: kernelEnds, Backend: at.backend, Size: at.deviceSize.Load(),
 			Timeout: timeout, DeadConnTimeout: cfg.DeadConnTimeout,
 		})
-	default:
+	} else {
 		flags := uint64(info.Flags)
 		at.index, err = k.Connect(nlCtx, kernel.Options{
 			Index: kernel.AnyIndex, Sockets: kernelEnds, Size: at.deviceSize.Load(), BlockSize: BlockSize,
@@ -426,14 +392,19 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
-	// The CONNECT or RECONFIGURE reset the queue's timer: set it now
-	// (reconnectEarly set it after its own RECONFIGURE; the size alone
-	// resets nothing).
-	if early == nil {
-		timer = setQueueTimer(cfg, at.index, n, at.log)
+	// The CONNECT or RECONFIGURE reset the queue's timer: set it now.
+	queueTimeout := queueTimeoutDefault
+	if cfg.IOTimeout > 0 {
+		queueTimeout = cfg.IOTimeout
+	} else if n == 1 {
+		if err := cfg.Kernel.SetQueueTimeout(at.index, RequeueInterval); err != nil {
+			at.log.Warn("could not shorten the device's request timer: if this process dies, the requests it had in flight wait 30s after its restart",
+				"err", err)
+		} else {
+			queueTimeout = RequeueInterval
+			at.queueTimerSet = true
+		}
 	}
-	at.queueTimerSet = timer.set
-	queueTimeout := timer.d
 	if err := SaveRecord(cfg.StateDir, &Record{
 		Volume: eng.Name(), VolumeID: id, Device: dev, Index: at.index, Backend: at.backend,
 		Connections: n, Node: cfg.NodeID, PID: os.Getpid(), Epoch: eng.Epoch(), AttachedAt: time.Now().UTC(),
@@ -506,64 +477,6 @@ type Attachment struct {
 	abandon     chan struct{}
 	abandonOnce sync.Once
 	runDone     chan struct{}
-}
-
-// queueTimer is the block-queue timer a device was left with after its
-// CONNECT or RECONFIGURE: set is true when it is RequeueInterval, set by
-// this package (a clean stop gives the kernel's default back).
-type queueTimer struct {
-	d   time.Duration
-	set bool
-}
-
-// setQueueTimer sets the block-queue timer of a device with n connections
-// that a CONNECT or RECONFIGURE with a request timeout has just reset to
-// the kernel's choice: RequeueInterval with one connection and no kernel
-// request timeout (package documentation, "Restart without a stall").
-func setQueueTimer(cfg Config, index, n int, log *slog.Logger) queueTimer {
-	switch {
-	case cfg.IOTimeout > 0:
-		return queueTimer{d: cfg.IOTimeout}
-	case n != 1:
-		return queueTimer{d: queueTimeoutDefault}
-	}
-	if err := cfg.Kernel.SetQueueTimeout(index, RequeueInterval); err != nil {
-		log.Warn("could not shorten the device's request timer: if this process dies, the requests it had in flight wait 30s after its restart",
-			"device", kernel.Path(index), "err", err)
-		return queueTimer{d: queueTimeoutDefault}
-	}
-	return queueTimer{d: RequeueInterval, set: true}
-}
-
-// reconnectEarly hands a resumed device with one connection and no
-// kernel request timeout its new socket before the engine opens (step 3
-// of "Restart without a stall"), with no request timeout, and sets the
-// queue's timer the RECONFIGURE reset. The kernel may send on the socket
-// at once: its requests wait, unread, in the socket until the caller
-// serves it, and with no request timeout the kernel keeps them however
-// long that takes. The size is left as it is: the caller gives the
-// volume's once the engine knows it.
-//
-// backend is the volume's own backend id (BackendID), not the record's:
-// the kernel refuses a socket for a device connected for another volume.
-func reconnectEarly(ctx context.Context, cfg Config, k KernelConn, index int, backend string) ([]net.Conn, queueTimer, error) {
-	kernelEnds, serverEnds, err := socketPairs(1)
-	if err != nil {
-		return nil, queueTimer{}, err
-	}
-	nlCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
-	err = k.Reconfigure(nlCtx, index, kernel.Reconfig{
-		Sockets: kernelEnds, Backend: backend, Timeout: kernel.NoTimeout, DeadConnTimeout: cfg.DeadConnTimeout,
-	})
-	cancel()
-	kernelEnds[0].Close() // the kernel holds its own reference
-	if err != nil {
-		serverEnds[0].Close()
-		return nil, queueTimer{}, err
-	}
-	cfg.Logger.Info("the device has its new socket; opening the engine while the kernel resends what was in flight",
-		"device", kernel.Path(index))
-	return serverEnds, setQueueTimer(cfg, index, 1, cfg.Logger), nil
 }
 
 func socketPairs(n int) ([]*os.File, []net.Conn, error) {

@@ -17,12 +17,11 @@
 // long as it serves; the kernel drops the lock when the process dies,
 // however it dies, so the lock (not the pid) says whether a server lives.
 // An Open that finds a record whose device the kernel still has
-// connected for the same backend id resumes it: it hands the existing
-// device new sockets (RECONFIGURE) and reopens the engine at a new epoch
-// (fencing the dead instance, whose replicas then refuse its writes),
-// and serves the sockets once the engine is open (the order and why:
-// below). I/O on the device pauses and resumes without errors if the new
-// server comes within the kernel's dead-connection timeout.
+// connected for the same backend id resumes it: it reopens the engine at
+// a new epoch (fencing the dead instance, whose replicas then refuse its
+// writes), makes new socket pairs and hands them to the existing device
+// (RECONFIGURE). I/O on the device pauses and resumes without errors if
+// the new server comes within the kernel's dead-connection timeout.
 //
 // # Restart without a stall
 //
@@ -48,33 +47,25 @@
 //  2. A new process takes the lock and finds the record; the kernel still
 //     has the device connected for the same backend id: resume. A death
 //     here is step 1 again.
-//  3. RECONFIGURE hands the kernel the new socket, with no request
-//     timeout (a device an older stor-ctl connected had 30 s), and the
-//     block-queue timer is set to RequeueInterval again (the RECONFIGURE
-//     reset it to the kernel's 30 s). Nothing reads the socket yet.
-//     Waiting new requests go out to it at once and wait there, unread;
-//     at the timer's next check, within two seconds, each request that
-//     was in flight at the death finds its connection replaced and is
-//     resent, to the same socket. Requests keep the timer they started
-//     with: those started between the RECONFIGURE and the timer's setting
-//     have 30 s (a death in between costs them that), and after an
-//     upgrade from a stor-ctl that set a 30 s request timeout the first
-//     restart still waits those 30 s. A failed RECONFIGURE fails the Open
-//     before anything else is done (step 1 again).
-//  4. engine.Open at a new epoch fences the dead process's engine (its
+//  3. engine.Open at a new epoch fences the dead process's engine (its
 //     replicas refuse its writes) and reconciles the regions the kill
-//     left dirty, while the kernel's look of step 3 runs. A death here,
-//     or an Open that is refused (the volume was attached to another node
-//     meanwhile) or fails, closes the new socket: step 1 again, for the
-//     requests sent to it too (they are in flight on a dead socket), and
-//     the next Open opens at a newer epoch still.
-//  5. The socket is served and the kernel is given the volume's size (a
-//     RECONFIGURE of the size alone, which leaves the timer be); the
-//     requests waiting in the socket are answered. The pause is the time
-//     to step 5, or to the kernel's look if that comes later (the look
-//     came 0–1.8 s after the RECONFIGURE in internal/vmtest, which the
-//     engine's open now overlaps). A resent write may already have been
-//     applied by the dead process: stor's writes are idempotent.
+//     left dirty. A death here is step 1 again; the next Open opens at a
+//     newer epoch still.
+//  4. RECONFIGURE hands the kernel the new sockets, with no request
+//     timeout (a device an older stor-ctl connected had 30 s) and the
+//     volume's size. Waiting new requests go out at once. A death right
+//     after is step 1 with the new socket: the requests resent to it wait
+//     again, as new requests do.
+//  5. The block-queue timer is set to RequeueInterval again (step 4 reset
+//     it to the kernel's 30 s). At its next check after step 4, within
+//     two seconds, each request that was in flight at the death finds its
+//     connection replaced and is resent; the pause is the time to step 4
+//     and a second or so more (0.5–0.6 s in internal/vmtest). Requests
+//     keep the timer they started with: those started between steps 4
+//     and 5 have 30 s (a death in between costs them that), and after an
+//     upgrade from a stor-ctl that set a 30 s request timeout the first
+//     restart still waits those 30 s. A resent write may already have
+//     been applied by the dead process: stor's writes are idempotent.
 //  6. The record is rewritten (pid, epoch). A death before it leaves the
 //     old record, which names the same device: the next process resumes
 //     it just the same.
@@ -82,10 +73,7 @@
 // Several connections: Linux resends on any timer firing of a device with
 // more than one connection, after dropping the connection (even a live
 // one), so they keep the kernel's 30 s timer, and a restart waits for it.
-// Config.IOTimeout set: the kernel's own timeout, with the same cost. In
-// both cases a request left unread for the timer would cost its socket,
-// so steps 3 and 4 go the other way round: the engine opens first, then
-// one RECONFIGURE gives the sockets, the timeout and the size. The
+// Config.IOTimeout set: the kernel's own timeout, with the same cost. The
 // nbd family's link-dead notifications (NBD_CMD_LINK_DEAD) are not used:
 // they tell that a socket died, which a live process learns from its own
 // end and a restarted one from the record, and they make the kernel

@@ -174,11 +174,9 @@ func TestVMNBDAttach(t *testing.T) {
 // restartPauseLimit is the goal of issue 16 for the I/O pause after a
 // kill of the attach process: from the kill until the write loop's I/O
 // goes again, restart included. TestVMNBDRestart holds to it the part of
-// the pause after the kernel took the new process's socket: what the
-// kernel's requeue costs (it was the request timeout, 30 s by default),
-// and the engine's open at the new epoch, which the new process does
-// once the kernel has its socket (package attach, "Restart without a
-// stall"); the part before is the new process's start, which under qemu's TCG
+// the pause after the kernel took the new process's socket (what the
+// kernel's requeue costs; it was the request timeout, 30 s by default);
+// the part before is the new process's start, which under qemu's TCG
 // depends on how fast the shared host runs it (docs/BENCHMARKS.md,
 // "Node-plugin restart (issue 16)").
 const restartPauseLimit = 3 * time.Second
@@ -332,7 +330,7 @@ func TestVMNBDRestart(t *testing.T) {
 			t.Logf("%s: the slowest write in the 5s after the reconnect took %.2fs (f%d)", p.label, p.slowest.end-p.slowest.start, p.slowest.n)
 		}
 		if p.stall > restartPauseLimit {
-			t.Errorf("%s: I/O resumed %v after the kernel took the new socket, more than %v (the kernel did not resend the requests in flight at the kill until their timeout, or the engine took that long to open?)", p.label, p.stall, restartPauseLimit)
+			t.Errorf("%s: I/O resumed %v after the kernel took the new socket, more than %v (the kernel did not resend the requests in flight at the kill until their timeout?)", p.label, p.stall, restartPauseLimit)
 		}
 		if p.pause > restartPauseLimit {
 			t.Logf("%s: the whole pause, %v, is above issue 16's goal of %v: the new process took %v to reconnect", p.label, p.pause, restartPauseLimit, p.restart)
