@@ -322,7 +322,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	at := &Attachment{
 		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(), removeMetrics: removeMetrics,
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,
-		abandon: make(chan struct{}), runDone: make(chan struct{}),
+		abandon: make(chan struct{}), runDone: make(chan struct{}), opened: make(chan struct{}),
 		log: log.With("volume", eng.Name(), "volume_id", eng.ID()),
 	}
 	at.serveCtx, at.stopServing = context.WithCancel(context.Background())
@@ -392,6 +392,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
+	close(at.opened) // serveSlot may read index and log now
 	// The CONNECT or RECONFIGURE reset the queue's timer: set it now.
 	queueTimeout := queueTimeoutDefault
 	if cfg.IOTimeout > 0 {
@@ -473,6 +474,12 @@ type Attachment struct {
 	// device (it was disconnected or reconfigured elsewhere).
 	gone     chan struct{}
 	goneOnce sync.Once
+	// opened is closed by Open once index and log are final. The
+	// connections are served before (the kernel may send as soon as it
+	// has them), and one can end before Open is done (the kernel drops a
+	// socket given when no connection is dead): serveSlot reads index and
+	// log only after opened.
+	opened chan struct{}
 	// abandon is closed by Abandon; runDone when Run returns.
 	abandon     chan struct{}
 	abandonOnce sync.Once
@@ -511,6 +518,11 @@ func (at *Attachment) serveSlot(slot int, conn net.Conn) {
 		}
 		if time.Since(start) > 10*time.Second {
 			backoff = 100 * time.Millisecond
+		}
+		select {
+		case <-at.opened:
+		case <-at.serveCtx.Done(): // Open failed
+			return
 		}
 		at.log.Warn("a kernel connection ended; handing the kernel a new socket", "slot", slot, "err", err, "after", backoff)
 		for {

@@ -58,6 +58,10 @@ type fakeKernel struct {
 	calls   []string
 	reconfs []kernel.Reconfig
 	syncs   int
+	// drop is how many of the next RECONFIGUREs' sockets the kernel drops
+	// at once, as Linux does with a socket given when no connection of
+	// the device is dead (nbd/kernel's doc).
+	drop int
 }
 
 func newFakeKernel(t *testing.T) *fakeKernel { return &fakeKernel{t: t, devs: map[int]*fakeDevice{}} }
@@ -155,7 +159,15 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	if r.Timeout != 0 {
 		d.timeout, d.queue = r.Timeout, fakeQueueTimer(r.Timeout)
 	}
-	d.socks = append(d.socks, take(k.t, r.Sockets)...)
+	socks := take(k.t, r.Sockets)
+	if k.drop > 0 && len(socks) > 0 {
+		k.drop--
+		for _, c := range socks {
+			c.Close()
+		}
+		return nil
+	}
+	d.socks = append(d.socks, socks...)
 	return nil
 }
 
@@ -564,6 +576,40 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	rec, _ := attach.LoadRecord(dir, vol.Id)
 	if rec == nil || rec.PID != os.Getpid() || rec.Index != 3 {
 		t.Fatalf("record after the restart: %+v", rec)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A resume whose RECONFIGURE the kernel drops (it gives a socket to a dead
+// connection only, and the dying process's may not be dead yet) sees its
+// socket end at once, while Open is still setting up, and hands the kernel
+// another: the device is served.
+func TestNBDAttachResumeRetriesADroppedSocket(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kdrop", 8*mib)
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	backend := attach.BackendID(vol.Id)
+	k.devs[6] = &fakeDevice{backend: backend, size: 8 * mib, connected: true}
+	k.drop = 1
+	if err := attach.SaveRecord(dir, &attach.Record{Volume: "kdrop", VolumeID: vol.Id, Device: "/dev/nbd6", Index: 6,
+		Backend: backend, Connections: 1, Node: "test-node", PID: 999999}); err != nil {
+		t.Fatal(err)
+	}
+	r := startAttach(t, attachConfig(t, c, k, dir, "kdrop"))
+	if r.dev != "/dev/nbd6" {
+		t.Fatalf("the restart printed %q, want the recorded /dev/nbd6", r.dev)
+	}
+	waitUntil(t, "a second socket after the dropped one", func() bool { return k.nsocks(6) == 1 })
+	p := testPattern(4096, 8)
+	kwrite(t, k.sock(6, 0), 4096, p)
+	if got := kread(t, k.sock(6, 0), 4096, 4096); !bytes.Equal(got, p) {
+		t.Fatal("I/O on the socket given after the dropped one failed")
+	}
+	if n := len(k.callLog()); n != 2 {
+		t.Fatalf("kernel calls %q, want the resume's RECONFIGURE and one more", k.callLog())
 	}
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
