@@ -526,6 +526,22 @@ func TestNBDAttachPreparesTheProcess(t *testing.T) {
 	}
 }
 
+// deadAttach leaves what an attach process that died while serving vol
+// on /dev/nbd<i> with the given connections leaves behind: device d
+// connected for the volume (its backend set here) and the attach record.
+// It returns the backend id.
+func deadAttach(t *testing.T, k *fakeKernel, dir string, vol *storpb.Volume, i, connections int, d fakeDevice) string {
+	t.Helper()
+	backend := attach.BackendID(vol.Id)
+	d.backend, d.connected = backend, true
+	k.devs[i] = &d
+	if err := attach.SaveRecord(dir, &attach.Record{Volume: vol.Name, VolumeID: vol.Id, Device: kernel.Path(i), Index: i,
+		Backend: backend, Connections: connections, Node: "test-node", PID: 999999}); err != nil {
+		t.Fatal(err)
+	}
+	return backend
+}
+
 // A restart finds the recorded device still connected for the volume:
 // it attaches at a new epoch (fencing the instance that died or froze),
 // hands the device new sockets by RECONFIGURE instead of connecting a new
@@ -543,12 +559,7 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	if err := old.WriteAt(context.Background(), p, 0, true); err != nil {
 		t.Fatal(err)
 	}
-	backend := attach.BackendID(vol.Id)
-	k.devs[3] = &fakeDevice{backend: backend, size: 16 * mib, connected: true}
-	if err := attach.SaveRecord(dir, &attach.Record{Volume: "kresume", VolumeID: vol.Id, Device: "/dev/nbd3", Index: 3,
-		Backend: backend, Connections: 3, Node: "test-node", PID: 999999}); err != nil {
-		t.Fatal(err)
-	}
+	backend := deadAttach(t, k, dir, vol, 3, 3, fakeDevice{size: 16 * mib})
 
 	r := startAttach(t, attachConfig(t, c, k, dir, "kresume"))
 	if r.dev != "/dev/nbd3" {
@@ -591,13 +602,8 @@ func TestNBDAttachResumeRetriesADroppedSocket(t *testing.T) {
 	vol := createVolume(t, c, "kdrop", 8*mib)
 	k := newFakeKernel(t)
 	dir := t.TempDir()
-	backend := attach.BackendID(vol.Id)
-	k.devs[6] = &fakeDevice{backend: backend, size: 8 * mib, connected: true}
+	deadAttach(t, k, dir, vol, 6, 1, fakeDevice{size: 8 * mib})
 	k.drop = 1
-	if err := attach.SaveRecord(dir, &attach.Record{Volume: "kdrop", VolumeID: vol.Id, Device: "/dev/nbd6", Index: 6,
-		Backend: backend, Connections: 1, Node: "test-node", PID: 999999}); err != nil {
-		t.Fatal(err)
-	}
 	r := startAttach(t, attachConfig(t, c, k, dir, "kdrop"))
 	if r.dev != "/dev/nbd6" {
 		t.Fatalf("the restart printed %q, want the recorded /dev/nbd6", r.dev)
@@ -648,12 +654,7 @@ func TestNBDAttachKernelTimers(t *testing.T) {
 	}
 
 	// A device a dead process served with a 30 s request timeout.
-	backend := attach.BackendID(vol.Id)
-	k.devs[2] = &fakeDevice{backend: backend, size: 8 * mib, connected: true, timeout: 30 * time.Second, queue: 30 * time.Second}
-	if err := attach.SaveRecord(dir, &attach.Record{Volume: "ktimer", VolumeID: vol.Id, Device: "/dev/nbd2", Index: 2,
-		Backend: backend, Connections: 1, Node: "test-node", PID: 999999}); err != nil {
-		t.Fatal(err)
-	}
+	deadAttach(t, k, dir, vol, 2, 1, fakeDevice{size: 8 * mib, timeout: 30 * time.Second, queue: 30 * time.Second})
 	r = startAttach(t, attachConfig(t, c, k, dir, "ktimer"))
 	if r.dev != "/dev/nbd2" {
 		t.Fatalf("the restart printed %q, want the recorded /dev/nbd2", r.dev)
@@ -696,12 +697,7 @@ func TestNBDAttachResumeDoesNotTakeBackAMovedVolume(t *testing.T) {
 	vol := createVolume(t, c, "kmoved", 16*mib)
 	k := newFakeKernel(t)
 	dir := t.TempDir()
-	backend := attach.BackendID(vol.Id)
-	k.devs[4] = &fakeDevice{backend: backend, size: 16 * mib, connected: true}
-	if err := attach.SaveRecord(dir, &attach.Record{Volume: "kmoved", VolumeID: vol.Id, Device: "/dev/nbd4", Index: 4,
-		Backend: backend, Connections: 1, Node: "test-node", PID: 999999}); err != nil {
-		t.Fatal(err)
-	}
+	deadAttach(t, k, dir, vol, 4, 1, fakeDevice{size: 16 * mib})
 	other := c.OpenEngine(c.EngineConfig("kmoved", "other-node"))
 
 	cfg := attachConfig(t, c, k, dir, "kmoved")
