@@ -359,12 +359,24 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		timeout = kernel.NoTimeout
 	}
 	nlCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	queueTimeout := queueTimeoutDefault
+	if cfg.IOTimeout > 0 {
+		queueTimeout = cfg.IOTimeout
+	}
 	if resume {
+		// The timeouts first, then the queue's timer, then the sockets:
+		// the requests waiting for a connection start when the sockets
+		// come, with the queue's timer of that moment, and keep it
+		// (package documentation, steps 4 and 5).
 		at.index = rec.Index
 		err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{
-			Sockets: kernelEnds, Backend: at.backend, Size: at.deviceSize.Load(),
+			Backend: at.backend, Size: at.deviceSize.Load(),
 			Timeout: timeout, DeadConnTimeout: cfg.DeadConnTimeout,
 		})
+		if err == nil {
+			queueTimeout = at.shortenQueueTimer(n, queueTimeout)
+			err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{Sockets: kernelEnds, Backend: at.backend})
+		}
 	} else {
 		flags := uint64(info.Flags)
 		at.index, err = k.Connect(nlCtx, kernel.Options{
@@ -393,18 +405,9 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
 	close(at.opened) // serveSlot may read index and log now
-	// The CONNECT or RECONFIGURE reset the queue's timer: set it now.
-	queueTimeout := queueTimeoutDefault
-	if cfg.IOTimeout > 0 {
-		queueTimeout = cfg.IOTimeout
-	} else if n == 1 {
-		if err := cfg.Kernel.SetQueueTimeout(at.index, RequeueInterval); err != nil {
-			at.log.Warn("could not shorten the device's request timer: if this process dies, the requests it had in flight wait 30s after its restart",
-				"err", err)
-		} else {
-			queueTimeout = RequeueInterval
-			at.queueTimerSet = true
-		}
+	if !resume {
+		// The CONNECT set the queue's timer to the kernel's: ours now.
+		queueTimeout = at.shortenQueueTimer(n, queueTimeout)
 	}
 	if err := SaveRecord(cfg.StateDir, &Record{
 		Volume: eng.Name(), VolumeID: id, Device: dev, Index: at.index, Backend: at.backend,
@@ -435,6 +438,23 @@ func (at *Attachment) Epoch() uint64 { return at.eng.Epoch() }
 
 // VolumeSize is the volume's size as the engine last learnt it.
 func (at *Attachment) VolumeSize() uint64 { return at.eng.Size() }
+
+// shortenQueueTimer sets the device's block-queue timer to RequeueInterval
+// when it serves n connections without a kernel request timeout (package
+// documentation, "Restart without a stall"), and returns the timer the
+// device has then: cur, or RequeueInterval.
+func (at *Attachment) shortenQueueTimer(n int, cur time.Duration) time.Duration {
+	if at.cfg.IOTimeout > 0 || n != 1 {
+		return cur
+	}
+	if err := at.cfg.Kernel.SetQueueTimeout(at.index, RequeueInterval); err != nil {
+		at.log.Warn("could not shorten the device's request timer: if this process dies, the requests it had in flight wait 30s after its restart",
+			"err", err)
+		return cur
+	}
+	at.queueTimerSet = true
+	return RequeueInterval
+}
 
 // DeviceSize is the kernel device's size, as last given to the kernel.
 func (at *Attachment) DeviceSize() uint64 { return at.deviceSize.Load() }

@@ -49,6 +49,11 @@ type fakeDevice struct {
 	connected bool
 	socks     []net.Conn // the kernel's ends, live or dead
 	busy      bool       // "mounted": openExclusive fails
+	// woken is the queue's timer when each of socks was given: the timer
+	// of the requests that waited for a connection, which start then and
+	// keep it (nbd_handle_cmd starts a request only once it has a live
+	// connection; blk_add_timer keeps a request's timeout once set).
+	woken []time.Duration
 }
 
 type fakeKernel struct {
@@ -139,8 +144,12 @@ func (k *fakeKernel) Connect(_ context.Context, o kernel.Options) (int, error) {
 	for k.devs[i] != nil && k.devs[i].connected {
 		i++
 	}
-	k.devs[i] = &fakeDevice{backend: o.Backend, size: o.Size, flags: o.ServerFlags, connected: true, socks: take(k.t, o.Sockets),
+	d := &fakeDevice{backend: o.Backend, size: o.Size, flags: o.ServerFlags, connected: true, socks: take(k.t, o.Sockets),
 		timeout: o.Timeout, queue: fakeQueueTimer(o.Timeout)}
+	for range d.socks {
+		d.woken = append(d.woken, d.queue)
+	}
+	k.devs[i] = d
 	return i, nil
 }
 
@@ -168,6 +177,9 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 		return nil
 	}
 	d.socks = append(d.socks, socks...)
+	for range socks {
+		d.woken = append(d.woken, d.queue)
+	}
 	return nil
 }
 
@@ -565,9 +577,12 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	if r.dev != "/dev/nbd3" {
 		t.Fatalf("the restart printed %q, want the recorded /dev/nbd3", r.dev)
 	}
-	want := fmt.Sprintf("reconfigure 3 sockets=3 size=%d backend=%s", 16*mib, backend)
-	if got := k.callLog(); len(got) != 1 || got[0] != want {
-		t.Fatalf("kernel calls %q, want [%q] (the recorded number of sockets, no connect)", got, want)
+	want := []string{
+		fmt.Sprintf("reconfigure 3 sockets=0 size=%d backend=%s", 16*mib, backend), // size and timeouts
+		fmt.Sprintf("reconfigure 3 sockets=3 size=0 backend=%s", backend),
+	}
+	if got := k.callLog(); !slices.Equal(got, want) {
+		t.Fatalf("kernel calls %q, want %q (the recorded number of sockets, no connect)", got, want)
 	}
 	// The old instance is fenced: its next write fails.
 	if err := old.WriteAt(context.Background(), testPattern(4096, 2), 4096, false); !errors.Is(err, engine.ErrFenced) {
@@ -614,8 +629,8 @@ func TestNBDAttachResumeRetriesADroppedSocket(t *testing.T) {
 	if got := kread(t, k.sock(6, 0), 4096, 4096); !bytes.Equal(got, p) {
 		t.Fatal("I/O on the socket given after the dropped one failed")
 	}
-	if n := len(k.callLog()); n != 2 {
-		t.Fatalf("kernel calls %q, want the resume's RECONFIGURE and one more", k.callLog())
+	if n := len(k.callLog()); n != 3 {
+		t.Fatalf("kernel calls %q, want the resume's two RECONFIGUREs and one more", k.callLog())
 	}
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
@@ -638,6 +653,11 @@ func TestNBDAttachKernelTimers(t *testing.T) {
 		k.mu.Lock()
 		defer k.mu.Unlock()
 		return k.devs[i].timeout, k.devs[i].queue
+	}
+	woken := func(i int) []time.Duration {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return append([]time.Duration(nil), k.devs[i].woken...)
 	}
 
 	cfg := attachConfig(t, c, k, dir, "ktimer")
@@ -664,6 +684,14 @@ func TestNBDAttachKernelTimers(t *testing.T) {
 	}
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
+	}
+
+	// The requests that waited for the restart start when the kernel
+	// gets the new socket, with the queue's timer of that moment, and
+	// keep it: it must be ours by then, or a death soon after the restart
+	// leaves them the kernel's 30 s to wait for.
+	if w := woken(2); len(w) != 1 || w[0] != attach.RequeueInterval {
+		t.Fatalf("resumed: the queue's timer when the kernel got the socket(s): %v; want %v", w, attach.RequeueInterval)
 	}
 
 	// Two connections: no request timeout, the kernel's queue timer.
