@@ -110,7 +110,9 @@ func run(t *testing.T, env *Env, s Scenario) *Result {
 // with two sockets, I/O, STATUS, resize by RECONFIGURE, reconnect after
 // every connection died, DISCONNECT; without a request timeout, a request
 // in flight when its server died resent within a second or so of the
-// reconnect, and a slow request kept on its live connection (issue 16).
+// reconnect, and a slow request kept on its live connection; a request
+// that waited for a connection keeps the block-queue timer of the
+// RECONFIGURE that gave it one (issue 16).
 func TestVMNBDKernel(t *testing.T) {
 	env := Skip(t)
 	bins := storBinaries(t)
@@ -128,8 +130,8 @@ ok "nbd/kernel tests pass against Linux $(uname -r)"
 dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 `,
 		Expect: []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals",
-			"--- PASS: TestKernelRequeueOnReconnect", "--- PASS: TestKernelSlowRequest",
-			"--- PASS: TestKernelRequeueDelay",
+			"--- PASS: TestKernelRequeueOnReconnect", "--- PASS: TestKernelWaitingRequestKeepsTheTimerOfItsStart",
+			"--- PASS: TestKernelSlowRequest", "--- PASS: TestKernelRequeueDelay",
 			"VMTEST PASS: nbd/kernel tests pass"},
 		Timeout: 10 * time.Minute,
 	}
@@ -138,10 +140,13 @@ dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 
 // requeueEnv exports to the guest the host's STOR_KERNEL_REQUEUE_TIMERS
 // and STOR_KERNEL_REQUEUE_ROUNDS, which choose the block-queue timers
-// and rounds nbd/kernel's TestKernelRequeueDelay measures.
+// and rounds nbd/kernel's TestKernelRequeueDelay measures, and
+// STOR_KERNEL_WOKEN_SOCKET_FIRST, which makes
+// TestKernelWaitingRequestKeepsTheTimerOfItsStart measure the order attach
+// no longer uses.
 func requeueEnv() string {
 	var b strings.Builder
-	for _, k := range []string{"STOR_KERNEL_REQUEUE_TIMERS", "STOR_KERNEL_REQUEUE_ROUNDS"} {
+	for _, k := range []string{"STOR_KERNEL_REQUEUE_TIMERS", "STOR_KERNEL_REQUEUE_ROUNDS", "STOR_KERNEL_WOKEN_SOCKET_FIRST"} {
 		if v, ok := os.LookupEnv(k); ok {
 			fmt.Fprintf(&b, "export %s='%s'\n", k, strings.ReplaceAll(v, "'", ""))
 		}

@@ -583,6 +583,122 @@ func TestKernelRequeueOnReconnect(t *testing.T) {
 	}
 }
 
+// A request that waits for a connection (its server died before it was
+// sent) starts when a RECONFIGURE hands the kernel a socket, with the
+// block queue's timer of that moment, and keeps that timer. So package
+// attach's resume sets the timer before it hands over the sockets
+// (restart steps 4 and 5 of its doc): here the waiting write is held by
+// the new server, which dies too, and after a third socket it is resent
+// at the short timer's next look. With STOR_KERNEL_WOKEN_SOCKET_FIRST=1
+// the test does what attach did before instead (the timeouts and the
+// socket in one RECONFIGURE, the timer set after it) and only reports how
+// long the resend took: the kernel's 30 s timer, if the order matters as
+// the fake kernel of internal/ctl's tests says.
+func TestKernelWaitingRequestKeepsTheTimerOfItsStart(t *testing.T) {
+	c := needKernel(t)
+	socketFirst := os.Getenv("STOR_KERNEL_WOKEN_SOCKET_FIRST") == "1"
+	const size, holdOff = 4 << 20, 1 << 20
+	held := make(chan struct{})
+	gate := make(chan struct{})
+	var mu sync.Mutex
+	writes := 0 // at holdOff
+	dev := &hookDevice{memDevice: &memDevice{data: make([]byte, size)}, before: func(off int64) {
+		if off != holdOff {
+			return
+		}
+		mu.Lock()
+		writes++
+		first := writes == 1
+		mu.Unlock()
+		if first {
+			close(held)
+			<-gate // the second server dies with it
+		}
+	}}
+	s := newServer(t, dev)
+	t.Cleanup(func() { close(gate) })
+	sock, conn := s.pair()
+	const backend = "test:woken"
+	index := connectRequeue(t, c, s, sock, size, backend)
+	path := kernel.Path(index)
+
+	conn.Close() // the first server dies with nothing in flight
+	time.Sleep(500 * time.Millisecond)
+	p := pattern(4096, 11)
+	buf, free := alignedCopy(t, p)
+	defer free()
+	wrote := make(chan error, 1)
+	go func() { wrote <- writeDirect(path, buf, holdOff) }()
+	time.Sleep(500 * time.Millisecond)
+	select {
+	case err := <-wrote:
+		t.Fatalf("the write finished (%v) with no live connection", err)
+	default: // it waits for a connection
+	}
+
+	ctx := context.Background()
+	k2, conn2 := s.pair()
+	if socketFirst {
+		if err := c.Reconfigure(ctx, index, kernel.Reconfig{Sockets: []*os.File{k2}, Backend: backend, Timeout: kernel.NoTimeout}); err != nil {
+			t.Fatalf("reconfigure: %v", err)
+		}
+		// The woken write starts as soon as its task runs: at once on a
+		// machine with a CPU free, maybe only later under TCG. Wait, so
+		// that it has started before the timer is shortened.
+		select {
+		case <-held:
+		case <-time.After(10 * time.Second):
+		}
+		if err := kernel.SetQueueTimeout(index, 500*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		if err := c.Reconfigure(ctx, index, kernel.Reconfig{Backend: backend, Timeout: kernel.NoTimeout}); err != nil {
+			t.Fatalf("reconfigure the timeouts: %v", err)
+		}
+		if d, err := kernel.QueueTimeout(index); err != nil || d != 30*time.Second {
+			t.Fatalf("queue timer after a RECONFIGURE with no request timeout: %v %v, want the kernel's 30s", d, err)
+		}
+		if err := kernel.SetQueueTimeout(index, 500*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Reconfigure(ctx, index, kernel.Reconfig{Sockets: []*os.File{k2}, Backend: backend}); err != nil {
+			t.Fatalf("reconfigure the socket: %v", err)
+		}
+	}
+	select {
+	case <-held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiting write did not reach the second server")
+	}
+	conn2.Close() // the second server dies with the write in flight
+	time.Sleep(300 * time.Millisecond)
+	start := time.Now()
+	if err := c.Reconfigure(ctx, index, kernel.Reconfig{Sockets: s.pairs(1), Backend: backend}); err != nil {
+		t.Fatalf("reconfigure: %v", err)
+	}
+	select {
+	case err := <-wrote:
+		if err != nil {
+			t.Fatalf("the write failed: %v", err)
+		}
+	case <-time.After(45 * time.Second):
+		t.Fatal("the write did not complete within 45s of the third socket")
+	}
+	took := time.Since(start)
+	order := "timer before the socket"
+	if socketFirst {
+		order = "socket before the timer"
+	}
+	t.Logf("%s: the write that waited for the second socket was resent on the third %v after its RECONFIGURE", order, took.Round(time.Millisecond))
+	if !socketFirst && took > 3*time.Second {
+		t.Fatalf("the write was resent %v after the third socket, want within 3s (the queue's 500ms timer, rounded up to a second)", took.Round(time.Millisecond))
+	}
+	if got := dev.at(holdOff, len(p)); !bytes.Equal(got, p) {
+		t.Fatal("the resent write did not land")
+	}
+}
+
 // A request slower than the block-queue timer on a live connection is
 // neither failed nor resent, and its connection is not dropped: without a
 // request timeout the kernel's timer keeps it for as long as it takes
