@@ -165,6 +165,8 @@ type Kernel struct {
 	// SetQueueTimeout sets /dev/nbdN's block-queue timer
 	// (kernel.SetQueueTimeout).
 	SetQueueTimeout func(index int, d time.Duration) error
+	// QueueTimeout reads it (kernel.QueueTimeout); nil: unknown.
+	QueueTimeout func(index int) (time.Duration, error)
 }
 
 // SyncCloser is an open device node.
@@ -180,6 +182,7 @@ func RealKernel() *Kernel {
 		Backend:         kernel.Backend,
 		OpenExclusive:   func(i int) (SyncCloser, error) { return kernel.OpenExclusive(i) },
 		SetQueueTimeout: kernel.SetQueueTimeout,
+		QueueTimeout:    kernel.QueueTimeout,
 	}
 }
 
@@ -363,20 +366,22 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	if cfg.IOTimeout > 0 {
 		queueTimeout = cfg.IOTimeout
 	}
+	keepTimers := false
 	if resume {
-		// The timeouts first, then the queue's timer, then the sockets:
-		// the requests waiting for a connection start when the sockets
-		// come, with the queue's timer of that moment, and keep it
-		// (package documentation, steps 4 and 5).
 		at.index = rec.Index
-		err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{
-			Backend: at.backend, Size: at.deviceSize.Load(),
-			Timeout: timeout, DeadConnTimeout: cfg.DeadConnTimeout,
-		})
-		if err == nil {
-			queueTimeout = at.shortenQueueTimer(n, queueTimeout)
-			err = k.Reconfigure(nlCtx, rec.Index, kernel.Reconfig{Sockets: kernelEnds, Backend: at.backend})
+		// A device a dead attach like this one left has no request
+		// timeout and the short queue timer already: it gets no timeout
+		// attribute, which would reset the timer to 30 s for the requests
+		// the sockets wake (package documentation, step 4).
+		keepTimers = at.hasShortQueueTimer(n)
+		r := kernel.Reconfig{
+			Sockets: kernelEnds, Backend: at.backend, Size: at.deviceSize.Load(),
+			DeadConnTimeout: cfg.DeadConnTimeout,
 		}
+		if !keepTimers {
+			r.Timeout = timeout
+		}
+		err = k.Reconfigure(nlCtx, rec.Index, r)
 	} else {
 		flags := uint64(info.Flags)
 		at.index, err = k.Connect(nlCtx, kernel.Options{
@@ -405,8 +410,14 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
 	close(at.opened) // serveSlot may read index and log now
-	if !resume {
-		// The CONNECT set the queue's timer to the kernel's: ours now.
+	if keepTimers {
+		queueTimeout, at.queueTimerSet = RequeueInterval, true
+	} else {
+		// The CONNECT or RECONFIGURE set the queue's timer to the
+		// kernel's: ours now, once the sockets are the kernel's (the
+		// write waits for the queue's requests to drain on some
+		// kernels, and those in flight on a dead connection drain only
+		// once it was replaced).
 		queueTimeout = at.shortenQueueTimer(n, queueTimeout)
 	}
 	if err := SaveRecord(cfg.StateDir, &Record{
@@ -438,6 +449,18 @@ func (at *Attachment) Epoch() uint64 { return at.eng.Epoch() }
 
 // VolumeSize is the volume's size as the engine last learnt it.
 func (at *Attachment) VolumeSize() uint64 { return at.eng.Size() }
+
+// hasShortQueueTimer reports whether a resumed device with n connections
+// runs as this attach would make it run: one connection, no request
+// timeout, and the block-queue timer RequeueInterval, which only
+// shortenQueueTimer sets (on a device without a request timeout).
+func (at *Attachment) hasShortQueueTimer(n int) bool {
+	if at.cfg.IOTimeout > 0 || n != 1 || at.cfg.Kernel.QueueTimeout == nil {
+		return false
+	}
+	d, err := at.cfg.Kernel.QueueTimeout(at.index)
+	return err == nil && d == RequeueInterval
+}
 
 // shortenQueueTimer sets the device's block-queue timer to RequeueInterval
 // when it serves n connections without a kernel request timeout (package

@@ -51,24 +51,29 @@
 //     replicas refuse its writes) and reconciles the regions the kill
 //     left dirty. A death here is step 1 again; the next Open opens at a
 //     newer epoch still.
-//  4. A RECONFIGURE without sockets gives the device no request timeout
-//     (a device an older stor-ctl connected had 30 s) and the volume's
-//     size. That resets the block-queue timer to the kernel's 30 s, and
-//     it is set to RequeueInterval again at once. A death here is step 1
-//     again.
-//  5. A second RECONFIGURE hands the kernel the new sockets. The requests
-//     that waited for a connection start now, with the timer of step 4,
-//     and go out at once; a death right after is step 1 with the new
-//     socket, and they are resent after the next restart like the others.
-//     At the timer's next check after this step, within two seconds, each
-//     request that was in flight at the death finds its connection
-//     replaced and is resent; the pause is the time to this step and a
-//     second or so more (0.5–0.6 s in internal/vmtest). Requests keep the
-//     timer they started with (which is why the timer comes before the
-//     sockets): after an upgrade from a stor-ctl that set a 30 s request
-//     timeout, the first restart still waits those 30 s. A resent write
-//     may already have been applied by the dead process: stor's writes
-//     are idempotent.
+//  4. RECONFIGURE hands the kernel the new sockets, with the volume's
+//     size and DeadConnTimeout. Waiting new requests go out at once, and
+//     start with the queue's timer of that moment, which they keep. A
+//     device an attach like this one left (no request timeout, the timer
+//     at RequeueInterval, one connection) gets no timeout attribute, so
+//     they start with RequeueInterval: a timeout attribute resets the
+//     timer to the kernel's 30 s. Any other device (one an older stor-ctl
+//     connected with a 30 s request timeout) gets "no request timeout",
+//     and the requests it wakes keep 30 s. A death right after is step 1
+//     with the new socket: the requests resent to it wait again, as new
+//     requests do.
+//  5. If step 4 reset it, the block-queue timer is set to RequeueInterval
+//     again. Only after the sockets: on Linux from 6.11 (until a later
+//     release dropped it) the write freezes the queue, waiting for every
+//     request to end, and those in flight on a dead connection end only
+//     once it was replaced. At its
+//     next check after step 4, within two seconds, each request that was
+//     in flight at the death finds its connection replaced and is resent;
+//     the pause is the time to step 4 and a second or so more (0.5–0.6 s
+//     in internal/vmtest). Requests keep the timer they started with: the
+//     first restart after an upgrade from a stor-ctl that set a 30 s
+//     request timeout still waits those 30 s. A resent write may already
+//     have been applied by the dead process: stor's writes are idempotent.
 //  6. The record is rewritten (pid, epoch). A death before it leaves the
 //     old record, which names the same device: the next process resumes
 //     it just the same.

@@ -54,6 +54,10 @@ type fakeDevice struct {
 	// keep it (nbd_handle_cmd starts a request only once it has a live
 	// connection; blk_add_timer keeps a request's timeout once set).
 	woken []time.Duration
+	// dying: the kernel dropped a RECONFIGURE's sockets because the dead
+	// process's connection was not dead yet (fakeKernel.drop); it dies
+	// and is replaced by the attach's retry.
+	dying bool
 }
 
 type fakeKernel struct {
@@ -93,11 +97,27 @@ func (k *fakeKernel) ops() *attach.Kernel {
 		SetQueueTimeout: func(i int, d time.Duration) error {
 			k.mu.Lock()
 			defer k.mu.Unlock()
-			if k.devs[i] == nil {
+			dev := k.devs[i]
+			if dev == nil {
 				return kernel.ErrNoDevice
 			}
-			k.devs[i].queue = d
+			if dev.connected && len(dev.socks) == 0 && !dev.dying {
+				// Linux from 6.11 freezes the queue to write io_timeout:
+				// the write waits for every request to end, and those in
+				// flight on a dead connection end only once it is replaced.
+				k.t.Errorf("fake kernel: /dev/nbd%d's queue timer written while the device has no live connection: the write would hang", i)
+				return unix.EDEADLK
+			}
+			dev.queue = d
 			return nil
+		},
+		QueueTimeout: func(i int) (time.Duration, error) {
+			k.mu.Lock()
+			defer k.mu.Unlock()
+			if k.devs[i] == nil {
+				return 0, kernel.ErrNoDevice
+			}
+			return k.devs[i].queue, nil
 		},
 	}
 }
@@ -171,6 +191,7 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	socks := take(k.t, r.Sockets)
 	if k.drop > 0 && len(socks) > 0 {
 		k.drop--
+		d.dying = true
 		for _, c := range socks {
 			c.Close()
 		}
@@ -577,12 +598,9 @@ func TestNBDAttachResumesRecordedDevice(t *testing.T) {
 	if r.dev != "/dev/nbd3" {
 		t.Fatalf("the restart printed %q, want the recorded /dev/nbd3", r.dev)
 	}
-	want := []string{
-		fmt.Sprintf("reconfigure 3 sockets=0 size=%d backend=%s", 16*mib, backend), // size and timeouts
-		fmt.Sprintf("reconfigure 3 sockets=3 size=0 backend=%s", backend),
-	}
-	if got := k.callLog(); !slices.Equal(got, want) {
-		t.Fatalf("kernel calls %q, want %q (the recorded number of sockets, no connect)", got, want)
+	want := fmt.Sprintf("reconfigure 3 sockets=3 size=%d backend=%s", 16*mib, backend)
+	if got := k.callLog(); len(got) != 1 || got[0] != want {
+		t.Fatalf("kernel calls %q, want [%q] (the recorded number of sockets, no connect)", got, want)
 	}
 	// The old instance is fenced: its next write fails.
 	if err := old.WriteAt(context.Background(), testPattern(4096, 2), 4096, false); !errors.Is(err, engine.ErrFenced) {
@@ -629,8 +647,8 @@ func TestNBDAttachResumeRetriesADroppedSocket(t *testing.T) {
 	if got := kread(t, k.sock(6, 0), 4096, 4096); !bytes.Equal(got, p) {
 		t.Fatal("I/O on the socket given after the dropped one failed")
 	}
-	if n := len(k.callLog()); n != 3 {
-		t.Fatalf("kernel calls %q, want the resume's two RECONFIGUREs and one more", k.callLog())
+	if n := len(k.callLog()); n != 2 {
+		t.Fatalf("kernel calls %q, want the resume's RECONFIGURE and one more", k.callLog())
 	}
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
@@ -686,12 +704,25 @@ func TestNBDAttachKernelTimers(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// The requests that waited for the restart start when the kernel
-	// gets the new socket, with the queue's timer of that moment, and
-	// keep it: it must be ours by then, or a death soon after the restart
-	// leaves them the kernel's 30 s to wait for.
-	if w := woken(2); len(w) != 1 || w[0] != attach.RequeueInterval {
-		t.Fatalf("resumed: the queue's timer when the kernel got the socket(s): %v; want %v", w, attach.RequeueInterval)
+	// A device an attach like this one left: no request timeout, the
+	// short timer. The requests that waited for the restart start when
+	// the kernel gets the new socket, with the queue's timer of that
+	// moment, and keep it: the RECONFIGURE must not reset it to 30 s (a
+	// timeout attribute does), or a death soon after the restart leaves
+	// them 30 s to wait; and no timer is written before the socket.
+	deadAttach(t, k, dir, vol, 5, 1, fakeDevice{size: 8 * mib, timeout: kernel.NoTimeout, queue: attach.RequeueInterval})
+	r = startAttach(t, attachConfig(t, c, k, dir, "ktimer"))
+	if r.dev != "/dev/nbd5" {
+		t.Fatalf("the restart printed %q, want the recorded /dev/nbd5", r.dev)
+	}
+	if to, q := timers(5); to != kernel.NoTimeout || q != attach.RequeueInterval {
+		t.Fatalf("resumed: request timeout %v, queue timer %v; want none and %v", to, q, attach.RequeueInterval)
+	}
+	if w := woken(5); len(w) != 1 || w[0] != attach.RequeueInterval {
+		t.Fatalf("resumed: the queue's timer when the kernel got the socket: %v; want %v", w, attach.RequeueInterval)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
 	}
 
 	// Two connections: no request timeout, the kernel's queue timer.

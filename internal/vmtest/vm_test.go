@@ -131,6 +131,8 @@ dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 `,
 		Expect: []string{"--- PASS: TestKernelDevice", "--- PASS: TestKernelRefusals",
 			"--- PASS: TestKernelRequeueOnReconnect", "--- PASS: TestKernelWaitingRequestKeepsTheTimerOfItsStart",
+			"--- PASS: TestKernelWaitingRequestKeepsTheTimerOfItsStart/socket_alone",
+			"--- PASS: TestKernelWaitingRequestKeepsTheTimerOfItsStart/socket_with_a_timeout",
 			"--- PASS: TestKernelSlowRequest", "--- PASS: TestKernelRequeueDelay",
 			"VMTEST PASS: nbd/kernel tests pass"},
 		Timeout: 10 * time.Minute,
@@ -140,13 +142,10 @@ dmesg | grep -E 'nbd' | sed 's/^/dmesg: /'
 
 // requeueEnv exports to the guest the host's STOR_KERNEL_REQUEUE_TIMERS
 // and STOR_KERNEL_REQUEUE_ROUNDS, which choose the block-queue timers
-// and rounds nbd/kernel's TestKernelRequeueDelay measures, and
-// STOR_KERNEL_WOKEN_SOCKET_FIRST, which makes
-// TestKernelWaitingRequestKeepsTheTimerOfItsStart measure the order attach
-// no longer uses.
+// and rounds nbd/kernel's TestKernelRequeueDelay measures.
 func requeueEnv() string {
 	var b strings.Builder
-	for _, k := range []string{"STOR_KERNEL_REQUEUE_TIMERS", "STOR_KERNEL_REQUEUE_ROUNDS", "STOR_KERNEL_WOKEN_SOCKET_FIRST"} {
+	for _, k := range []string{"STOR_KERNEL_REQUEUE_TIMERS", "STOR_KERNEL_REQUEUE_ROUNDS"} {
 		if v, ok := os.LookupEnv(k); ok {
 			fmt.Fprintf(&b, "export %s='%s'\n", k, strings.ReplaceAll(v, "'", ""))
 		}

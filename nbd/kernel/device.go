@@ -96,7 +96,11 @@ func QueueTimeout(index int) (time.Duration, error) {
 // were in flight on a dead connection wait once a Reconfigure has given a
 // new one (the package documentation, "Requeue without a request
 // timeout"). It applies to requests started from then on; Connect and a
-// Reconfigure that sets a timeout reset it. Needs root (sysfs).
+// Reconfigure that sets a timeout reset it. Linux from 6.11 (until a
+// later release dropped it again) freezes the queue for the write: it
+// waits until every request in the device has ended, so never write it
+// while requests are in flight on a dead connection (they end only once
+// a Reconfigure replaced it). Needs root (sysfs).
 func SetQueueTimeout(index int, d time.Duration) error {
 	if d < time.Millisecond || d/time.Millisecond > math.MaxUint32 {
 		return fmt.Errorf("%w: queue timeout %v (want 1ms to %dms)", ErrInvalid, d, uint32(math.MaxUint32))

@@ -482,6 +482,45 @@ func (d *hookDevice) WriteAt(ctx context.Context, p []byte, off int64, fua bool)
 	return d.memDevice.WriteAt(ctx, p, off, fua)
 }
 
+// holding is a memDevice whose first write at one offset never finishes:
+// the server that got it dies with it in flight.
+type holding struct {
+	dev    *hookDevice
+	held   chan struct{} // closed when that write arrives
+	mu     sync.Mutex
+	writes int // at the offset
+}
+
+// newHoldingServer serves a holding device of size that holds the first
+// write at holdOff.
+func newHoldingServer(t *testing.T, size int, holdOff int64) (*server, *holding) {
+	h := &holding{held: make(chan struct{})}
+	gate := make(chan struct{})
+	h.dev = &hookDevice{memDevice: &memDevice{data: make([]byte, size)}, before: func(off int64) {
+		if off != holdOff {
+			return
+		}
+		h.mu.Lock()
+		h.writes++
+		first := h.writes == 1
+		h.mu.Unlock()
+		if first {
+			close(h.held)
+			<-gate
+		}
+	}}
+	s := newServer(t, h.dev)
+	t.Cleanup(func() { close(gate) }) // before the server's cleanup (LIFO)
+	return s, h
+}
+
+// count returns how many writes at the offset the server got.
+func (h *holding) count() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.writes
+}
+
 // connectRequeue connects a device as package attach does by default
 // (issue 16): one connection, no request timeout, a block-queue timer of
 // 500 ms.
@@ -519,25 +558,8 @@ func connectRequeue(t *testing.T, c *kernel.Client, s *server, sock *os.File, si
 func TestKernelRequeueOnReconnect(t *testing.T) {
 	c := needKernel(t)
 	const size, holdOff = 4 << 20, 1 << 20
-	held := make(chan struct{})
-	gate := make(chan struct{})
-	var mu sync.Mutex
-	writes := 0 // at holdOff
-	dev := &hookDevice{memDevice: &memDevice{data: make([]byte, size)}, before: func(off int64) {
-		if off != holdOff {
-			return
-		}
-		mu.Lock()
-		writes++
-		first := writes == 1
-		mu.Unlock()
-		if first {
-			close(held)
-			<-gate // the dying server never finishes it
-		}
-	}}
-	s := newServer(t, dev)
-	t.Cleanup(func() { close(gate) }) // before the server's cleanup (LIFO)
+	s, h := newHoldingServer(t, size, holdOff)
+	dev, held := h.dev, h.held
 	sock, conn := s.pair()
 	const backend = "test:requeue"
 	index := connectRequeue(t, c, s, sock, size, backend)
@@ -572,10 +594,7 @@ func TestKernelRequeueOnReconnect(t *testing.T) {
 	if took > 3*time.Second {
 		t.Fatalf("the write in flight completed %v after the reconnect, want within 3s (the kernel resends it at its next timer, each second)", took.Round(time.Millisecond))
 	}
-	mu.Lock()
-	n := writes
-	mu.Unlock()
-	if n != 2 {
+	if n := h.count(); n != 2 {
 		t.Fatalf("the server got the write %d times, want 2 (the dead server's, and the resend)", n)
 	}
 	if got := dev.at(holdOff, len(p)); !bytes.Equal(got, p) {
@@ -586,37 +605,35 @@ func TestKernelRequeueOnReconnect(t *testing.T) {
 // A request that waits for a connection (its server died before it was
 // sent) starts when a RECONFIGURE hands the kernel a socket, with the
 // block queue's timer of that moment, and keeps that timer. So package
-// attach's resume sets the timer before it hands over the sockets
-// (restart steps 4 and 5 of its doc): here the waiting write is held by
-// the new server, which dies too, and after a third socket it is resent
-// at the short timer's next look. With STOR_KERNEL_WOKEN_SOCKET_FIRST=1
-// the test does what attach did before instead (the timeouts and the
-// socket in one RECONFIGURE, the timer set after it) and only reports how
-// long the resend took: the kernel's 30 s timer, if the order matters as
-// the fake kernel of internal/ctl's tests says.
+// attach resumes a device it left with the socket alone: a timeout
+// attribute would reset the timer to the kernel's 30 s first (and writing
+// the timer back before the socket can hang, on kernels that freeze the
+// queue for it). Each subtest makes that sequence: a write waits for a
+// connection, the second server dies holding it, a third socket comes;
+// the write is resent at its timer's next look.
 func TestKernelWaitingRequestKeepsTheTimerOfItsStart(t *testing.T) {
+	t.Run("socket alone", func(t *testing.T) {
+		if took := wokenResend(t, false); took > 3*time.Second {
+			t.Fatalf("the write was resent %v after the third socket, want within 3s (the queue's 500ms timer, rounded up to a second)", took.Round(time.Millisecond))
+		}
+	})
+	t.Run("socket with a timeout", func(t *testing.T) {
+		if took := wokenResend(t, true); took < 20*time.Second {
+			t.Fatalf("the write was resent %v after the third socket, want the kernel's 30s timer its RECONFIGURE gave it", took.Round(time.Millisecond))
+		}
+	})
+}
+
+// wokenResend runs TestKernelWaitingRequestKeepsTheTimerOfItsStart's
+// sequence on a device with no request timeout and a 500 ms queue timer,
+// the second socket given alone or with a (no) request timeout attribute
+// and the timer set back to 500 ms after it, and returns how long after
+// the third socket the write was resent.
+func wokenResend(t *testing.T, withTimeout bool) time.Duration {
 	c := needKernel(t)
-	socketFirst := os.Getenv("STOR_KERNEL_WOKEN_SOCKET_FIRST") == "1"
 	const size, holdOff = 4 << 20, 1 << 20
-	held := make(chan struct{})
-	gate := make(chan struct{})
-	var mu sync.Mutex
-	writes := 0 // at holdOff
-	dev := &hookDevice{memDevice: &memDevice{data: make([]byte, size)}, before: func(off int64) {
-		if off != holdOff {
-			return
-		}
-		mu.Lock()
-		writes++
-		first := writes == 1
-		mu.Unlock()
-		if first {
-			close(held)
-			<-gate // the second server dies with it
-		}
-	}}
-	s := newServer(t, dev)
-	t.Cleanup(func() { close(gate) })
+	s, h := newHoldingServer(t, size, holdOff) // the second server dies holding the write
+	dev, held := h.dev, h.held
 	sock, conn := s.pair()
 	const backend = "test:woken"
 	index := connectRequeue(t, c, s, sock, size, backend)
@@ -638,38 +655,28 @@ func TestKernelWaitingRequestKeepsTheTimerOfItsStart(t *testing.T) {
 
 	ctx := context.Background()
 	k2, conn2 := s.pair()
-	if socketFirst {
-		if err := c.Reconfigure(ctx, index, kernel.Reconfig{Sockets: []*os.File{k2}, Backend: backend, Timeout: kernel.NoTimeout}); err != nil {
-			t.Fatalf("reconfigure: %v", err)
-		}
-		// The woken write starts as soon as its task runs: at once on a
-		// machine with a CPU free, maybe only later under TCG. Wait, so
-		// that it has started before the timer is shortened.
-		select {
-		case <-held:
-		case <-time.After(10 * time.Second):
-		}
-		if err := kernel.SetQueueTimeout(index, 500*time.Millisecond); err != nil {
-			t.Fatal(err)
-		}
-	} else {
-		if err := c.Reconfigure(ctx, index, kernel.Reconfig{Backend: backend, Timeout: kernel.NoTimeout}); err != nil {
-			t.Fatalf("reconfigure the timeouts: %v", err)
-		}
+	r := kernel.Reconfig{Sockets: []*os.File{k2}, Backend: backend}
+	if withTimeout {
+		r.Timeout = kernel.NoTimeout
+	}
+	if err := c.Reconfigure(ctx, index, r); err != nil {
+		t.Fatalf("reconfigure: %v", err)
+	}
+	select {
+	case <-held:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiting write did not reach the second server")
+	}
+	if withTimeout {
+		// The write started when its task ran after the RECONFIGURE: at
+		// once on a machine with a CPU free, maybe only after the
+		// timer is set under TCG; here surely before.
 		if d, err := kernel.QueueTimeout(index); err != nil || d != 30*time.Second {
 			t.Fatalf("queue timer after a RECONFIGURE with no request timeout: %v %v, want the kernel's 30s", d, err)
 		}
 		if err := kernel.SetQueueTimeout(index, 500*time.Millisecond); err != nil {
 			t.Fatal(err)
 		}
-		if err := c.Reconfigure(ctx, index, kernel.Reconfig{Sockets: []*os.File{k2}, Backend: backend}); err != nil {
-			t.Fatalf("reconfigure the socket: %v", err)
-		}
-	}
-	select {
-	case <-held:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the waiting write did not reach the second server")
 	}
 	conn2.Close() // the second server dies with the write in flight
 	time.Sleep(300 * time.Millisecond)
@@ -686,17 +693,11 @@ func TestKernelWaitingRequestKeepsTheTimerOfItsStart(t *testing.T) {
 		t.Fatal("the write did not complete within 45s of the third socket")
 	}
 	took := time.Since(start)
-	order := "timer before the socket"
-	if socketFirst {
-		order = "socket before the timer"
-	}
-	t.Logf("%s: the write that waited for the second socket was resent on the third %v after its RECONFIGURE", order, took.Round(time.Millisecond))
-	if !socketFirst && took > 3*time.Second {
-		t.Fatalf("the write was resent %v after the third socket, want within 3s (the queue's 500ms timer, rounded up to a second)", took.Round(time.Millisecond))
-	}
+	t.Logf("the write that waited for the second socket was resent on the third %v after its RECONFIGURE", took.Round(time.Millisecond))
 	if got := dev.at(holdOff, len(p)); !bytes.Equal(got, p) {
 		t.Fatal("the resent write did not land")
 	}
+	return took
 }
 
 // A request slower than the block-queue timer on a live connection is

@@ -149,9 +149,10 @@ type Reconfig struct {
 	// Size is the new size in bytes (a multiple of the block size).
 	Size uint64
 	// Timeout and DeadConnTimeout, as for Options (NoTimeout turns the
-	// request timeout off). Either one given also resets the block
+	// request timeout off). A Timeout given also resets the block
 	// queue's timer (SetQueueTimeout) to the kernel's choice: Timeout,
-	// or 30s when it is off.
+	// or 30s when it is off (nbd_set_cmd_timeout); the requests the
+	// Sockets wake start after it, with that timer.
 	Timeout         time.Duration
 	DeadConnTimeout time.Duration
 	// Backend must equal the device's backend identifier when it has

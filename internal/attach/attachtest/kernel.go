@@ -99,6 +99,13 @@ func (k *Kernel) Ops() *attach.Kernel {
 			d.queue = t
 			return nil
 		},
+		QueueTimeout: func(i int) (time.Duration, error) {
+			_, q := k.Timers(i)
+			if k.dev(i) == nil {
+				return 0, fmt.Errorf("attachtest: /dev/nbd%d: %w", i, kernel.ErrNoDevice)
+			}
+			return q, nil
+		},
 	}
 }
 
