@@ -167,6 +167,8 @@ type Kernel struct {
 	SetQueueTimeout func(index int, d time.Duration) error
 	// QueueTimeout reads it (kernel.QueueTimeout); nil: unknown.
 	QueueTimeout func(index int) (time.Duration, error)
+	// SizeBytes reads /dev/nbdN's size (kernel.SizeBytes); nil: unknown.
+	SizeBytes func(index int) (uint64, error)
 }
 
 // SyncCloser is an open device node.
@@ -183,6 +185,7 @@ func RealKernel() *Kernel {
 		OpenExclusive:   func(i int) (SyncCloser, error) { return kernel.OpenExclusive(i) },
 		SetQueueTimeout: kernel.SetQueueTimeout,
 		QueueTimeout:    kernel.QueueTimeout,
+		SizeBytes:       kernel.SizeBytes,
 	}
 }
 
@@ -381,6 +384,15 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		if !keepTimers {
 			r.Timeout = timeout
 		}
+		// A volume grown while no process served the device: the kernel
+		// would resize before it takes the sockets, and a resize waits
+		// for the queue's requests to end on some kernels, while those in
+		// flight on the dead connection end only once the sockets
+		// replaced it. Run grows the device instead (followSize).
+		if cur, ok := at.kernelSize(); ok && cur != r.Size {
+			r.Size = 0
+			at.deviceSize.Store(cur)
+		}
 		err = k.Reconfigure(nlCtx, rec.Index, r)
 	} else {
 		flags := uint64(info.Flags)
@@ -460,6 +472,15 @@ func (at *Attachment) hasShortQueueTimer(n int) bool {
 	}
 	d, err := at.cfg.Kernel.QueueTimeout(at.index)
 	return err == nil && d == RequeueInterval
+}
+
+// kernelSize returns the size the kernel gives the device now, if known.
+func (at *Attachment) kernelSize() (uint64, bool) {
+	if at.cfg.Kernel.SizeBytes == nil {
+		return 0, false
+	}
+	n, err := at.cfg.Kernel.SizeBytes(at.index)
+	return n, err == nil && n > 0
 }
 
 // shortenQueueTimer sets the device's block-queue timer to RequeueInterval

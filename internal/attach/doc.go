@@ -51,17 +51,21 @@
 //     replicas refuse its writes) and reconciles the regions the kill
 //     left dirty. A death here is step 1 again; the next Open opens at a
 //     newer epoch still.
-//  4. RECONFIGURE hands the kernel the new sockets, with the volume's
-//     size and DeadConnTimeout. Waiting new requests go out at once, and
-//     start with the queue's timer of that moment, which they keep. A
-//     device an attach like this one left (no request timeout, the timer
-//     at RequeueInterval, one connection) gets no timeout attribute, so
-//     they start with RequeueInterval: a timeout attribute resets the
-//     timer to the kernel's 30 s. Any other device (one an older stor-ctl
-//     connected with a 30 s request timeout) gets "no request timeout",
-//     and the requests it wakes keep 30 s. A death right after is step 1
-//     with the new socket: the requests resent to it wait again, as new
-//     requests do.
+//  4. RECONFIGURE hands the kernel the new sockets, with DeadConnTimeout
+//     and the volume's size; a volume that grew while no process served
+//     it keeps the device's old size until Run grows the device, once
+//     the sockets are in (recent kernels resize, as they write the timer
+//     of step 5, only once every request ended, and those in flight on
+//     the dead connection end only once it is replaced). Waiting new
+//     requests go out at once, and start with the queue's timer of that
+//     moment, which they keep. A device an attach like this one left (no
+//     request timeout, the timer at RequeueInterval, one connection) gets
+//     no timeout attribute, so they start with RequeueInterval: a timeout
+//     attribute resets the timer to the kernel's 30 s. Any other device
+//     (one an older stor-ctl connected with a 30 s request timeout) gets
+//     "no request timeout", and the requests it wakes keep 30 s. A death
+//     right after is step 1 with the new socket: the requests resent to
+//     it wait again, as new requests do.
 //  5. If step 4 reset it, the block-queue timer is set to RequeueInterval
 //     again. Only after the sockets: on Linux from 6.11 (until a later
 //     release dropped it) the write freezes the queue, waiting for every

@@ -119,6 +119,14 @@ func (k *fakeKernel) ops() *attach.Kernel {
 			}
 			return k.devs[i].queue, nil
 		},
+		SizeBytes: func(i int) (uint64, error) {
+			k.mu.Lock()
+			defer k.mu.Unlock()
+			if d := k.devs[i]; d != nil && d.connected {
+				return d.size, nil
+			}
+			return 0, nil
+		},
 	}
 }
 
@@ -181,6 +189,12 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	d := k.devs[i]
 	if d == nil || !d.connected || d.backend != r.Backend {
 		return fmt.Errorf("fake: %w", unix.EINVAL)
+	}
+	if r.Size != 0 && r.Size != d.size && len(d.socks) == 0 && !d.dying {
+		// Applied before the sockets; on recent kernels a resize freezes
+		// the queue, as the queue timer's write does (SetQueueTimeout).
+		k.t.Errorf("fake kernel: /dev/nbd%d resized from %d to %d while it has no live connection: the RECONFIGURE would hang", i, d.size, r.Size)
+		return unix.EDEADLK
 	}
 	if r.Size != 0 {
 		d.size = r.Size
@@ -742,6 +756,48 @@ func TestNBDAttachKernelTimers(t *testing.T) {
 	i, _ = kernel.ParseDevice(r.dev)
 	if to, q := timers(i); to != 10*time.Second || q != 10*time.Second {
 		t.Fatalf("--io-timeout 10s: request timeout %v, queue timer %v; want 10s and 10s", to, q)
+	}
+	if err := r.stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A volume grown while its attach process was dead (a CSI expansion during
+// a node plugin restart): the resume hands the kernel the sockets at the
+// old size, and grows the device only once they replaced the dead
+// connection (a resize waits for the queue's requests to end on recent
+// kernels, and those in flight on the dead connection end only then).
+func TestNBDAttachResumeGrowsTheDeviceAfterTheSockets(t *testing.T) {
+	c := needCluster(t)
+	vol := createVolume(t, c, "kgrown", 8*mib)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if _, err := c.Dial().Volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, SizeBytes: 12 * mib}); err != nil {
+		t.Fatal(err)
+	}
+	k := newFakeKernel(t)
+	dir := t.TempDir()
+	backend := deadAttach(t, k, dir, vol, 7, 1, fakeDevice{size: 8 * mib, timeout: kernel.NoTimeout, queue: attach.RequeueInterval})
+	r := startAttach(t, attachConfig(t, c, k, dir, "kgrown"))
+	if r.dev != "/dev/nbd7" {
+		t.Fatalf("the restart printed %q, want the recorded /dev/nbd7", r.dev)
+	}
+	waitUntil(t, "the device to grow", func() bool {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return k.devs[7].size == 12*mib
+	})
+	want := []string{
+		fmt.Sprintf("reconfigure 7 sockets=1 size=0 backend=%s", backend),
+		fmt.Sprintf("reconfigure 7 sockets=0 size=%d backend=%s", 12*mib, backend),
+	}
+	if got := k.callLog(); !slices.Equal(got, want) {
+		t.Fatalf("kernel calls %q, want %q", got, want)
+	}
+	p := testPattern(4096, 6)
+	kwrite(t, k.sock(7, 0), 10*mib, p) // past the old end
+	if got := kread(t, k.sock(7, 0), 10*mib, 4096); !bytes.Equal(got, p) {
+		t.Fatal("I/O past the old end after the resume failed")
 	}
 	if err := r.stop(); err != nil {
 		t.Fatal(err)

@@ -106,6 +106,18 @@ func (k *Kernel) Ops() *attach.Kernel {
 			}
 			return q, nil
 		},
+		SizeBytes: func(i int) (uint64, error) {
+			d := k.dev(i)
+			if d == nil {
+				return 0, fmt.Errorf("attachtest: /dev/nbd%d: %w", i, kernel.ErrNoDevice)
+			}
+			d.mu.Lock()
+			defer d.mu.Unlock()
+			if !d.connected {
+				return 0, nil
+			}
+			return d.size, nil
+		},
 	}
 }
 
