@@ -215,8 +215,8 @@ func (cfg *Config) defaults() {
 
 // Open attaches the volume to a kernel device, or resumes the device a
 // record in the state dir names if the kernel still has it connected for
-// this volume, and starts serving it. The caller must call Run (which
-// ends the attachment) or Release.
+// this volume, and starts serving it. The caller must call Run, which
+// ends the attachment.
 //
 // Open takes the volume's lock in the state dir for the attachment's
 // lifetime: a second Open of the same volume fails with ErrAlreadyServed.
@@ -419,6 +419,9 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		return nil, fmt.Errorf("attach: %w", err)
 	}
 
+	if resume {
+		at.handedOver.Store(time.Now().UnixNano())
+	}
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
 	close(at.opened) // serveSlot may read index and log now
@@ -507,7 +510,7 @@ func (at *Attachment) DeviceSize() uint64 { return at.deviceSize.Load() }
 func (at *Attachment) Fenced() bool { return at.eng.Fenced() }
 
 // Attachment is one served kernel device. Its methods may be called
-// concurrently; Run and Release end it, once.
+// concurrently; Run ends it, once.
 type Attachment struct {
 	cfg     Config
 	k       KernelConn
@@ -527,6 +530,11 @@ type Attachment struct {
 	// deviceSize is the device's size, as last given to the kernel.
 	deviceSize atomic.Uint64
 	log        *slog.Logger
+	// deadSlots counts the connections that ended and were not replaced
+	// yet; handedOver is when the kernel last took a socket to replace a
+	// dead connection (UnixNano; 0: never). followSize waits on them.
+	deadSlots  atomic.Int32
+	handedOver atomic.Int64
 
 	// serveCtx is every connection's context: ending it drains them.
 	serveCtx    context.Context
@@ -580,6 +588,7 @@ func (at *Attachment) serveSlot(slot int, conn net.Conn) {
 		if at.stopping.Load() || at.serveCtx.Err() != nil || errors.Is(err, nbd.ErrServerClosed) {
 			return
 		}
+		at.deadSlots.Add(1)
 		if time.Since(start) > 10*time.Second {
 			backoff = 100 * time.Millisecond
 		}
@@ -609,6 +618,8 @@ func (at *Attachment) serveSlot(slot int, conn net.Conn) {
 			cancel()
 			kend.Close()
 			if err == nil {
+				at.handedOver.Store(time.Now().UnixNano())
+				at.deadSlots.Add(-1)
 				conn = sconn
 				break
 			}
@@ -718,9 +729,27 @@ func (at *Attachment) release() {
 
 // followSize gives the kernel the volume's new size when it changed (an
 // expansion the engine learnt of from the cluster).
+//
+// A resize waits for every request in the device to end on Linux from 6.9
+// (nbd_set_size freezes the queue), holding the nbd family's netlink lock,
+// so no socket can be handed over during the wait. With one connection
+// and no request timeout (RequeueInterval set), a request in flight on a
+// dead connection ends only once a new socket replaced it and the
+// queue's timer resent the request; otherwise the kernel's timer requeues
+// it, to wait for a live connection. So the device is resized only while
+// every connection is live and, with RequeueInterval, the requests of the
+// last replaced one were resent (the timer and two seconds after the
+// handover; the kernel looks within two seconds, 1.84 s measured). A
+// connection that dies during the resize still hangs it there.
 func (at *Attachment) followSize() {
 	size := at.eng.Size() / BlockSize * BlockSize
 	if size == at.deviceSize.Load() {
+		return
+	}
+	if at.deadSlots.Load() > 0 {
+		return
+	}
+	if h := at.handedOver.Load(); at.queueTimerSet && h != 0 && time.Since(time.Unix(0, h)) < RequeueInterval+2*time.Second {
 		return
 	}
 	ctx, cancel := context.WithTimeout(at.serveCtx, 10*time.Second)

@@ -52,32 +52,37 @@
 //     left dirty. A death here is step 1 again; the next Open opens at a
 //     newer epoch still.
 //  4. RECONFIGURE hands the kernel the new sockets, with DeadConnTimeout
-//     and the volume's size; a volume that grew while no process served
-//     it keeps the device's old size until Run grows the device, once
-//     the sockets are in (recent kernels resize, as they write the timer
-//     of step 5, only once every request ended, and those in flight on
-//     the dead connection end only once it is replaced). Waiting new
-//     requests go out at once, and start with the queue's timer of that
-//     moment, which they keep. A device an attach like this one left (no
-//     request timeout, the timer at RequeueInterval, one connection) gets
-//     no timeout attribute, so they start with RequeueInterval: a timeout
-//     attribute resets the timer to the kernel's 30 s. Any other device
-//     (one an older stor-ctl connected with a 30 s request timeout) gets
-//     "no request timeout", and the requests it wakes keep 30 s. A death
-//     right after is step 1 with the new socket: the requests resent to
-//     it wait again, as new requests do.
-//  5. If step 4 reset it, the block-queue timer is set to RequeueInterval
-//     again. Only after the sockets: on Linux from 6.11 (until a later
-//     release dropped it) the write freezes the queue, waiting for every
-//     request to end, and those in flight on a dead connection end only
-//     once it was replaced. At its
-//     next check after step 4, within two seconds, each request that was
-//     in flight at the death finds its connection replaced and is resent;
-//     the pause is the time to step 4 and a second or so more (0.5–0.6 s
-//     in internal/vmtest). Requests keep the timer they started with: the
-//     first restart after an upgrade from a stor-ctl that set a 30 s
-//     request timeout still waits those 30 s. A resent write may already
-//     have been applied by the dead process: stor's writes are idempotent.
+//     and the volume's size. Waiting new requests go out at once, and
+//     start with the queue's timer of that moment, which they keep. A
+//     device an attach like this one left (one connection, no request
+//     timeout, the timer at RequeueInterval, which only this package
+//     sets), resumed without --io-timeout, gets no timeout attribute, so
+//     they start with RequeueInterval: a timeout attribute resets the
+//     timer (to the kernel's 30 s when there is no request timeout). Any
+//     other device gets this attach's request timeout, and the requests
+//     it wakes keep the timer that gives. A volume that grew while no
+//     process served it keeps the device's old size here: Linux from 6.9
+//     resizes only once every request in the device ended (nbd_set_size
+//     freezes the queue), and those in flight on the dead connection end
+//     only once it was replaced; Run grows the device later (followSize:
+//     once every connection is live and, with RequeueInterval, the
+//     requests of the replaced one were resent). A death right after is
+//     step 1 with the new socket: the requests resent to it wait again,
+//     as new requests do.
+//  5. With one connection and no request timeout, the block-queue timer
+//     is set to RequeueInterval again if step 4 reset it. Only after the
+//     sockets: Linux from 6.11 (until a later release dropped it) freezes
+//     the queue for the write too, which then waits until the requests
+//     that were in flight at the death were resent (at their own timer,
+//     up to 30 s for a device an older stor-ctl connected). At the
+//     timer's next check after step 4, within two seconds, each request
+//     that was in flight at the death finds its connection replaced and
+//     is resent; the pause is the time to step 4 and a second or so more
+//     (0.5–0.6 s in internal/vmtest). Requests keep the timer they started
+//     with: the first restart after an upgrade from a stor-ctl that set a
+//     30 s request timeout still waits those 30 s. A resent write may
+//     already have been applied by the dead process: stor's writes are
+//     idempotent.
 //  6. The record is rewritten (pid, epoch). A death before it leaves the
 //     old record, which names the same device: the next process resumes
 //     it just the same.

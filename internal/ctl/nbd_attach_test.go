@@ -55,8 +55,10 @@ type fakeDevice struct {
 	// connection; blk_add_timer keeps a request's timeout once set).
 	woken []time.Duration
 	// dying: the kernel dropped a RECONFIGURE's sockets because the dead
-	// process's connection was not dead yet (fakeKernel.drop); it dies
-	// and is replaced by the attach's retry.
+	// process's connection was not dead yet (fakeKernel.drop); it dies,
+	// with requests in flight, until the attach's retry replaces it.
+	// Writing the queue timer meanwhile waits for the retry (it takes no
+	// lock the retry needs); a resize would hang it (it does).
 	dying bool
 }
 
@@ -190,7 +192,7 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	if d == nil || !d.connected || d.backend != r.Backend {
 		return fmt.Errorf("fake: %w", unix.EINVAL)
 	}
-	if r.Size != 0 && r.Size != d.size && len(d.socks) == 0 && !d.dying {
+	if r.Size != 0 && r.Size != d.size && (len(d.socks) == 0 || d.dying) {
 		// Applied before the sockets; on recent kernels a resize freezes
 		// the queue, as the queue timer's write does (SetQueueTimeout).
 		k.t.Errorf("fake kernel: /dev/nbd%d resized from %d to %d while it has no live connection: the RECONFIGURE would hang", i, d.size, r.Size)
@@ -214,6 +216,9 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	d.socks = append(d.socks, socks...)
 	for range socks {
 		d.woken = append(d.woken, d.queue)
+	}
+	if len(socks) > 0 {
+		d.dying = false // it died, and this socket replaced it
 	}
 	return nil
 }
@@ -769,16 +774,29 @@ func TestNBDAttachKernelTimers(t *testing.T) {
 // kernels, and those in flight on the dead connection end only then).
 func TestNBDAttachResumeGrowsTheDeviceAfterTheSockets(t *testing.T) {
 	c := needCluster(t)
-	vol := createVolume(t, c, "kgrown", 8*mib)
+	// drops: how many of the resume's sockets the kernel drops (the dead
+	// process's connection not dead yet), which the attach hands over
+	// again, with backoff (0.1, 0.2, 0.4, 0.8 s): the device must not be
+	// resized while the old connection is dying.
+	for _, drops := range []int{0, 4} {
+		t.Run(fmt.Sprintf("%d dropped", drops), func(t *testing.T) {
+			resumeGrown(t, c, fmt.Sprintf("kgrown%d", drops), drops)
+		})
+	}
+}
+
+func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int) {
+	vol := createVolume(t, c, name, 8*mib)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	if _, err := c.Dial().Volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, SizeBytes: 12 * mib}); err != nil {
 		t.Fatal(err)
 	}
 	k := newFakeKernel(t)
+	k.drop = drops
 	dir := t.TempDir()
 	backend := deadAttach(t, k, dir, vol, 7, 1, fakeDevice{size: 8 * mib, timeout: kernel.NoTimeout, queue: attach.RequeueInterval})
-	r := startAttach(t, attachConfig(t, c, k, dir, "kgrown"))
+	r := startAttach(t, attachConfig(t, c, k, dir, name))
 	if r.dev != "/dev/nbd7" {
 		t.Fatalf("the restart printed %q, want the recorded /dev/nbd7", r.dev)
 	}
@@ -787,10 +805,11 @@ func TestNBDAttachResumeGrowsTheDeviceAfterTheSockets(t *testing.T) {
 		defer k.mu.Unlock()
 		return k.devs[7].size == 12*mib
 	})
-	want := []string{
-		fmt.Sprintf("reconfigure 7 sockets=1 size=0 backend=%s", backend),
-		fmt.Sprintf("reconfigure 7 sockets=0 size=%d backend=%s", 12*mib, backend),
+	var want []string
+	for range drops + 1 {
+		want = append(want, fmt.Sprintf("reconfigure 7 sockets=1 size=0 backend=%s", backend))
 	}
+	want = append(want, fmt.Sprintf("reconfigure 7 sockets=0 size=%d backend=%s", 12*mib, backend))
 	if got := k.callLog(); !slices.Equal(got, want) {
 		t.Fatalf("kernel calls %q, want %q", got, want)
 	}

@@ -100,7 +100,8 @@ func QueueTimeout(index int) (time.Duration, error) {
 // later release dropped it again) freezes the queue for the write: it
 // waits until every request in the device has ended, so never write it
 // while requests are in flight on a dead connection (they end only once
-// a Reconfigure replaced it). Needs root (sysfs).
+// a Reconfigure replaced it and their timer resent them). Needs root
+// (sysfs).
 func SetQueueTimeout(index int, d time.Duration) error {
 	if d < time.Millisecond || d/time.Millisecond > math.MaxUint32 {
 		return fmt.Errorf("%w: queue timeout %v (want 1ms to %dms)", ErrInvalid, d, uint32(math.MaxUint32))

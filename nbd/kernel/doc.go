@@ -169,7 +169,14 @@
 // ioctl path (NBD_SET_SIZE) is no alternative: the kernel refuses every
 // ioctl but NBD_DISCONNECT and NBD_CLEAR_SOCK on a device configured by
 // netlink ("Cannot use ioctl interface on a netlink controlled device").
-// internal/vmtest's nbd scenario checks the resize in a VM.
+// internal/vmtest's nbd scenario checks the resize in a VM. From 6.9 the
+// kernel resizes with the queue frozen: it waits, holding the family's
+// netlink lock, until every request in the device has ended, and a
+// request in flight on a dead connection (one connection, NoTimeout) ends
+// only once a Reconfigure replaced the connection, which cannot come
+// during the wait. A Reconfigure applies Size before Sockets. So resize
+// only while every connection is live; writing the queue's timer
+// (SetQueueTimeout) waits the same way from 6.11.
 //
 // # Concurrency
 //

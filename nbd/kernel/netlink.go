@@ -146,7 +146,9 @@ type Options struct {
 type Reconfig struct {
 	// Sockets replace dead ones (see the package documentation).
 	Sockets []*os.File
-	// Size is the new size in bytes (a multiple of the block size).
+	// Size is the new size in bytes (a multiple of the block size),
+	// applied before Sockets (see "Resizing" in the package
+	// documentation: never while a connection is dead).
 	Size uint64
 	// Timeout and DeadConnTimeout, as for Options (NoTimeout turns the
 	// request timeout off). A Timeout given also resets the block
