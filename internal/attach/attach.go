@@ -370,13 +370,15 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		queueTimeout = cfg.IOTimeout
 	}
 	keepTimers := false
+	var prevTimer time.Duration
 	if resume {
 		at.index = rec.Index
 		// A device a dead attach like this one left has no request
 		// timeout and the short queue timer already: it gets no timeout
 		// attribute, which would reset the timer to 30 s for the requests
 		// the sockets wake (package documentation, step 4).
-		keepTimers = at.hasShortQueueTimer(n)
+		prevTimer = at.queueTimerNow()
+		keepTimers = cfg.IOTimeout == 0 && n == 1 && prevTimer == RequeueInterval
 		r := kernel.Reconfig{
 			Sockets: kernelEnds, Backend: at.backend, Size: at.deviceSize.Load(),
 			DeadConnTimeout: cfg.DeadConnTimeout,
@@ -419,9 +421,6 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		return nil, fmt.Errorf("attach: %w", err)
 	}
 
-	if resume {
-		at.handedOver.Store(time.Now().UnixNano())
-	}
 	dev := kernel.Path(at.index)
 	at.log = at.log.With("device", dev)
 	close(at.opened) // serveSlot may read index and log now
@@ -434,6 +433,17 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		// kernels, and those in flight on a dead connection drain only
 		// once it was replaced).
 		queueTimeout = at.shortenQueueTimer(n, queueTimeout)
+	}
+	at.requeueTimer.Store(int64(queueTimeout))
+	if resume {
+		// The requests in flight at the death are resent at their
+		// timer's next look: the device's timer before this resume (or
+		// an older one, unknown: 30 s), or this attach's.
+		prev := prevTimer
+		if prev <= 0 || prev > queueTimeoutDefault {
+			prev = queueTimeoutDefault
+		}
+		at.quietFor(max(prev, queueTimeout))
 	}
 	if err := SaveRecord(cfg.StateDir, &Record{
 		Volume: eng.Name(), VolumeID: id, Device: dev, Index: at.index, Backend: at.backend,
@@ -465,16 +475,33 @@ func (at *Attachment) Epoch() uint64 { return at.eng.Epoch() }
 // VolumeSize is the volume's size as the engine last learnt it.
 func (at *Attachment) VolumeSize() uint64 { return at.eng.Size() }
 
-// hasShortQueueTimer reports whether a resumed device with n connections
-// runs as this attach would make it run: one connection, no request
-// timeout, and the block-queue timer RequeueInterval, which only
-// shortenQueueTimer sets (on a device without a request timeout).
-func (at *Attachment) hasShortQueueTimer(n int) bool {
-	if at.cfg.IOTimeout > 0 || n != 1 || at.cfg.Kernel.QueueTimeout == nil {
-		return false
+// queueTimerNow reads the device's block-queue timer; 0 if unknown. A
+// timer of RequeueInterval means the device runs as this attach makes it
+// run with one connection and no --io-timeout: shortenQueueTimer sets it
+// only on such a device, and nbd itself sets whole seconds.
+func (at *Attachment) queueTimerNow() time.Duration {
+	if at.cfg.Kernel.QueueTimeout == nil {
+		return 0
 	}
 	d, err := at.cfg.Kernel.QueueTimeout(at.index)
-	return err == nil && d == RequeueInterval
+	if err != nil {
+		return 0
+	}
+	return d
+}
+
+// quietFor keeps followSize from resizing the device for the next timer
+// and two seconds: a socket just replaced a dead connection, and the
+// requests in flight on it are resent only at their timer's next look
+// (followSize).
+func (at *Attachment) quietFor(timer time.Duration) {
+	until := time.Now().Add(timer + 2*time.Second).UnixNano()
+	for {
+		cur := at.quietUntil.Load()
+		if cur >= until || at.quietUntil.CompareAndSwap(cur, until) {
+			return
+		}
+	}
 }
 
 // kernelSize returns the size the kernel gives the device now, if known.
@@ -531,10 +558,13 @@ type Attachment struct {
 	deviceSize atomic.Uint64
 	log        *slog.Logger
 	// deadSlots counts the connections that ended and were not replaced
-	// yet; handedOver is when the kernel last took a socket to replace a
-	// dead connection (UnixNano; 0: never). followSize waits on them.
-	deadSlots  atomic.Int32
-	handedOver atomic.Int64
+	// yet; quietUntil is when the requests in flight on the last one
+	// replaced were surely resent (UnixNano, quietFor), requeueTimer the
+	// device's block-queue timer once Open set it (0 before).
+	// followSize waits on them.
+	deadSlots    atomic.Int32
+	quietUntil   atomic.Int64
+	requeueTimer atomic.Int64
 
 	// serveCtx is every connection's context: ending it drains them.
 	serveCtx    context.Context
@@ -618,7 +648,11 @@ func (at *Attachment) serveSlot(slot int, conn net.Conn) {
 			cancel()
 			kend.Close()
 			if err == nil {
-				at.handedOver.Store(time.Now().UnixNano())
+				timer := time.Duration(at.requeueTimer.Load())
+				if timer == 0 {
+					timer = queueTimeoutDefault
+				}
+				at.quietFor(timer)
 				at.deadSlots.Add(-1)
 				conn = sconn
 				break
@@ -731,25 +765,23 @@ func (at *Attachment) release() {
 // expansion the engine learnt of from the cluster).
 //
 // A resize waits for every request in the device to end on Linux from 6.9
-// (nbd_set_size freezes the queue), holding the nbd family's netlink lock,
-// so no socket can be handed over during the wait. With one connection
-// and no request timeout (RequeueInterval set), a request in flight on a
-// dead connection ends only once a new socket replaced it and the
-// queue's timer resent the request; otherwise the kernel's timer requeues
-// it, to wait for a live connection. So the device is resized only while
-// every connection is live and, with RequeueInterval, the requests of the
-// last replaced one were resent (the timer and two seconds after the
-// handover; the kernel looks within two seconds, 1.84 s measured). A
-// connection that dies during the resize still hangs it there.
+// (nbd_set_size freezes the queue), holding the generic netlink lock, so
+// no socket can be handed over to any nbd device during the wait, and the
+// call cannot be interrupted. A request in flight on a dead connection
+// ends only once a new socket replaced it and the request's timer, at its
+// next look, resent it (with one connection and no request timeout; the
+// kernel's timer requeues it otherwise, to wait for a live connection).
+// So the device is resized only while every connection is live and the
+// requests of the last replaced one were resent: their timer and two
+// seconds after the handover (the kernel looked within 1.84 s with the
+// 500 ms timer, measured). A connection that dies during the resize still
+// hangs it there.
 func (at *Attachment) followSize() {
 	size := at.eng.Size() / BlockSize * BlockSize
 	if size == at.deviceSize.Load() {
 		return
 	}
-	if at.deadSlots.Load() > 0 {
-		return
-	}
-	if h := at.handedOver.Load(); at.queueTimerSet && h != 0 && time.Since(time.Unix(0, h)) < RequeueInterval+2*time.Second {
+	if at.deadSlots.Load() > 0 || time.Now().UnixNano() < at.quietUntil.Load() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(at.serveCtx, 10*time.Second)

@@ -65,10 +65,10 @@
 //     resizes only once every request in the device ended (nbd_set_size
 //     freezes the queue), and those in flight on the dead connection end
 //     only once it was replaced; Run grows the device later (followSize:
-//     once every connection is live and, with RequeueInterval, the
-//     requests of the replaced one were resent). A death right after is
-//     step 1 with the new socket: the requests resent to it wait again,
-//     as new requests do.
+//     once every connection is live and the requests of the replaced one
+//     were resent, their timer and two seconds after the handover). A
+//     death right after is step 1 with the new socket: the requests
+//     resent to it wait again, as new requests do.
 //  5. With one connection and no request timeout, the block-queue timer
 //     is set to RequeueInterval again if step 4 reset it. Only after the
 //     sockets: Linux from 6.11 (until a later release dropped it) freezes

@@ -60,6 +60,12 @@ type fakeDevice struct {
 	// Writing the queue timer meanwhile waits for the retry (it takes no
 	// lock the retry needs); a resize would hang it (it does).
 	dying bool
+	// resent is when the requests in flight on the connection a socket
+	// last replaced were surely resent: at the first look of their timer
+	// (the queue's before the RECONFIGURE) after the replacement, the
+	// kernel rounding it up to a second. A resize before then waits for
+	// them, in the netlink call, holding the lock every handover needs.
+	resent time.Time
 }
 
 type fakeKernel struct {
@@ -198,6 +204,12 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 		k.t.Errorf("fake kernel: /dev/nbd%d resized from %d to %d while it has no live connection: the RECONFIGURE would hang", i, d.size, r.Size)
 		return unix.EDEADLK
 	}
+	if r.Size != 0 && r.Size != d.size && time.Now().Before(d.resent) {
+		k.t.Errorf("fake kernel: /dev/nbd%d resized %v before the requests of its replaced connection were resent: the RECONFIGURE would wait for them", i, time.Until(d.resent).Round(time.Millisecond))
+		return unix.EDEADLK
+	}
+	replaced := len(d.socks) == 0 || d.dying
+	timer := d.queue // the dead connection's requests started with it
 	if r.Size != 0 {
 		d.size = r.Size
 	}
@@ -219,6 +231,9 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	}
 	if len(socks) > 0 {
 		d.dying = false // it died, and this socket replaced it
+		if replaced {
+			d.resent = time.Now().Add(timer + time.Second)
+		}
 	}
 	return nil
 }
@@ -424,7 +439,13 @@ func (w *tLog) Write(p []byte) (int, error) {
 
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
+	waitFor(t, what, 30*time.Second, cond)
+}
+
+// waitFor waits up to limit for cond.
+func waitFor(t *testing.T, what string, limit time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
 	for !cond() {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting for %s", what)
@@ -776,16 +797,24 @@ func TestNBDAttachResumeGrowsTheDeviceAfterTheSockets(t *testing.T) {
 	c := needCluster(t)
 	// drops: how many of the resume's sockets the kernel drops (the dead
 	// process's connection not dead yet), which the attach hands over
-	// again, with backoff (0.1, 0.2, 0.4, 0.8 s): the device must not be
-	// resized while the old connection is dying.
-	for _, drops := range []int{0, 4} {
+	// again, with backoff (0.1 s, doubling to 3.2 s, longer than the wait
+	// after a handover): the device must not be resized while the old
+	// connection is dying.
+	for _, drops := range []int{0, 6} {
 		t.Run(fmt.Sprintf("%d dropped", drops), func(t *testing.T) {
-			resumeGrown(t, c, fmt.Sprintf("kgrown%d", drops), drops)
+			resumeGrown(t, c, fmt.Sprintf("kgrown%d", drops), drops, 0)
 		})
 	}
+	// With --io-timeout the requests in flight at the death are resent at
+	// their timer, 2 s here, not the 500 ms one.
+	t.Run("io-timeout", func(t *testing.T) { resumeGrown(t, c, "kgrownio", 0, 2*time.Second) })
 }
 
-func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int) {
+// resumeGrown resumes a device of 8 MiB whose volume grew to 12 MiB while
+// its attach was dead, the kernel dropping the first drops sockets, the
+// device and the attach with the given --io-timeout (0: none), and checks
+// the calls the kernel got, and I/O past the old end.
+func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int, ioTimeout time.Duration) {
 	vol := createVolume(t, c, name, 8*mib)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -795,8 +824,14 @@ func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int) {
 	k := newFakeKernel(t)
 	k.drop = drops
 	dir := t.TempDir()
-	backend := deadAttach(t, k, dir, vol, 7, 1, fakeDevice{size: 8 * mib, timeout: kernel.NoTimeout, queue: attach.RequeueInterval})
-	r := startAttach(t, attachConfig(t, c, k, dir, name))
+	dead := fakeDevice{size: 8 * mib, timeout: kernel.NoTimeout, queue: attach.RequeueInterval}
+	if ioTimeout > 0 {
+		dead.timeout, dead.queue = ioTimeout, ioTimeout
+	}
+	backend := deadAttach(t, k, dir, vol, 7, 1, dead)
+	cfg := attachConfig(t, c, k, dir, name)
+	cfg.IOTimeout = ioTimeout
+	r := startAttach(t, cfg)
 	if r.dev != "/dev/nbd7" {
 		t.Fatalf("the restart printed %q, want the recorded /dev/nbd7", r.dev)
 	}
@@ -886,6 +921,7 @@ func TestNBDAttachReplacesConnectionsAndFollowsSize(t *testing.T) {
 	if got := kread(t, k.sock(0, 1), 0, 4096); !bytes.Equal(got, p) {
 		t.Fatal("I/O on the replacement socket failed")
 	}
+	replaced := time.Now()
 	last := k.reconfs[0]
 	if len(last.Sockets) != 1 || last.Backend != attach.BackendID(vol.Id) {
 		t.Fatalf("replacement reconfigure %+v", last)
@@ -896,11 +932,17 @@ func TestNBDAttachReplacesConnectionsAndFollowsSize(t *testing.T) {
 	if _, err := c.Dial().Volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: vol.Id}, SizeBytes: 12 * mib}); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the device to grow", func() bool {
+	// Not before the requests in flight on the dead connection were
+	// requeued, at their 30 s timer (two connections): a resize waits
+	// for them (attach's followSize).
+	waitFor(t, "the device to grow", 45*time.Second, func() bool {
 		k.mu.Lock()
 		defer k.mu.Unlock()
 		return k.devs[0].size == 12*mib
 	})
+	if d := time.Since(replaced); d < 30*time.Second {
+		t.Fatalf("the device grew %v after a connection was replaced, before the kernel's 30s timer resent its requests", d.Round(time.Millisecond))
+	}
 	kwrite(t, k.sock(0, 1), 10*mib, p) // past the old end
 }
 

@@ -480,8 +480,11 @@ func (c *Client) execute(ctx context.Context, cmd uint8, flags netlink.HeaderFla
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	// Deadlines are best effort (a fake connection has none); the
-	// kernel answers these commands without waiting on I/O.
+	// Deadlines are best effort (a fake connection has none). The
+	// kernel answers these commands without waiting on I/O but for a
+	// resize from 6.9 ("Resizing" in the package documentation), which
+	// the deadline cannot interrupt; a call it cuts short leaves the
+	// kernel's reply unread on the socket.
 	if d, ok := ctx.Deadline(); ok {
 		c.c.SetDeadline(d)
 		defer c.c.SetDeadline(time.Time{})
