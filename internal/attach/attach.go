@@ -328,7 +328,7 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	at := &Attachment{
 		cfg: cfg, k: k, lock: lock, srv: srv, eng: eng, export: eng.Name(), removeMetrics: removeMetrics,
 		backend: BackendID(id), gone: make(chan struct{}), resumed: resume,
-		abandon: make(chan struct{}), runDone: make(chan struct{}), opened: make(chan struct{}),
+		abandon: make(chan struct{}), runDone: make(chan struct{}), opened: make(chan struct{}), born: time.Now(),
 		log: log.With("volume", eng.Name(), "volume_id", eng.ID()),
 	}
 	at.serveCtx, at.stopServing = context.WithCancel(context.Background())
@@ -495,7 +495,7 @@ func (at *Attachment) queueTimerNow() time.Duration {
 // requests in flight on it are resent only at their timer's next look
 // (followSize).
 func (at *Attachment) quietFor(timer time.Duration) {
-	until := time.Now().Add(timer + 2*time.Second).UnixNano()
+	until := int64(time.Since(at.born) + timer + 2*time.Second)
 	for {
 		cur := at.quietUntil.Load()
 		if cur >= until || at.quietUntil.CompareAndSwap(cur, until) {
@@ -559,11 +559,13 @@ type Attachment struct {
 	log        *slog.Logger
 	// deadSlots counts the connections that ended and were not replaced
 	// yet; quietUntil is when the requests in flight on the last one
-	// replaced were surely resent (UnixNano, quietFor), requeueTimer the
-	// device's block-queue timer once Open set it (0 before).
-	// followSize waits on them.
+	// replaced were surely resent (quietFor; a time since born, which a
+	// step of the wall clock does not move); requeueTimer is the device's
+	// block-queue timer once Open set it (0 before). followSize waits on
+	// them.
 	deadSlots    atomic.Int32
 	quietUntil   atomic.Int64
+	born         time.Time
 	requeueTimer atomic.Int64
 
 	// serveCtx is every connection's context: ending it drains them.
@@ -781,7 +783,7 @@ func (at *Attachment) followSize() {
 	if size == at.deviceSize.Load() {
 		return
 	}
-	if at.deadSlots.Load() > 0 || time.Now().UnixNano() < at.quietUntil.Load() {
+	if at.deadSlots.Load() > 0 || int64(time.Since(at.born)) < at.quietUntil.Load() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(at.serveCtx, 10*time.Second)
