@@ -421,29 +421,35 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		return nil, fmt.Errorf("attach: %w", err)
 	}
 
-	dev := kernel.Path(at.index)
-	at.log = at.log.With("device", dev)
-	close(at.opened) // serveSlot may read index and log now
 	if keepTimers {
 		queueTimeout, at.queueTimerSet = RequeueInterval, true
-	} else {
+	}
+	if resume {
+		// The requests in flight at the death started with the device's
+		// timer before this resume (unknown: take the kernel's 30 s),
+		// and are resent at its next look once a socket replaced their
+		// connection: the resume's, or serveSlot's if the kernel
+		// dropped that one.
+		at.resumeTimer = prevTimer
+		if at.resumeTimer <= 0 {
+			at.resumeTimer = queueTimeoutDefault
+		}
+	}
+	at.requeueTimer.Store(int64(queueTimeout)) // the CONNECT's or RECONFIGURE's
+	dev := kernel.Path(at.index)
+	at.log = at.log.With("device", dev)
+	close(at.opened) // serveSlot may read index, log and resumeTimer now
+	if !keepTimers {
 		// The CONNECT or RECONFIGURE set the queue's timer to the
 		// kernel's: ours now, once the sockets are the kernel's (the
 		// write waits for the queue's requests to drain on some
 		// kernels, and those in flight on a dead connection drain only
 		// once it was replaced).
 		queueTimeout = at.shortenQueueTimer(n, queueTimeout)
+		at.requeueTimer.Store(int64(queueTimeout))
 	}
-	at.requeueTimer.Store(int64(queueTimeout))
 	if resume {
-		// The requests in flight at the death are resent at their
-		// timer's next look: the device's timer before this resume (or
-		// an older one, unknown: 30 s), or this attach's.
-		prev := prevTimer
-		if prev <= 0 || prev > queueTimeoutDefault {
-			prev = queueTimeoutDefault
-		}
-		at.quietFor(max(prev, queueTimeout))
+		at.quietFor(at.handoverTimer())
 	}
 	if err := SaveRecord(cfg.StateDir, &Record{
 		Volume: eng.Name(), VolumeID: id, Device: dev, Index: at.index, Backend: at.backend,
@@ -488,6 +494,15 @@ func (at *Attachment) queueTimerNow() time.Duration {
 		return 0
 	}
 	return d
+}
+
+// handoverTimer is the longest timer the requests in flight on a
+// connection a socket just replaced may have started with: the device's
+// block-queue timer, or the one of the dead process a resume took over
+// (its requests may still be in flight on a connection the kernel kept
+// while it dropped the resume's socket).
+func (at *Attachment) handoverTimer() time.Duration {
+	return max(time.Duration(at.requeueTimer.Load()), at.resumeTimer)
 }
 
 // quietFor keeps followSize from resizing the device for the next timer
@@ -559,14 +574,17 @@ type Attachment struct {
 	log        *slog.Logger
 	// deadSlots counts the connections that ended and were not replaced
 	// yet; quietUntil is when the requests in flight on the last one
-	// replaced were surely resent (quietFor; a time since born, which a
-	// step of the wall clock does not move); requeueTimer is the device's
-	// block-queue timer once Open set it (0 before). followSize waits on
-	// them.
+	// replaced were resent (quietFor; a time since born, which a step of
+	// the wall clock does not move); requeueTimer is the device's
+	// block-queue timer, resumeTimer the timer of a resumed device's dead
+	// process (handoverTimer). followSize waits on them.
 	deadSlots    atomic.Int32
 	quietUntil   atomic.Int64
 	born         time.Time
 	requeueTimer atomic.Int64
+	resumeTimer  time.Duration
+	// resizeDeferred: followSize logged that it waits (Run's goroutine).
+	resizeDeferred bool
 
 	// serveCtx is every connection's context: ending it drains them.
 	serveCtx    context.Context
@@ -650,11 +668,7 @@ func (at *Attachment) serveSlot(slot int, conn net.Conn) {
 			cancel()
 			kend.Close()
 			if err == nil {
-				timer := time.Duration(at.requeueTimer.Load())
-				if timer == 0 {
-					timer = queueTimeoutDefault
-				}
-				at.quietFor(timer)
+				at.quietFor(at.handoverTimer())
 				at.deadSlots.Add(-1)
 				conn = sconn
 				break
@@ -770,22 +784,30 @@ func (at *Attachment) release() {
 // (nbd_set_size freezes the queue), holding the generic netlink lock, so
 // no socket can be handed over to any nbd device during the wait, and the
 // call cannot be interrupted. A request in flight on a dead connection
-// ends only once a new socket replaced it and the request's timer, at its
-// next look, resent it (with one connection and no request timeout; the
-// kernel's timer requeues it otherwise, to wait for a live connection).
-// So the device is resized only while every connection is live and the
-// requests of the last replaced one were resent: their timer and two
-// seconds after the handover (the kernel looked within 1.84 s with the
-// 500 ms timer, measured). A connection that dies during the resize still
-// hangs it there.
+// ends only at a look of its own timer: with one connection and no
+// request timeout, the first look after a new socket replaced the
+// connection resends it; otherwise a look requeues it, to another live
+// connection or to wait for one. So the device is resized only while
+// every connection is live and the requests of the last replaced one were
+// resent: the longest timer they may have started with (handoverTimer)
+// and two seconds after the handover (the kernel looked within 1.84 s
+// with the 500 ms timer, measured). A connection that dies during the
+// resize still hangs it there.
 func (at *Attachment) followSize() {
 	size := at.eng.Size() / BlockSize * BlockSize
 	if size == at.deviceSize.Load() {
 		return
 	}
-	if at.deadSlots.Load() > 0 || int64(time.Since(at.born)) < at.quietUntil.Load() {
+	dead, wait := at.deadSlots.Load(), time.Duration(at.quietUntil.Load())-time.Since(at.born)
+	if dead > 0 || wait > 0 {
+		if !at.resizeDeferred {
+			at.resizeDeferred = true
+			at.log.Info("the volume grew; the device grows once every kernel connection is live and the requests of a replaced one were resent",
+				"from", at.deviceSize.Load(), "to", size, "dead_connections", dead, "wait", wait.Round(time.Millisecond))
+		}
 		return
 	}
+	at.resizeDeferred = false
 	ctx, cancel := context.WithTimeout(at.serveCtx, 10*time.Second)
 	defer cancel()
 	if err := at.k.Reconfigure(ctx, at.index, kernel.Reconfig{Backend: at.backend, Size: size}); err != nil {

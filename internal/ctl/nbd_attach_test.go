@@ -62,10 +62,13 @@ type fakeDevice struct {
 	dying bool
 	// resent is when the requests in flight on the connection a socket
 	// last replaced were surely resent: at the first look of their timer
-	// (the queue's before the RECONFIGURE) after the replacement, the
-	// kernel rounding it up to a second. A resize before then waits for
-	// them, in the netlink call, holding the lock every handover needs.
-	resent time.Time
+	// after the replacement, the kernel rounding it up to a second. A
+	// resize before then waits for them, in the netlink call, holding
+	// the lock every handover needs. started is the timer they started
+	// with, when a RECONFIGURE changed the queue's before a socket
+	// replaced their connection (0: the queue's).
+	resent  time.Time
+	started time.Duration
 }
 
 type fakeKernel struct {
@@ -209,7 +212,9 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 		return unix.EDEADLK
 	}
 	replaced := len(d.socks) == 0 || d.dying
-	timer := d.queue // the dead connection's requests started with it
+	if replaced && d.started == 0 {
+		d.started = d.queue // the dead connection's requests started with it
+	}
 	if r.Size != 0 {
 		d.size = r.Size
 	}
@@ -232,7 +237,7 @@ func (k *fakeKernel) Reconfigure(_ context.Context, i int, r kernel.Reconfig) er
 	if len(socks) > 0 {
 		d.dying = false // it died, and this socket replaced it
 		if replaced {
-			d.resent = time.Now().Add(timer + time.Second)
+			d.resent, d.started = time.Now().Add(d.started+time.Second), 0
 		}
 	}
 	return nil
@@ -802,19 +807,24 @@ func TestNBDAttachResumeGrowsTheDeviceAfterTheSockets(t *testing.T) {
 	// connection is dying.
 	for _, drops := range []int{0, 6} {
 		t.Run(fmt.Sprintf("%d dropped", drops), func(t *testing.T) {
-			resumeGrown(t, c, fmt.Sprintf("kgrown%d", drops), drops, 0)
+			resumeGrown(t, c, fmt.Sprintf("kgrown%d", drops), drops, 0, 0)
 		})
 	}
 	// With --io-timeout the requests in flight at the death are resent at
 	// their timer, 2 s here, not the 500 ms one.
-	t.Run("io-timeout", func(t *testing.T) { resumeGrown(t, c, "kgrownio", 0, 2*time.Second) })
+	t.Run("io-timeout", func(t *testing.T) { resumeGrown(t, c, "kgrownio", 0, 2*time.Second, 0) })
+	// A device whose dead process had a 2 s --io-timeout, resumed without
+	// one, its sockets dropped: the socket that finally replaces the dead
+	// connection is serveSlot's, and its requests still have 2 s.
+	t.Run("6 dropped, io-timeout before", func(t *testing.T) { resumeGrown(t, c, "kgrownold", 6, 0, 2*time.Second) })
 }
 
 // resumeGrown resumes a device of 8 MiB whose volume grew to 12 MiB while
 // its attach was dead, the kernel dropping the first drops sockets, the
-// device and the attach with the given --io-timeout (0: none), and checks
-// the calls the kernel got, and I/O past the old end.
-func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int, ioTimeout time.Duration) {
+// attach with the given --io-timeout (0: none) and the device with
+// deadTimeout (0: the same), and checks the calls the kernel got, and I/O
+// past the old end.
+func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int, ioTimeout, deadTimeout time.Duration) {
 	vol := createVolume(t, c, name, 8*mib)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -825,8 +835,11 @@ func resumeGrown(t *testing.T, c *servertest.Cluster, name string, drops int, io
 	k.drop = drops
 	dir := t.TempDir()
 	dead := fakeDevice{size: 8 * mib, timeout: kernel.NoTimeout, queue: attach.RequeueInterval}
-	if ioTimeout > 0 {
-		dead.timeout, dead.queue = ioTimeout, ioTimeout
+	if deadTimeout == 0 {
+		deadTimeout = ioTimeout
+	}
+	if deadTimeout > 0 {
+		dead.timeout, dead.queue = deadTimeout, deadTimeout
 	}
 	backend := deadAttach(t, k, dir, vol, 7, 1, dead)
 	cfg := attachConfig(t, c, k, dir, name)

@@ -170,13 +170,15 @@
 // ioctl but NBD_DISCONNECT and NBD_CLEAR_SOCK on a device configured by
 // netlink ("Cannot use ioctl interface on a netlink controlled device").
 // internal/vmtest's nbd scenario checks the resize in a VM. From 6.9 the
-// kernel resizes with the queue frozen: it waits, holding the family's
-// netlink lock, until every request in the device has ended, and a
-// request in flight on a dead connection (one connection, NoTimeout) ends
-// only once a Reconfigure replaced the connection, which cannot come
-// during the wait. A Reconfigure applies Size before Sockets. So resize
-// only while every connection is live; writing the queue's timer
-// (SetQueueTimeout) waits the same way from 6.11.
+// kernel resizes with the queue frozen: it waits, holding the generic
+// netlink lock (the nbd family is not parallel), until every request in
+// the device has ended. A request in flight on a dead connection ends
+// only at a look of its timer, and with one connection and NoTimeout only
+// once a Reconfigure replaced the connection, which cannot come during
+// the wait. A Reconfigure applies Size before Sockets. So resize only
+// while every connection is live and no request of a replaced one can be
+// in flight still (its timer after the replacement); writing the queue's
+// timer (SetQueueTimeout) waits the same way from 6.11.
 //
 // # Concurrency
 //

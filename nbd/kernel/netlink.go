@@ -484,7 +484,8 @@ func (c *Client) execute(ctx context.Context, cmd uint8, flags netlink.HeaderFla
 	// kernel answers these commands without waiting on I/O but for a
 	// resize from 6.9 ("Resizing" in the package documentation), which
 	// the deadline cannot interrupt; a call it cuts short leaves the
-	// kernel's reply unread on the socket.
+	// kernel's reply unread on the socket, and every later call on this
+	// client then reads the reply before its own and fails.
 	if d, ok := ctx.Deadline(); ok {
 		c.c.SetDeadline(d)
 		defer c.c.SetDeadline(time.Time{})
