@@ -27,9 +27,10 @@ import (
 // to reach the volume's new size (the engine learns of an expansion
 // through its watch stream; the device follows within a second, or once
 // the requests of a connection replaced just before were resent: 2.5 s
-// with the plugin's one connection and no request timeout, but 32 s after
-// resuming a device an older stor-ctl left with the kernel's 30 s timer,
-// when a first NodeExpandVolume fails and the orchestrator retries).
+// with the plugin's one connection and no request timeout, but 32 s just
+// after resuming a device an older stor-ctl left with the kernel's 30 s
+// timer, when a first NodeExpandVolume fails and the orchestrator
+// retries).
 const expandWait = 30 * time.Second
 
 // stagedRecord is what the node keeps about a staged volume, in

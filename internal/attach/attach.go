@@ -430,10 +430,10 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		// and are resent at its next look once a socket replaced their
 		// connection: the resume's, or serveSlot's if the kernel
 		// dropped that one.
-		at.resumeTimer = prevTimer
-		if at.resumeTimer <= 0 {
-			at.resumeTimer = queueTimeoutDefault
+		if prevTimer <= 0 {
+			prevTimer = queueTimeoutDefault
 		}
+		at.resumeTimer.Store(int64(prevTimer))
 	}
 	at.requeueTimer.Store(int64(queueTimeout)) // the CONNECT's or RECONFIGURE's
 	dev := kernel.Path(at.index)
@@ -502,7 +502,7 @@ func (at *Attachment) queueTimerNow() time.Duration {
 // (its requests may still be in flight on a connection the kernel kept
 // while it dropped the resume's socket).
 func (at *Attachment) handoverTimer() time.Duration {
-	return max(time.Duration(at.requeueTimer.Load()), at.resumeTimer)
+	return max(time.Duration(at.requeueTimer.Load()), time.Duration(at.resumeTimer.Load()))
 }
 
 // quietFor keeps followSize from resizing the device for the next timer
@@ -577,12 +577,13 @@ type Attachment struct {
 	// replaced were resent (quietFor; a time since born, which a step of
 	// the wall clock does not move); requeueTimer is the device's
 	// block-queue timer, resumeTimer the timer of a resumed device's dead
-	// process (handoverTimer). followSize waits on them.
+	// process until its requests were resent (handoverTimer). followSize
+	// waits on them.
 	deadSlots    atomic.Int32
 	quietUntil   atomic.Int64
 	born         time.Time
 	requeueTimer atomic.Int64
-	resumeTimer  time.Duration
+	resumeTimer  atomic.Int64
 	// resizeDeferred: followSize logged that it waits (Run's goroutine).
 	resizeDeferred bool
 
@@ -794,16 +795,21 @@ func (at *Attachment) release() {
 // with the 500 ms timer, measured). A connection that dies during the
 // resize still hangs it there.
 func (at *Attachment) followSize() {
+	dead, wait := at.deadSlots.Load(), time.Duration(at.quietUntil.Load())-time.Since(at.born)
+	if dead == 0 && wait <= 0 {
+		// A resume's dead connection was replaced and its requests were
+		// resent: none with its timer is left.
+		at.resumeTimer.Store(0)
+	}
 	size := at.eng.Size() / BlockSize * BlockSize
 	if size == at.deviceSize.Load() {
 		return
 	}
-	dead, wait := at.deadSlots.Load(), time.Duration(at.quietUntil.Load())-time.Since(at.born)
 	if dead > 0 || wait > 0 {
 		if !at.resizeDeferred {
 			at.resizeDeferred = true
 			at.log.Info("the volume grew; the device grows once every kernel connection is live and the requests of a replaced one were resent",
-				"from", at.deviceSize.Load(), "to", size, "dead_connections", dead, "wait", wait.Round(time.Millisecond))
+				"from", at.deviceSize.Load(), "to", size, "dead_connections", dead, "wait", max(wait, 0).Round(time.Millisecond))
 		}
 		return
 	}

@@ -813,10 +813,12 @@ func TestNBDAttachResumeGrowsTheDeviceAfterTheSockets(t *testing.T) {
 	// With --io-timeout the requests in flight at the death are resent at
 	// their timer, 2 s here, not the 500 ms one.
 	t.Run("io-timeout", func(t *testing.T) { resumeGrown(t, c, "kgrownio", 0, 2*time.Second, 0) })
-	// A device whose dead process had a 2 s --io-timeout, resumed without
+	// A device whose dead process had a 3 s --io-timeout, resumed without
 	// one, its sockets dropped: the socket that finally replaces the dead
-	// connection is serveSlot's, and its requests still have 2 s.
-	t.Run("6 dropped, io-timeout before", func(t *testing.T) { resumeGrown(t, c, "kgrownold", 6, 0, 2*time.Second) })
+	// connection is serveSlot's, and its requests still have 3 s (5 s of
+	// wait, against 2.5 s for this attach's own timer, which Run's 1 s
+	// tick would turn into a resize before the fake's 4 s every time).
+	t.Run("6 dropped, io-timeout before", func(t *testing.T) { resumeGrown(t, c, "kgrownold", 6, 0, 3*time.Second) })
 }
 
 // resumeGrown resumes a device of 8 MiB whose volume grew to 12 MiB while
