@@ -278,11 +278,19 @@ func (k *Kubelet) registerDriver(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		node.Annotations["csi.volume.kubernetes.io/nodeid"] = string(b)
-		for key, v := range seg {
-			node.Labels[key] = v
+		// A merge patch of the annotation and the labels, as the real
+		// kubelet patches its Node: an Update would carry the taints it
+		// read, and NodeRestriction forbids it ("not allowed to modify
+		// taints") when the node lifecycle controller changed them
+		// since, before any conflict is seen.
+		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
+			"annotations": map[string]string{"csi.volume.kubernetes.io/nodeid": string(b)},
+			"labels":      seg,
+		}})
+		if err != nil {
+			return err
 		}
-		node, err = k.client.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{})
+		node, err = k.client.CoreV1().Nodes().Patch(ctx, k.cfg.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 		return err
 	})
 	if err != nil {
