@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
@@ -313,6 +315,89 @@ func TestAFailureOfALeftIncarnationIsNotTheNewOnes(t *testing.T) {
 	for i := range 3 {
 		if !bytes.Equal(f.replica(i).snapshot()[:4096], w) {
 			t.Fatalf("replica %d lacks the acknowledged write W", i)
+		}
+	}
+}
+
+// progressLog records each rebuild progress report (a SetReplicaState
+// REBUILDING with a total) and how many chunks the target had taken when
+// it was sent. With hang set it never answers one, as a control plane
+// without a leader does not (the client retries a call that has no
+// deadline until there is one).
+type progressLog struct {
+	storpb.VolumeServiceClient
+	target *memReplica
+	hang   bool
+	mu     sync.Mutex
+	sent   []progressSent
+}
+
+type progressSent struct {
+	done, total uint64
+	chunks      int // the target's chunks copied when the report was sent
+}
+
+func (p *progressLog) SetReplicaState(ctx context.Context, in *storpb.SetReplicaStateRequest, opts ...grpc.CallOption) (*storpb.SetReplicaStateResponse, error) {
+	if in.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && in.RebuildTotalBytes > 0 {
+		p.mu.Lock()
+		p.sent = append(p.sent, progressSent{in.RebuildDoneBytes, in.RebuildTotalBytes, p.target.chunksCopied()})
+		p.mu.Unlock()
+		if p.hang {
+			<-ctx.Done()
+			return nil, ctx.Err()
+		}
+	}
+	return p.VolumeServiceClient.SetReplicaState(ctx, in, opts...)
+}
+
+func (p *progressLog) reports() []progressSent {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.sent)
+}
+
+// A rebuild reports its total to the control plane when its copy begins,
+// before the first chunk: an operator (stor-ctl replica list, the rebuild
+// gauges) and a fault test see at once that the attempt is copying and
+// how much. A copy shorter than a second used to report nothing at all
+// (the first report came after a second), so a fault test could not tell
+// a rebuild still connecting to its target from one copying.
+func TestARebuildReportsItsTotalWhenItsCopyBegins(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	log := &progressLog{VolumeServiceClient: f.client.Volumes, target: f.replica(2)}
+	cfg.Control.Volumes = log
+	e := f.open(cfg)
+	takeOutAndBack(t, f, e) // four 1 MiB regions written while replica 2 was out
+	waitHealthy(t, f, 2)
+	sent := log.reports()
+	if len(sent) == 0 {
+		t.Fatal("the rebuild reported no progress")
+	}
+	if first := sent[0]; first.done != 0 || first.total != 4<<20 || first.chunks != 0 {
+		t.Fatalf("first progress report: %d of %d bytes, sent after %d chunks; want 0 of the delta's %d, before the first chunk",
+			first.done, first.total, first.chunks, 4<<20)
+	}
+}
+
+// A progress report the control plane does not answer does not hold the
+// copy: the rebuild completes and the replica is HEALTHY (the report is
+// dropped after progressTimeout). Unbounded, the first report held the
+// rebuild for as long as the control plane did not answer.
+func TestARebuildDoesNotWaitForAnUnansweredProgressReport(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	log := &progressLog{VolumeServiceClient: f.client.Volumes, target: f.replica(2), hang: true}
+	cfg.Control.Volumes = log
+	e := f.open(cfg)
+	written := takeOutAndBack(t, f, e)
+	waitHealthy(t, f, 2)
+	if len(log.reports()) == 0 {
+		t.Fatal("no progress report was sent: the test held nothing")
+	}
+	for off, p := range written {
+		if !bytes.Equal(f.replica(2).snapshot()[off:off+int64(len(p))], p) {
+			t.Fatalf("the rebuilt replica lacks the write at %d", off)
 		}
 	}
 }

@@ -39,6 +39,10 @@ const (
 	MaxRebuildInFlight = 64
 )
 
+// progressTimeout bounds a rebuild's report of its progress to the
+// control plane, during which the copy waits.
+const progressTimeout = 2 * time.Second
+
 // RebuildPlan says what to copy.
 type RebuildPlan struct {
 	// FromGeneration > 0 asks for a delta: the regions written at or after
@@ -128,8 +132,9 @@ type CopyTarget interface {
 // invariant 4); that alone does not suffice, since the target may have
 // taken a write before BeginRebuild that the source had not yet applied
 // when the chunk was read (ISSUE13 C). Chunks are copied several at once
-// (copier). progress, if set, is called about once a second, on the
-// caller's goroutine.
+// (copier). progress, if set, is called on the caller's goroutine when
+// the copy begins (Done 0), about once a second while it runs, at each
+// checkpoint and at the end.
 func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(Progress)) (RebuildStats, error) {
 	var st RebuildStats
 	if plan.ResumeFrom == 0 {
@@ -181,6 +186,10 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 			cp.checkpoint = 256 << 20
 		}
 	}
+	// The copy begins: its total is reported at once, so that the control
+	// plane (stor-ctl, a fault test) sees that this attempt is copying,
+	// and how much, from its first chunk rather than after a second.
+	report(0)
 	if err := cp.run(ctx, ranges); err != nil {
 		return st, err
 	}
@@ -659,11 +668,18 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 			l := max(p.Total-p.Done, 0)
 			e.rebuildLeft.Add(l - left)
 			left = l
-			if p.ResumeOffset == 0 && time.Since(lastReport) < 2*time.Second {
-				return // checkpoints are always recorded; plain progress now and then
+			if p.ResumeOffset == 0 && !lastReport.IsZero() && time.Since(lastReport) < 2*time.Second {
+				return // the first report, checkpoints and then plain progress every 2 s
 			}
+			// A report is not worth a stalled copy: one the control plane
+			// has not taken within progressTimeout is dropped (the client
+			// retries a call without a deadline for as long as the
+			// cluster has no leader). A dropped checkpoint only makes a
+			// later resume start lower.
+			pctx, cancel := context.WithTimeout(ctx, progressTimeout)
+			_, _ = e.cfg.Control.Volumes.SetReplicaState(pctx, ProgressRequest(e.id, r, e.epoch, p))
+			cancel()
 			lastReport = time.Now()
-			_, _ = e.cfg.Control.Volumes.SetReplicaState(ctx, ProgressRequest(e.id, r, e.epoch, p))
 		})
 	e.rebuildCopied.Add(stats.Bytes - copied) // what the last report did not count
 	if err != nil {
