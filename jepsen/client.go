@@ -250,7 +250,7 @@ func (p *clientProc) open(ctx context.Context, req Request) error {
 		Volume: req.Volume, NodeID: req.Node, Takeover: true,
 		Control:      engine.ControlPlane{Volumes: c.Volumes, Cluster: c.Cluster, Snapshots: c.Snapshots},
 		Connect:      connect,
-		IOTimeout:    3 * time.Second,
+		IOTimeout:    engineIOTimeout,
 		FaultTimeout: 20 * time.Second,
 		Logger:       p.log,
 		LocalReaders: engine.DialLocalReaders(ctx, req.LocalSockets, p.log),

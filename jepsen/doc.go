@@ -62,7 +62,7 @@
 // takeover by the other client host, an online expansion. Compound faults
 // (Inject runs a whole scenario, bounded in time; Report.FaultHits counts
 // those that landed where aimed): rebuild-target and rebuild-source wait
-// for a replica to be REBUILDING and kill or cut off the rebuild's target,
+// for a replica to be REBUILDING and kill, cut off or stall the rebuild's target,
 // or its source, mid-copy, then fault the retry again (rebuild.go);
 // replace-replica replaces a healthy replica under load and faults the new
 // one mid-copy; flush-storm writes and flushes over every NBD connection

@@ -21,6 +21,7 @@ var (
 	flagFill     = flag.Int("jepsen.fill", 0, "filler bytes per register (RunConfig.FillBytes; 0: the default, -1: none)")
 	flagBlocks   = flag.Int("jepsen.blocks", 0, "registers (RunConfig.Blocks; 0: the default)")
 	flagLocal    = flag.Bool("jepsen.local-reads", true, "client hosts share machines with servers and read their replicas directly (short-circuit)")
+	flagBroken   = flag.String("jepsen.broken", "", "a broken mode (BrokenModes) to run instead of the real engine: each run must then find anomalies (a catch rate over seeds)")
 )
 
 var (
@@ -65,10 +66,15 @@ func nemesesFlag(t *testing.T) ([]string, bool) {
 }
 
 // TestJepsen runs -jepsen.runs runs of -jepsen.duration with the chosen
-// nemeses and fails on any anomaly. Each run's report is printed.
+// nemeses and fails on any anomaly. Each run's report is printed. With
+// -jepsen.broken it runs that broken mode instead and fails on a run that
+// finds none: how often the checkers catch the mode, over seeds.
 func TestJepsen(t *testing.T) {
 	server, self := setup(t)
 	nem, none := nemesesFlag(t)
+	if *flagBroken != "" && BrokenModes[*flagBroken].Doc == "" {
+		t.Fatalf("unknown broken mode %q", *flagBroken)
+	}
 	seed := *flagSeed
 	if seed == 0 {
 		seed = uint64(time.Now().UnixNano() % 1e9)
@@ -79,14 +85,18 @@ func TestJepsen(t *testing.T) {
 		dir := outDir(t, fmt.Sprintf("seed-%d", s))
 		ctx, cancel := context.WithTimeout(context.Background(), *flagDuration+5*time.Minute)
 		rep, err := Run(ctx, RunConfig{Seed: s, Duration: *flagDuration, Nemeses: nem, NoFaults: none,
-			Blocks: *flagBlocks, ColdBlocks: *flagCold, FillBytes: *flagFill, NoLocalReads: !*flagLocal, Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
+			Blocks: *flagBlocks, ColdBlocks: *flagCold, FillBytes: *flagFill, NoLocalReads: !*flagLocal,
+			Broken: *flagBroken, NoClones: *flagBroken != "", Dir: dir, ServerBin: server, SelfBin: self, Logf: t.Logf})
 		cancel()
 		if err != nil {
 			t.Fatalf("seed %d: harness error (rerun with -jepsen.seed=%d): %v", s, s, err)
 		}
 		t.Log("\n" + rep.Summary())
 		table = append(table, tableRow(rep))
-		if !rep.Passed() {
+		switch {
+		case *flagBroken != "" && rep.Anomalies.Total() == 0:
+			t.Errorf("seed %d: broken mode %q passed every checker (rerun with -jepsen.seed=%d); history and report in %s", s, *flagBroken, s, dir)
+		case *flagBroken == "" && !rep.Passed():
 			t.Errorf("seed %d: anomalies found (rerun with -jepsen.seed=%d); history and report in %s", s, s, dir)
 		}
 	}

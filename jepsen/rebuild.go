@@ -21,14 +21,15 @@ import (
 // copies into it from a healthy replica (the source) while the writes go
 // on; ReplaceReplica adds a new replica that is filled by a full rebuild.
 // These nemeses wait (bounded) until a replica is REBUILDING, as the
-// control plane shows it, and fault the rebuild's target or its source
-// mid-copy, then fault the retry again. The run's filler
-// (RunConfig.FillBytes) makes each copy some 16 MiB, so that it lasts long
-// enough to be hit, and while one of these nemeses runs the target's link
-// is slowed (rebuildLinkDelay on its proxy), which stretches a copy that
-// takes 0.1 s on an idle machine to a few seconds. Report.FaultHits
-// counts the faults that landed while the control plane still showed the
-// target REBUILDING.
+// control plane shows it, and its copy has begun (intoCopy), and fault the
+// rebuild's target or its source mid-copy, then fault the retry again.
+// The run's filler (RunConfig.FillBytes) makes each copy some 16 MiB, so
+// that it lasts long enough to be hit, and while one of these nemeses
+// runs the links of the target and the source are slowed
+// (rebuildLinkDelay on their proxies), which stretches a copy that takes
+// 0.1 s on an idle machine to seconds. Report.FaultHits counts the faults
+// that landed while the control plane still showed the target
+// REBUILDING: mid-copy, or before its copy began.
 //
 // Reads go to the first healthy replica by id (engine.readSet), so a
 // replica that comes back HEALTHY without writes it missed is seen at
@@ -41,19 +42,80 @@ const (
 	rebuildWait = 20 * time.Second
 	// rebuildDone bounds the wait for a replaced replica to be HEALTHY.
 	rebuildDone = 30 * time.Second
-	// rebuildLinkDelay is the link proxy command that slows the target
-	// (each 64 KiB chunk forwarded waits 8-16 ms: some 16 MiB copied in
-	// 2-4 s).
+	// rebuildLinkDelay is the link proxy command that slows a rebuild's
+	// target and source (each read of up to 64 KiB forwarded waits 8-16
+	// ms).
 	rebuildLinkDelay = "delay 8 8"
 )
 
-// slowLink slows s's links for a rebuild nemesis; the returned func
-// restores them.
-func slowLink(s *Server) func() {
-	if s == nil || s.ProxyCommand(rebuildLinkDelay) != nil {
-		return func() {}
+// slowedLinks are the servers a rebuild nemesis slowed (rebuildLinkDelay),
+// to restore at its end.
+type slowedLinks map[*Server]bool
+
+func (sl slowedLinks) add(s *Server) {
+	if s != nil && !sl[s] && s.ProxyCommand(rebuildLinkDelay) == nil {
+		sl[s] = true
 	}
-	return func() { _ = s.ProxyCommand("ok") }
+}
+
+func (sl slowedLinks) restore() {
+	for s := range sl {
+		_ = s.ProxyCommand("ok")
+	}
+}
+
+// intoCopy brings a rebuild nemesis's round to its moment: it slows the
+// links of the rebuild's target (the writes that reach it, a relayed
+// copy) and of its source (the target's server copies each chunk from
+// the source's itself, REBUILD_COPY: the bytes cross the source's proxy),
+// then, three rounds in four, waits (bounded) until the control plane
+// shows the attempt copying (engine.Rebuild reports its total when the
+// copy begins) or no longer REBUILDING, and sleeps 0-300 ms. The fourth
+// round sleeps 0-300 ms from when the replica was seen REBUILDING, most
+// often while the engine is still connecting to it. It returns the
+// volume as it is then.
+//
+// Before it waited for the copy, every round was the fourth kind: a
+// target that restarted took the engine seconds to reach, the copy of a
+// delta then lasted 0.3 s, and most faults landed before it began or
+// after it was over (the target's link alone was slowed, which a copy
+// the target pulls does not cross). A CI run missed issue 13 A that way
+// (TestJepsenCatchesRebuildFromLatestFault; 3 of 8 seeds missed it).
+func (r *runner) intoCopy(ctx context.Context, rng *rand.Rand, slow slowedLinks, target string) (*storpb.Volume, error) {
+	v, err := r.volume(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if rep := replicaIn(v, target); rep != nil {
+		slow.add(r.server(rep.ServerId))
+	}
+	if src := rebuildSource(v, target, r.localServer()); src != nil {
+		slow.add(r.server(src.ServerId))
+	}
+	if rng.IntN(4) != 0 {
+		// Not seen within the bound (the engine cannot reach the target,
+		// say): the round faults what there is.
+		_, _, _ = r.waitReplica(ctx, rebuildWait, func(v *storpb.Volume) *storpb.Replica {
+			if rep := replicaIn(v, target); rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || rep.RebuildTotalBytes > 0 {
+				return &storpb.Replica{}
+			}
+			return nil
+		})
+	}
+	sleep(ctx, time.Duration(rng.IntN(300))*time.Millisecond)
+	return r.volume(ctx)
+}
+
+// where says where in its rebuild a fault found rep (as the control plane
+// showed it just before): the hit's name and the description's words.
+func where(rep *storpb.Replica) (hit, desc string) {
+	switch {
+	case rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING:
+		return "", "after it finished"
+	case rep.RebuildTotalBytes == 0:
+		return "before its copy began", "REBUILDING, before its copy began"
+	}
+	return "mid-copy", fmt.Sprintf("mid-copy (%d/%d bytes reported, full from offset %d)", rep.RebuildDoneBytes, rep.RebuildTotalBytes, rep.RebuildResumeOffset)
 }
 
 // volume returns the volume as the control plane has it now.
@@ -172,7 +234,7 @@ func replicaIn(v *storpb.Volume, id string) *storpb.Replica {
 // written meanwhile). The cold registers are not written again until the
 // end of the nemesis, so a retry that skips what the first absence missed
 // leaves them stale on the target.
-func (r *runner) startRebuild(ctx context.Context, rng *rand.Rand) (*storpb.Replica, string, error) {
+func (r *runner) startRebuild(ctx context.Context, rng *rand.Rand, slow slowedLinks) (*storpb.Replica, string, error) {
 	v, err := r.volume(ctx)
 	if err != nil {
 		return nil, "", err
@@ -195,9 +257,7 @@ func (r *runner) startRebuild(ctx context.Context, rng *rand.Rand) (*storpb.Repl
 		cold := r.writeCold(ctx)
 		sleep(ctx, 1000*time.Millisecond)
 		// Slow before the restart, so that the copy is slow from its start.
-		if err := s.ProxyCommand(rebuildLinkDelay); err != nil {
-			return nil, "", err
-		}
+		slow.add(s)
 		if err := s.Proc.Start(false); err != nil {
 			return nil, "", err
 		}
@@ -205,36 +265,77 @@ func (r *runner) startRebuild(ctx context.Context, rng *rand.Rand) (*storpb.Repl
 	}
 	rep, _, err := r.waitReplica(ctx, rebuildWait, r.rebuilding(""))
 	if err != nil {
-		for _, s := range r.c.Servers {
-			_ = s.ProxyCommand("ok")
-		}
 		return nil, pre, fmt.Errorf("%sno replica REBUILDING: %w", pre, err)
 	}
 	return rep, pre, nil
 }
 
-// faultServer kills s with SIGKILL or cuts it off from the active client
-// host (the engine), holds that 1-2 s, and undoes it. A server on the
-// engine's own machine cannot be cut off from it: it is killed.
-func (r *runner) faultServer(ctx context.Context, rng *rand.Rand, s *Server, partition bool) (string, error) {
+// engineIOTimeout is the client engine's IOTimeout (client.go): a replica
+// that does not answer a request within it is given up on (marked faulty).
+const engineIOTimeout = 3 * time.Second
+
+// serverFault is what a rebuild nemesis does to a server in one round.
+type serverFault int
+
+const (
+	// faultKill kills the server with SIGKILL for 1-2 s.
+	faultKill serverFault = iota
+	// faultCut cuts it off from the engine's host for 0.5-1.5 s longer
+	// than engineIOTimeout: the engine gives up on it, as on a dead one,
+	// while it runs on with whatever the copy had written.
+	faultCut
+	// faultStall cuts it off for 0.3-1 s: the copy and the writes to it
+	// wait, and the engine rides it out (TCP's retransmissions, 0.2 s
+	// apart and doubling, get through by 1.4 s, under engineIOTimeout).
+	faultStall
+)
+
+// drawFault draws a round's fault: a kill half the time, else a cut or a
+// stall. Before the stall and the cut were told apart, every partition
+// was 1-2 s, which the engine rode out: a partition never ended a
+// rebuild, and a CI run whose rounds were partitions and late kills
+// missed issue 13 A (TestJepsenCatchesRebuildFromLatestFault).
+func drawFault(rng *rand.Rand) serverFault {
+	switch rng.IntN(4) {
+	case 0:
+		return faultCut
+	case 1:
+		return faultStall
+	}
+	return faultKill
+}
+
+func (f serverFault) String() string {
+	return [...]string{"kill", "partition", "stall"}[f]
+}
+
+// faultServer does f to s and undoes it: a kill, or a cut from the active
+// client host (the engine). A server on the engine's own machine cannot
+// be cut off from it: it is killed.
+func (r *runner) faultServer(ctx context.Context, rng *rand.Rand, s *Server, f serverFault) (serverFault, string, error) {
 	hold := time.Duration(1000+rng.IntN(1000)) * time.Millisecond
-	if partition && s != r.active().Local {
+	if f != faultKill && s != r.active().Local {
+		hold = time.Duration(300+rng.IntN(700)) * time.Millisecond
+		if f == faultCut {
+			hold = engineIOTimeout + time.Duration(500+rng.IntN(1000))*time.Millisecond
+		}
 		ch := r.active()
 		if err := Cut(ctx, ch.Host, s.Host); err != nil {
-			return "", err
+			return f, "", err
 		}
 		sleep(ctx, hold)
-		return fmt.Sprintf("cut %s|%s for %v", ch.Host.Name, s.Host.Name, hold), r.c.Net.HealAll(ctx)
+		return f, fmt.Sprintf("cut %s|%s for %v", ch.Host.Name, s.Host.Name, hold), r.c.Net.HealAll(ctx)
 	}
 	s.Proc.Kill()
 	sleep(ctx, hold)
-	return fmt.Sprintf("kill -9 %s for %v", s.ID, hold), s.Proc.Start(false)
+	return faultKill, fmt.Sprintf("kill -9 %s for %v", s.ID, hold), s.Proc.Start(false)
 }
 
 // rebuildFault faults the server of a rebuild's target (source false) or
 // of its source (source true) while the copy runs, 2-3 times: after each
-// heal it waits for the retry to start and faults that too. Each fault is
-// SIGKILL or a partition from the engine's host, chosen per round.
+// heal it waits for the retry to start and faults that too. Each round's
+// fault is drawn by drawFault: a kill, a cut the engine gives up on, or a
+// stall it rides out.
 type rebuildFault struct {
 	name   string
 	source bool
@@ -243,11 +344,12 @@ type rebuildFault struct {
 func (n rebuildFault) Name() string { return n.name }
 
 func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
-	target, desc, err := r.startRebuild(ctx, rng)
+	slow := slowedLinks{}
+	defer slow.restore()
+	target, desc, err := r.startRebuild(ctx, rng, slow)
 	if err != nil {
 		return "", err
 	}
-	defer slowLink(r.server(target.ServerId))()
 	rounds := 2 + rng.IntN(2)
 	var done []string
 	for i := 0; i < rounds; i++ {
@@ -273,10 +375,7 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 				break
 			}
 		}
-		// Into the copy: the engine starts it as soon as its watch shows
-		// the replica REBUILDING.
-		sleep(ctx, time.Duration(rng.IntN(300))*time.Millisecond)
-		v, err := r.volume(ctx)
+		v, err := r.intoCopy(ctx, rng, slow, target.Id)
 		if err != nil {
 			return "", err
 		}
@@ -299,8 +398,7 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 			done = append(done, fmt.Sprintf("round %d: %s not running", i+1, victim.ServerId))
 			break
 		}
-		mid := now.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING
-		what, err := r.faultServer(ctx, rng, s, rng.IntN(2) == 0)
+		kind, what, err := r.faultServer(ctx, rng, s, drawFault(rng))
 		if err != nil {
 			return "", err
 		}
@@ -308,14 +406,9 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 		if n.source {
 			role = "source"
 		}
-		state := "after it finished"
-		if mid {
-			state = fmt.Sprintf("mid-copy (%d/%d bytes reported)", now.RebuildDoneBytes, now.RebuildTotalBytes)
-			kind := "kill"
-			if strings.HasPrefix(what, "cut") {
-				kind = "partition"
-			}
-			r.hit(fmt.Sprintf("%s: %s of the rebuild's %s while it was REBUILDING", n.name, kind, role))
+		hit, state := where(now)
+		if hit != "" {
+			r.hit(fmt.Sprintf("%s: %s of the rebuild's %s %s", n.name, kind, role, hit))
 		}
 		done = append(done, fmt.Sprintf("round %d: %s (%s %s of %s, delta from generation %d) %s", i+1, what, role, victim.Id, target.Id, now.RebuildFromGeneration, state))
 	}
@@ -385,8 +478,8 @@ func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 	// write covers them afterwards.
 	cold := r.writeCold(ctx)
 	desc := fmt.Sprintf("%d cold registers written; replace %s on %s", cold, old.Id, old.ServerId)
-	// With three servers the new replica goes where the old one was.
-	defer slowLink(r.server(old.ServerId))()
+	slow := slowedLinks{}
+	defer slow.restore()
 	// remove records the removal as a "replica-remove" op; the control
 	// plane may refuse it (FailedPrecondition: old holds the last copy of
 	// a snapshot), which is a failed op, not a harness error.
@@ -444,21 +537,18 @@ func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 			desc += fmt.Sprintf("; round %d: not REBUILDING: %v", i+1, err)
 			break
 		}
-		sleep(ctx, time.Duration(rng.IntN(300))*time.Millisecond)
-		v, err := r.volume(ctx)
+		v, err := r.intoCopy(ctx, rng, slow, rep.Id)
 		if err != nil {
 			return "", err
 		}
 		now := replicaIn(v, rep.Id)
-		mid := now != nil && now.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING
-		what, err := r.faultServer(ctx, rng, r.server(rep.ServerId), rng.IntN(2) == 0)
+		kind, what, err := r.faultServer(ctx, rng, r.server(rep.ServerId), drawFault(rng))
 		if err != nil {
 			return "", err
 		}
-		state := "after it finished"
-		if mid {
-			state = fmt.Sprintf("mid-copy (%d/%d bytes reported, full from offset %d)", now.RebuildDoneBytes, now.RebuildTotalBytes, now.RebuildResumeOffset)
-			r.hit("replace-replica: fault of the new replica while it was REBUILDING")
+		hit, state := where(now)
+		if hit != "" {
+			r.hit(fmt.Sprintf("replace-replica: %s of the new replica %s", kind, hit))
 		}
 		desc += fmt.Sprintf("; round %d: %s %s", i+1, what, state)
 	}
@@ -495,11 +585,13 @@ type rebuildWrites struct{}
 func (rebuildWrites) Name() string { return "rebuild-writes" }
 
 func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
-	target, desc, err := r.startRebuild(ctx, rng)
+	slow := slowedLinks{}
+	defer slow.restore()
+	target, desc, err := r.startRebuild(ctx, rng, slow)
 	if err != nil {
 		return "", err
 	}
-	defer slowLink(r.server(target.ServerId))()
+	slow.add(r.server(target.ServerId))
 	// The source's link is slowed too: a copy reads a chunk from the source
 	// and then writes it to the target, so a write issued while that read
 	// is on its way reaches the target before the copy does. The slower
@@ -507,7 +599,7 @@ func (rebuildWrites) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	// block can interleave, unless the engine orders them.
 	if v, err := r.volume(ctx); err == nil {
 		if src := rebuildSource(v, target.Id, r.localServer()); src != nil {
-			defer slowLink(r.server(src.ServerId))()
+			slow.add(r.server(src.ServerId))
 		}
 	}
 	// The copy goes through the registers' strides in order, about a MiB
