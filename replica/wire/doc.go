@@ -144,6 +144,23 @@
 // disk's flush covers completed writes; requests in flight together are
 // unordered.
 //
+// # Incarnations
+//
+// An engine that gives a replica up (it stopped answering in time) closes
+// its connection and, once the replica is back, opens it again on a new
+// one: a new incarnation, at the same epoch. Whatever the old connection
+// still carried (TCP delivers what was queued once a partition heals) must
+// not land after that: it would overwrite what the new incarnation's
+// rebuild and writes put there, and the epoch cannot tell them apart. So
+// among a replica's attach handles (PurposeAttach) only the newest serves:
+// every request on an older one fails with replica.ErrClosed and changes
+// nothing, and an attach OPEN returns only once every request of an older
+// attach handle already past that check has finished (the requests hold
+// the replica's attachGate shared, the OPEN takes it exclusively, as with
+// the epoch). Handles of other purposes (rebuild sources, inspection,
+// clone copies, a detached volume's rebuild or snapshot cut, which run at
+// epochs of their own) neither take a replica over nor lose it.
+//
 // # Status codes
 //
 // A failed reply carries the server's error text (at most MaxMessage

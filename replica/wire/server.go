@@ -158,6 +158,11 @@ type Server struct {
 	conns     map[*serverConn]struct{}
 	wg        sync.WaitGroup // Serve loops and connections; Add under mu
 
+	// attachMu guards attaches and attachSerial.
+	attachMu     sync.Mutex
+	attaches     map[string]*attachGate // replica id -> its gate, while an attach handle has it open
+	attachSerial uint64
+
 	// Counters for Stats.
 	accepted atomic.Uint64
 	refused  atomic.Uint64
@@ -213,7 +218,50 @@ func NewServer(b Backend, cfg ServerConfig) (*Server, error) {
 		mem:       semaphore.NewWeighted(cfg.MaxMemory),
 		listeners: make(map[net.Listener]struct{}),
 		conns:     make(map[*serverConn]struct{}),
+		attaches:  make(map[string]*attachGate),
 	}, nil
+}
+
+// attachGate is a replica's hand-over between the attach handles
+// (PurposeAttach) its volume's engine opened: only the newest may serve
+// requests (doc.go, "Incarnations"). mu is held shared by every request
+// on an attach handle from its check to its last effect, and exclusively
+// by an attach OPEN while it makes its handle the newest: once that OPEN
+// returns, no request of an older attach handle is still applying
+// anything, and none will.
+type attachGate struct {
+	mu     sync.RWMutex
+	latest uint64 // guarded by mu: the serial of the newest attach handle
+	refs   int    // guarded by Server.attachMu: attach handles open
+}
+
+// takeAttach makes a new attach handle of replica id the newest: it
+// returns the replica's gate and the handle's serial, after every request
+// of an older attach handle has finished. Give it back with dropAttach.
+func (s *Server) takeAttach(id string) (*attachGate, uint64) {
+	s.attachMu.Lock()
+	g := s.attaches[id]
+	if g == nil {
+		g = &attachGate{}
+		s.attaches[id] = g
+	}
+	g.refs++
+	s.attachSerial++
+	serial := s.attachSerial
+	s.attachMu.Unlock()
+	g.mu.Lock()
+	g.latest = max(g.latest, serial) // two OPENs at once: the later serial wins
+	g.mu.Unlock()
+	return g, serial
+}
+
+// dropAttach gives back an attach handle's hold on replica id's gate.
+func (s *Server) dropAttach(id string, g *attachGate) {
+	s.attachMu.Lock()
+	defer s.attachMu.Unlock()
+	if g.refs--; g.refs == 0 && s.attaches[id] == g {
+		delete(s.attaches, id)
+	}
 }
 
 // Serve accepts connections on ln and serves each until it breaks or the
@@ -361,6 +409,11 @@ type handle struct {
 	// rebuild begun after it, whose tracking no longer knows the newer
 	// writes it would overwrite.
 	rebuild *atomic.Uint64
+	// gate and serial: an attach handle's place among its replica's
+	// (attachGate); nil for other purposes.
+	gate   *attachGate
+	serial uint64
+	drop   func() // gives back the gate (nil: none)
 }
 
 // Pinner is implemented by a Replica whose files the store may close while
@@ -373,6 +426,9 @@ type Pinner interface {
 func (h handle) release() {
 	if h.unpin != nil {
 		h.unpin()
+	}
+	if h.drop != nil {
+		h.drop()
 	}
 }
 
@@ -710,6 +766,13 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 	if r == nil {
 		return nil, nil, fmt.Errorf("wire: %v handle %d: %w", h.Op, h.Handle, ErrBadHandle)
 	}
+	if g := hd.gate; g != nil {
+		g.mu.RLock()
+		defer g.mu.RUnlock()
+		if g.latest != hd.serial {
+			return nil, nil, fmt.Errorf("wire: %v on replica %s: a newer attach OPEN of the replica took it over: %w", h.Op, hd.open.Replica, replica.ErrClosed)
+		}
+	}
 	if hd.grant != nil {
 		req := Request{Op: h.Op, Epoch: h.Epoch, Generation: h.Generation}
 		switch h.Op {
@@ -833,6 +896,12 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 	hd := handle{r: r, open: req, grant: grant, rebuild: new(atomic.Uint64)}
 	if p, ok := r.(Pinner); ok {
 		hd.unpin = p.Pin()
+	}
+	if req.Purpose == PurposeAttach {
+		// After the fence: an OPEN of an older epoch takes nothing over.
+		hd.gate, hd.serial = c.s.takeAttach(id)
+		g := hd.gate
+		hd.drop = func() { c.s.dropAttach(id, g) }
 	}
 	c.hmu.Lock()
 	if err := c.checkHandlesLocked(id); err != nil {
