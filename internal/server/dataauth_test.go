@@ -187,6 +187,9 @@ func TestDataPortAttacks(t *testing.T) {
 	if err := e.WriteAt(ctx, data[4096:8192], 4096, true); err == nil {
 		t.Errorf("the engine wrote through replica handles an attach OPEN as its node took over")
 	}
+	// Closed, so that it does not open the replicas again (each OPEN would
+	// take them over from the reads below).
+	e.Close(ctx, false)
 	// Every replica holds the same bytes, and its snapshot layer the
 	// snapshot's (read as the attachment, which the metadata allows).
 	for _, r := range v.Replicas {
