@@ -107,7 +107,11 @@ func (r *runner) intoCopy(ctx context.Context, rng *rand.Rand, slow slowedLinks,
 }
 
 // where says where in its rebuild a fault found rep (as the control plane
-// showed it just before): the hit's name and the description's words.
+// showed it just before): the hit's name and the description's words. A
+// retry after a fault of the source (rebuild-source) keeps the target's
+// generation, and with it the failed attempt's progress until its own
+// first report: such a round may count as mid-copy a fault that came
+// before the retry's copy began.
 func where(rep *storpb.Replica) (hit, desc string) {
 	switch {
 	case rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING:
@@ -115,7 +119,11 @@ func where(rep *storpb.Replica) (hit, desc string) {
 	case rep.RebuildTotalBytes == 0:
 		return "before its copy began", "REBUILDING, before its copy began"
 	}
-	return "mid-copy", fmt.Sprintf("mid-copy (%d/%d bytes reported, full from offset %d)", rep.RebuildDoneBytes, rep.RebuildTotalBytes, rep.RebuildResumeOffset)
+	desc = fmt.Sprintf("mid-copy (%d/%d bytes reported", rep.RebuildDoneBytes, rep.RebuildTotalBytes)
+	if rep.RebuildResumeOffset > 0 {
+		desc += fmt.Sprintf(", a full rebuild resumed at offset %d", rep.RebuildResumeOffset)
+	}
+	return "mid-copy", desc + ")"
 }
 
 // volume returns the volume as the control plane has it now.
@@ -284,9 +292,11 @@ const (
 	// than engineIOTimeout: the engine gives up on it, as on a dead one,
 	// while it runs on with whatever the copy had written.
 	faultCut
-	// faultStall cuts it off for 0.3-1 s: the copy and the writes to it
-	// wait, and the engine rides it out (TCP's retransmissions, 0.2 s
-	// apart and doubling, get through by 1.4 s, under engineIOTimeout).
+	// faultStall cuts it off for 0.3-1 s: the engine's requests to it
+	// wait (a rebuild's target: its writes; a copy the target pulls from
+	// the source does not cross the cut), and the engine rides it out
+	// (TCP's retransmissions, 0.2 s apart and doubling, get through by
+	// 1.4 s, under engineIOTimeout).
 	faultStall
 )
 
@@ -441,7 +451,7 @@ func (rebuildFault) Heal(ctx context.Context, r *runner) error { return nil }
 
 // replaceReplica replaces a healthy replica under load (ReplaceReplica,
 // as stor-ctl replica remove --replace does), faults the new replica's
-// server mid-copy (SIGKILL or a partition from the engine) once or twice,
+// server mid-copy (drawFault: a kill, a cut or a stall) once or twice,
 // heals, and waits (bounded) for the new replica to complete its full
 // rebuild. With as many servers as replicas a replacement has nowhere to
 // go but the server it leaves, which placement refuses: then it is a
@@ -478,8 +488,16 @@ func (replaceReplica) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 	// write covers them afterwards.
 	cold := r.writeCold(ctx)
 	desc := fmt.Sprintf("%d cold registers written; replace %s on %s", cold, old.Id, old.ServerId)
+	// Slowed before the replacement, so that the copy is slow from its
+	// start: with three servers the new replica goes where the old one
+	// was, and its source is one of the others (intoCopy slows the real
+	// ones again once the new replica is seen).
 	slow := slowedLinks{}
 	defer slow.restore()
+	slow.add(r.server(old.ServerId))
+	if src := rebuildSource(v, old.Id, r.localServer()); src != nil {
+		slow.add(r.server(src.ServerId))
+	}
 	// remove records the removal as a "replica-remove" op; the control
 	// plane may refuse it (FailedPrecondition: old holds the last copy of
 	// a snapshot), which is a failed op, not a harness error.

@@ -359,7 +359,7 @@ func (p *progressLog) reports() []progressSent {
 // A rebuild reports its total to the control plane when its copy begins,
 // before the first chunk: an operator (stor-ctl replica list, the rebuild
 // gauges) and a fault test see at once that the attempt is copying and
-// how much. A copy shorter than a second used to report nothing at all
+// how much. A copy shorter than a second used to report only at its end
 // (the first report came after a second), so a fault test could not tell
 // a rebuild still connecting to its target from one copying.
 func TestARebuildReportsItsTotalWhenItsCopyBegins(t *testing.T) {
