@@ -95,6 +95,8 @@ var BrokenModes = map[string]BrokenMode{
 		Engine: unorderedRebuild, Conn: untrackedRebuildWrites},
 	"blind-reconcile": {Doc: "the reconcile after an unclean stop copies nothing: every replica's digests say it holds what the others hold",
 		Conn: blindReconcile},
+	"stale-incarnations": {Doc: "every server lets each attach handle of a replica serve, not only the newest: writes an engine gave up on with their connection land after the replica's new incarnation was rebuilt (wire's doc, \"Incarnations\")",
+		ServerEnv: []string{"STOR_JEPSEN_STALE_INCARNATIONS=1"}},
 	"stale-local-reads": {Doc: "a short-circuit read of the co-located server's replica uses what it read even after the server stopped vouching for the file (a snapshot cut, a newer epoch, a rebuild)",
 		Engine: func(cfg *engine.Config) { cfg.UnsafeStaleLocalReads = true }},
 }

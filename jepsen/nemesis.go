@@ -65,6 +65,7 @@ func init() {
 	register(flushStorm{})
 	register(detachExpand{})
 	register(detachSnapshot{})
+	register(staleConnection{})
 }
 
 // partition installs nftables drops chosen by pick; Heal removes all.

@@ -22,7 +22,10 @@ import (
 //	delay MS JITTER_MS   every chunk forwarded waits MS plus up to JITTER_MS
 //	reset P              each chunk forwarded cuts its connection with probability P
 //	cut                  cuts every connection open now, dropping what it holds
-//	ok                   back to a plain pipe
+//	hold MS PORT         every connection open now to listening port PORT
+//	                     forwards nothing for MS, then what it holds (a
+//	                     path stuck while new connections take another)
+//	ok                   back to a plain pipe (a hold runs its course)
 //
 // A TCP stream cannot lose bytes and stay a stream, so a lossy link is
 // modelled as it shows itself to a TCP user: stalls (delay) and
@@ -32,13 +35,21 @@ type linkProxy struct {
 	resetPPM      atomic.Uint32 // parts per million
 
 	mu    sync.Mutex
-	conns map[net.Conn]net.Conn // the client's end of each pair -> the server's
+	conns map[net.Conn]*proxied // the client's end of each pair -> the rest
+}
+
+// proxied is a forwarded connection: the server's end, the proxy's port
+// the client reached, and until when it is held (unix nanoseconds).
+type proxied struct {
+	up   net.Conn
+	port string
+	hold atomic.Int64
 }
 
 // RunProxy serves pairs of "listen=target" addresses until stdin closes,
 // obeying the commands read from it.
 func RunProxy(pairs []string, stdin io.Reader, stdout io.Writer) error {
-	p := &linkProxy{conns: map[net.Conn]net.Conn{}}
+	p := &linkProxy{conns: map[net.Conn]*proxied{}}
 	for _, pair := range pairs {
 		listen, target, ok := strings.Cut(pair, "=")
 		if !ok {
@@ -69,6 +80,9 @@ func RunProxy(pairs []string, stdin io.Reader, stdout io.Writer) error {
 			p.resetPPM.Store(uint32(pr * 1e6))
 		case f[0] == "cut" && len(f) == 1:
 			p.cut()
+		case f[0] == "hold" && len(f) == 3:
+			ms, _ := strconv.Atoi(f[1])
+			p.holdAll(time.Duration(ms)*time.Millisecond, f[2])
 		case f[0] == "ok":
 			p.delay.Store(0)
 			p.jitter.Store(0)
@@ -92,11 +106,11 @@ func (p *linkProxy) serve(ln net.Listener, target string) {
 	}
 }
 
-func (p *linkProxy) track(down, up net.Conn) {
+func (p *linkProxy) track(down net.Conn, c *proxied) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if up != nil {
-		p.conns[down] = up
+	if c != nil {
+		p.conns[down] = c
 	} else {
 		delete(p.conns, down)
 	}
@@ -109,9 +123,25 @@ func (p *linkProxy) track(down, up net.Conn) {
 func (p *linkProxy) cut() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for down, up := range p.conns {
+	for down, c := range p.conns {
 		down.Close()
-		up.Close()
+		c.up.Close()
+	}
+}
+
+// holdAll holds every connection open now to port for d: each direction
+// forwards its next chunk only once d is over. The peers' kernels keep
+// taking what is sent meanwhile (the proxy's buffers are theirs), so a
+// client that gives up and closes its end sees nothing wrong, and the
+// server gets everything, in order, when the hold ends.
+func (p *linkProxy) holdAll(d time.Duration, port string) {
+	until := time.Now().Add(d).UnixNano()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		if c.port == port {
+			c.hold.Store(until)
+		}
 	}
 }
 
@@ -122,23 +152,36 @@ func (p *linkProxy) pipe(down net.Conn, target string) {
 		return
 	}
 	defer up.Close()
-	p.track(down, up)
+	c := &proxied{up: up}
+	if a, ok := down.LocalAddr().(*net.TCPAddr); ok {
+		c.port = strconv.Itoa(a.Port)
+	}
+	p.track(down, c)
 	defer p.track(down, nil)
 	done := make(chan struct{}, 2)
-	go func() { p.copy(up, down); done <- struct{}{} }()
-	go func() { p.copy(down, up); done <- struct{}{} }()
+	go func() { p.copy(up, down, &c.hold); done <- struct{}{} }()
+	go func() { p.copy(down, up, &c.hold); done <- struct{}{} }()
+	<-done
 	<-done
 }
 
-// copy forwards src to dst chunk by chunk, applying the current faults.
-// When either side ends it closes both (the other copy then ends too).
-func (p *linkProxy) copy(dst, src net.Conn) {
-	defer dst.Close()
-	defer src.Close()
+// copy forwards src to dst chunk by chunk, applying the current faults,
+// until src ends; then it half-closes dst, as TCP passes a FIN on: what a
+// peer sent and the proxy took is delivered, even when that peer has gone
+// since (a client that gave up on a held connection). A reset ("reset")
+// closes both ends at once instead. If dst fails, src is still read to
+// its end and dropped, so that its sender is not reset before it read
+// what it was sent. (Before, the first side to end closed both, and a
+// server could be reset before it had read what the proxy delivered.)
+func (p *linkProxy) copy(dst, src net.Conn, hold *atomic.Int64) {
 	buf := make([]byte, 64<<10)
+	broken := false
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
+			if until := hold.Load(); until > 0 {
+				time.Sleep(time.Until(time.Unix(0, until)))
+			}
 			if d := p.delay.Load(); d > 0 {
 				if j := p.jitter.Load(); j > 0 {
 					d += rand.Int64N(j)
@@ -146,13 +189,22 @@ func (p *linkProxy) copy(dst, src net.Conn) {
 				time.Sleep(time.Duration(d))
 			}
 			if ppm := p.resetPPM.Load(); ppm > 0 && rand.Uint32N(1e6) < ppm {
+				dst.Close()
+				src.Close()
 				return
 			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
+			if !broken {
+				if _, werr := dst.Write(buf[:n]); werr != nil {
+					broken = true
+				}
 			}
 		}
 		if err != nil {
+			if tc, ok := dst.(*net.TCPConn); ok {
+				_ = tc.CloseWrite()
+			} else {
+				dst.Close()
+			}
 			return
 		}
 	}

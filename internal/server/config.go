@@ -253,6 +253,9 @@ func (c *Config) withDefaults() {
 	if c.ReplicaFS == nil && jepsenReplicaFS != nil {
 		c.ReplicaFS = jepsenReplicaFS(c.Logger)
 	}
+	if jepsenDataConfig != nil {
+		jepsenDataConfig(&c.Data)
+	}
 	if c.Dial == nil {
 		var dialer net.Dialer
 		c.Dial = dialer.DialContext

@@ -11,6 +11,7 @@ import (
 
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/errorfs"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // The disk-fault switch of the jepsen harness's stor-server (built with
@@ -19,6 +20,13 @@ import (
 // server ignores SIGXFSZ, as every Go program does), SIGUSR2 heals both.
 // The signal goroutine lives as long as the process (a test build only).
 func init() {
+	// STOR_JEPSEN_STALE_INCARNATIONS=1: the broken mode
+	// "stale-incarnations" (wire.ServerConfig.UnsafeStaleIncarnations).
+	jepsenDataConfig = func(c *wire.ServerConfig) {
+		if os.Getenv("STOR_JEPSEN_STALE_INCARNATIONS") == "1" {
+			c.UnsafeStaleIncarnations = true
+		}
+	}
 	jepsenReplicaFS = func(log *slog.Logger) replica.FS {
 		fs := errorfs.New(replica.OS(), time.Now().UnixNano())
 		sigs := make(chan os.Signal, 4)

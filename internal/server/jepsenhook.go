@@ -4,6 +4,7 @@ import (
 	"log/slog"
 
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // jepsenReplicaFS, when set, supplies the replica store's filesystem of a
@@ -11,3 +12,7 @@ import (
 // and that file is compiled only with the jepsenfaults build tag (the
 // jepsen harness's stor-server), so no release build can inject faults.
 var jepsenReplicaFS func(*slog.Logger) replica.FS
+
+// jepsenDataConfig, when set, adjusts the replica data service's
+// configuration (a broken mode's knob); set only by jepsenfaults.go.
+var jepsenDataConfig func(*wire.ServerConfig)

@@ -70,6 +70,11 @@ type ServerConfig struct {
 	// volume engine's, idle as long as its volume is, and is never dropped
 	// for idleness. Default 5m.
 	IdleTimeout time.Duration
+	// UnsafeStaleIncarnations lets every attach handle of a replica
+	// serve, not only the newest (doc.go, "Incarnations"), as before the
+	// gate: for the jepsen harness's broken mode "stale-incarnations"
+	// only, which shows its checkers catch what the gate prevents.
+	UnsafeStaleIncarnations bool
 }
 
 // DefaultServerConfig returns the defaults documented on ServerConfig.
@@ -897,7 +902,7 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 	if p, ok := r.(Pinner); ok {
 		hd.unpin = p.Pin()
 	}
-	if req.Purpose == PurposeAttach {
+	if req.Purpose == PurposeAttach && !c.s.cfg.UnsafeStaleIncarnations {
 		// After the fence: an OPEN of an older epoch takes nothing over.
 		hd.gate, hd.serial = c.s.takeAttach(id)
 		g := hd.gate
