@@ -73,7 +73,9 @@ import (
 // An unverified peer can still name the node a volume is attached to and
 // open it at the committed epoch, then read and write it as that node's
 // engine could (it cannot fence that engine, grow the volume or touch
-// snapshots beyond the metadata); or name the server doing a detached
+// snapshots beyond the metadata; stating the replica's generation as its
+// incarnation, it can make the engine's handles older, which stops the
+// engine's writes to it: wire's doc, "Incarnations"); or name the server doing a detached
 // rebuild, cut or clone copy while one is due, with that purpose's
 // requests; or name a server with a rebuilding replica of a volume and
 // read a healthy replica of it as that rebuild's source (rebuild-source),
@@ -230,6 +232,9 @@ func (a *dataAccess) checkOpen(m metaView, r wire.OpenRequest) (*dataGrant, erro
 	case wire.PurposeAttach:
 		if at := v.Attachment; at == nil || at.NodeId != r.Node {
 			return nil, lagging("OPEN %s: volume %s is not attached to node %q", r.Replica, v.Name, r.Node)
+		}
+		if r.Incarnation > rep.Generation {
+			return nil, lagging("OPEN %s as incarnation %d: the replica is at generation %d", r.Replica, r.Incarnation, rep.Generation)
 		}
 	case wire.PurposeRebuild:
 		if v.Attachment != nil {

@@ -125,34 +125,9 @@ func TestDataPortAttacks(t *testing.T) {
 		})
 	}
 
-	// Above the committed epoch, which would fence the volume for good.
-	for _, r := range v.Replicas {
-		refused(r, []attack{
-			{"the next epoch as the attached node", openAs(r, "node-1", epoch+1, wire.PurposeAttach)},
-			{"epoch 2^64-1 as a server's rebuild", openAs(r, r.ServerId, 1<<64-1, wire.PurposeRebuild)},
-			{"epoch 2^64-1 stating nothing", wire.OpenRequest{Replica: r.Id, Epoch: 1<<64 - 1}},
-			{"epoch 2^64-1 as the attached node", openAs(r, "node-1", 1<<64-1, wire.PurposeAttach)},
-		})
-	}
-
-	// The volume is still its engine's: it writes, reads back, and every
-	// replica holds the same bytes; the snapshot still reads.
-	copy(data[4096:], bytes.Repeat([]byte("engine"), 100))
-	if err := e.WriteAt(ctx, data[4096:8192], 4096, true); err != nil {
-		t.Fatalf("the engine after the attacks: %v", err)
-	}
-	got := make([]byte, size)
-	if err := e.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, data) {
-		t.Fatalf("the engine reads back other bytes after the attacks (%v)", err)
-	}
 	// Without TLS, naming the attached node at the committed epoch cannot
 	// be refused (dataauth.go); what that handle may do is still bounded
-	// by the metadata. Such an OPEN is also the attachment's newest
-	// incarnation of the replica, which takes it over from the engine's
-	// (wire's doc, "Incarnations"): without TLS an impersonator can stop
-	// the engine, as it could write over the volume; with TLS only the
-	// node's certificate opens it (TestDataPortOpenNeedsTheNodesCertificate). So this
-	// comes after the engine's checks.
+	// by the metadata.
 	for _, r := range v.Replicas {
 		h, err := a.open(ctx, openAs(r, "node-1", epoch, wire.PurposeAttach))
 		if err != nil {
@@ -184,21 +159,43 @@ func TestDataPortAttacks(t *testing.T) {
 		}
 	}
 
-	if err := e.WriteAt(ctx, data[4096:8192], 4096, true); err == nil {
-		t.Errorf("the engine wrote through replica handles an attach OPEN as its node took over")
+	// Above the committed epoch, which would fence the volume for good.
+	for _, r := range v.Replicas {
+		refused(r, []attack{
+			{"the next epoch as the attached node", openAs(r, "node-1", epoch+1, wire.PurposeAttach)},
+			{"epoch 2^64-1 as a server's rebuild", openAs(r, r.ServerId, 1<<64-1, wire.PurposeRebuild)},
+			{"epoch 2^64-1 stating nothing", wire.OpenRequest{Replica: r.Id, Epoch: 1<<64 - 1}},
+			{"epoch 2^64-1 as the attached node", openAs(r, "node-1", 1<<64-1, wire.PurposeAttach)},
+			// An incarnation no engine can have yet, which would make
+			// every later one of the engine's older (wire's doc,
+			// "Incarnations").
+			{"incarnation 2^64-1 as the attached node", wire.OpenRequest{Replica: r.Id, Volume: v.Id, Node: "node-1", Epoch: epoch,
+				Purpose: wire.PurposeAttach, Incarnation: 1<<64 - 1}},
+		})
+		h, err := a.open(ctx, openAs(r, "node-1", epoch, wire.PurposeAttach))
+		if err != nil {
+			t.Errorf("replica %s after the attacks: %v", r.Id, err)
+		} else if h.Size() != size || h.Epoch() != epoch {
+			t.Errorf("replica %s after the attacks: size %d epoch %d, want %d and %d", r.Id, h.Size(), h.Epoch(), size, epoch)
+		}
 	}
-	// Closed, so that it does not open the replicas again (each OPEN would
-	// take them over from the reads below).
-	e.Close(ctx, false)
+
+	// The volume is still its engine's: it writes, reads back, and every
+	// replica holds the same bytes; the snapshot still reads.
+	copy(data[4096:], bytes.Repeat([]byte("engine"), 100))
+	if err := e.WriteAt(ctx, data[4096:8192], 4096, true); err != nil {
+		t.Fatalf("the engine after the attacks: %v", err)
+	}
+	got := make([]byte, size)
+	if err := e.ReadAt(ctx, got, 0); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the engine reads back other bytes after the attacks (%v)", err)
+	}
 	// Every replica holds the same bytes, and its snapshot layer the
 	// snapshot's (read as the attachment, which the metadata allows).
 	for _, r := range v.Replicas {
 		h, err := a.open(ctx, openAs(r, "node-1", epoch, wire.PurposeAttach))
 		if err != nil {
 			t.Fatalf("replica %s: %v", r.Id, err)
-		}
-		if h.Size() != size || h.Epoch() != epoch {
-			t.Errorf("replica %s after the attacks: size %d epoch %d, want %d and %d", r.Id, h.Size(), h.Epoch(), size, epoch)
 		}
 		head, layerData := make([]byte, size), make([]byte, size)
 		for off := 0; off < size; off += replica.MaxIO {

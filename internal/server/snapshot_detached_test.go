@@ -28,10 +28,11 @@ func writeOneReplica(t *testing.T, c *servertest.Cluster, v *storpb.Volume, repl
 		return c.Client(0).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
 	})
 	var addr string
+	var inc uint64
 	for _, r := range v.Replicas {
 		for _, s := range servers.Servers {
 			if r.Id == replicaID && s.Id == r.ServerId {
-				addr = s.DataAddress
+				addr, inc = s.DataAddress, r.Generation
 			}
 		}
 	}
@@ -42,6 +43,7 @@ func writeOneReplica(t *testing.T, c *servertest.Cluster, v *storpb.Volume, repl
 	defer conn.Close()
 	h, err := conn.OpenFor(ctx, wire.OpenRequest{
 		Replica: replicaID, Volume: v.Id, Node: v.GetAttachment().GetNodeId(), Epoch: epoch, Purpose: wire.PurposeAttach,
+		Incarnation: inc, // the engine's own (wire's doc, "Incarnations")
 	})
 	if err != nil {
 		t.Fatal(err)

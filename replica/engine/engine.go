@@ -413,8 +413,12 @@ func (e *Engine) connect(ctx context.Context, r *storpb.Replica) (ReplicaConn, e
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.IOTimeout)
 	defer cancel()
+	// The replica's generation orders this engine's incarnations of it
+	// on its server (wire's doc, "Incarnations"): a later one, opened
+	// after the replica came back, makes what an older connection still
+	// carries fail.
 	return e.cfg.Connect(ctx, srv.DataAddress, wire.OpenRequest{
-		Replica: r.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose,
+		Replica: r.Id, Volume: e.id, Node: e.cfg.NodeID, Epoch: e.epoch, Purpose: e.purpose, Incarnation: r.Generation,
 	})
 }
 

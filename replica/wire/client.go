@@ -179,7 +179,7 @@ func (c *Conn) OpenFor(ctx context.Context, r OpenRequest) (*Handle, error) {
 	if r.Purpose >= purposeMax {
 		return nil, fmt.Errorf("wire: open: %v: %w", r.Purpose, replica.ErrInvalid)
 	}
-	reply, err := c.roundTrip(ctx, &RequestHeader{Op: OpOpen, Epoch: epoch}, encodeOpen(r), nil, OpenReplySize)
+	reply, err := c.roundTrip(ctx, &RequestHeader{Op: OpOpen, Epoch: epoch, Generation: r.Incarnation}, encodeOpen(r), nil, OpenReplySize)
 	if err != nil {
 		return nil, err
 	}

@@ -152,14 +152,25 @@
 // still carried (TCP delivers what was queued once a partition heals) must
 // not land after that: it would overwrite what the new incarnation's
 // rebuild and writes put there, and the epoch cannot tell them apart. So
-// among a replica's attach handles (PurposeAttach) only the newest serves:
-// every request on an older one fails with replica.ErrClosed and changes
-// nothing, and an attach OPEN returns only once every request of an older
-// attach handle already past that check has finished (the requests hold
-// the replica's attachGate shared, the OPEN takes it exclusively, as with
-// the epoch). Handles of other purposes (rebuild sources, inspection,
-// clone copies, a detached volume's rebuild or snapshot cut, which run at
-// epochs of their own) neither take a replica over nor lose it.
+// an attach OPEN (PurposeAttach) states its incarnation
+// (OpenRequest.Incarnation, in the header's generation field: the
+// replica's control-plane generation when the engine opened it, which
+// only grows), and the server orders a replica's attach handles by epoch,
+// then incarnation. A request that may change the replica (every op but
+// READ, SNAPSHOT_READ, EXTENTS, DIGEST, DIRTY_REGIONS and WRITTEN_SINCE)
+// on a handle older than the newest fails and changes nothing:
+// replica.ErrStaleEpoch if a newer epoch opened it, else replica.ErrClosed.
+// An OPEN of a newer incarnation returns only once every changing request
+// of an older one already past that check has finished (those requests
+// hold the replica's attachGate shared, the OPEN takes it exclusively, as
+// with the epoch). An OPEN of an equal or older incarnation takes nothing
+// over: an engine's duplicate OPEN, or one its client gave up on that the
+// server reached late. The order lives as long as the server process
+// (the connections it orders die with it). Handles of other purposes
+// (rebuild sources, inspection, clone copies, a detached volume's rebuild
+// or snapshot cut, which run at epochs of their own) are not ordered. The
+// Authorizer checks the incarnation against the metadata: stor-server's
+// refuses one above the replica's generation there.
 //
 // # Status codes
 //

@@ -23,65 +23,96 @@ import (
 func TestAnOlderAttachHandleIsRefusedOnceANewerOpened(t *testing.T) {
 	h := newHarness(t, ServerConfig{})
 	ctx := context.Background()
-	open := OpenRequest{Replica: "r1", Volume: "v1", Node: "n1", Epoch: 3, Purpose: PurposeAttach}
+	open := func(inc uint64) *Handle {
+		t.Helper()
+		hd, err := h.dial(ClientConfig{}).OpenFor(ctx, OpenRequest{Replica: "r1", Volume: "v1", Node: "n1", Epoch: 3, Purpose: PurposeAttach, Incarnation: inc})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return hd
+	}
 	o := replica.Op{Epoch: 3, Generation: 4}
 	block := func(b byte) []byte { return bytes.Repeat([]byte{b}, 4096) }
-
-	old, err := h.dial(ClientConfig{}).OpenFor(ctx, open)
-	if err != nil {
-		t.Fatal(err)
+	var reader *Handle // opened first: a read of any incarnation is served
+	readEpoch := uint64(3)
+	holds := func(want byte) {
+		t.Helper()
+		got := make([]byte, 4096)
+		if err := reader.ReadAt(ctx, replica.Op{Epoch: readEpoch}, got, 0); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, block(want)) {
+			t.Fatalf("block 0 holds %d; want %d", got[0], want)
+		}
 	}
+
+	reader = open(0)
+	old := open(4)
 	if err := old.WriteAt(ctx, o, block(1), 0); err != nil {
 		t.Fatal(err)
 	}
-	cur, err := h.dial(ClientConfig{}).OpenFor(ctx, open)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cur := open(6) // the replica came back: a later generation
 	if err := cur.WriteAt(ctx, o, block(2), 0); err != nil {
 		t.Fatal(err)
 	}
-	// The late write of the old handle is refused, and changes nothing.
+	// The late write of the old incarnation is refused, and changes
+	// nothing; so is every other change through it.
 	if err := old.WriteAt(ctx, o, block(1), 0); !errors.Is(err, replica.ErrClosed) {
-		t.Fatalf("a write of the older attach handle after a newer OPEN: %v, want replica.ErrClosed", err)
+		t.Fatalf("a write of the older incarnation after a newer OPEN: %v, want replica.ErrClosed", err)
 	}
-	got := make([]byte, 4096)
-	if err := cur.ReadAt(ctx, o, got, 0); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, block(2)) {
-		t.Fatalf("block 0 holds %d after the older handle's late write; want the newer handle's 2", got[0])
-	}
-	// So is every other request of the old handle.
+	holds(2)
 	if err := old.Flush(ctx, o); !errors.Is(err, replica.ErrClosed) {
-		t.Fatalf("a flush of the older attach handle: %v, want replica.ErrClosed", err)
+		t.Fatalf("a flush of the older incarnation: %v, want replica.ErrClosed", err)
 	}
 	if err := old.BeginRebuild(ctx, o); !errors.Is(err, replica.ErrClosed) {
-		t.Fatalf("a rebuild begun on the older attach handle: %v, want replica.ErrClosed", err)
+		t.Fatalf("a rebuild begun on the older incarnation: %v, want replica.ErrClosed", err)
 	}
-	// Handles of other purposes are not attach handles: they neither
-	// take the replica over nor lose it.
-	insp, err := h.dial(ClientConfig{}).OpenFor(ctx, OpenRequest{Replica: "r1", Volume: "v1", Node: "n2", Purpose: PurposeInspect})
-	if err != nil {
-		t.Fatal(err)
-	}
+	// An OPEN of the same incarnation (the engine's duplicate) or of an
+	// older one (an OPEN its client gave up on, served late) takes
+	// nothing over, also once every newer handle is closed.
+	dup := open(6)
 	if err := cur.WriteAt(ctx, o, block(3), 0); err != nil {
-		t.Fatalf("the newest attach handle after an inspect OPEN: %v", err)
+		t.Fatalf("the newest incarnation after a duplicate OPEN: %v", err)
 	}
-	if err := insp.ReadAt(ctx, o, got, 0); err != nil || got[0] != 3 {
-		t.Fatalf("an inspect handle's read: %v, block 0 holds %d; want 3", err, got[0])
+	if err := dup.WriteAt(ctx, o, block(4), 0); err != nil {
+		t.Fatalf("a duplicate OPEN of the newest incarnation: %v", err)
 	}
-	// Closed, the newest leaves the replica's gate; the next OPEN makes a
-	// new one and serves.
 	if err := cur.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	next, err := h.dial(ClientConfig{}).OpenFor(ctx, open)
+	if err := dup.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	late := open(5)
+	if err := late.WriteAt(ctx, o, block(5), 0); !errors.Is(err, replica.ErrClosed) {
+		t.Fatalf("a write of an OPEN older than a closed newer one: %v, want replica.ErrClosed", err)
+	}
+	holds(4)
+	// A newer epoch outranks any incarnation, and says so.
+	e3 := open(9)
+	next, err := h.dial(ClientConfig{}).OpenFor(ctx, OpenRequest{Replica: "r1", Volume: "v1", Node: "n2", Epoch: 4, Purpose: PurposeAttach, Incarnation: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := next.WriteAt(ctx, o, block(4), 0); err != nil {
-		t.Fatalf("an attach handle opened after the last one closed: %v", err)
+	if err := next.WriteAt(ctx, replica.Op{Epoch: 4, Generation: 5}, block(6), 0); err != nil {
+		t.Fatalf("an attach handle of a newer epoch: %v", err)
+	}
+	if err := e3.WriteAt(ctx, o, block(7), 0); !errors.Is(err, replica.ErrStaleEpoch) {
+		t.Fatalf("a write of an older epoch's attach handle: %v, want replica.ErrStaleEpoch", err)
+	}
+	readEpoch = 4
+	holds(6)
+	// Handles of other purposes are not ordered.
+	insp, err := h.dial(ClientConfig{}).OpenFor(ctx, OpenRequest{Replica: "r1", Volume: "v1", Node: "n3", Epoch: 4, Purpose: PurposeInspect})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := next.WriteAt(ctx, replica.Op{Epoch: 4, Generation: 5}, block(8), 0); err != nil {
+		t.Fatalf("the newest attach handle after an inspect OPEN: %v", err)
+	}
+	got := make([]byte, 4096)
+	if err := insp.ReadAt(ctx, replica.Op{Epoch: 4}, got, 0); err != nil || got[0] != 8 {
+		t.Fatalf("an inspect handle's read: %v, block 0 holds %d; want 8", err, got[0])
 	}
 }
 
@@ -93,7 +124,7 @@ func TestANewerAttachOpenWaitsForTheOlderHandlesRequests(t *testing.T) {
 	h := newHarness(t, ServerConfig{})
 	r := h.backend["r1"]
 	ctx := context.Background()
-	open := OpenRequest{Replica: "r1", Volume: "v1", Node: "n1", Epoch: 3, Purpose: PurposeAttach}
+	open := OpenRequest{Replica: "r1", Volume: "v1", Node: "n1", Epoch: 3, Purpose: PurposeAttach, Incarnation: 4}
 	o := replica.Op{Epoch: 3, Generation: 4}
 	old, err := h.dial(ClientConfig{}).OpenFor(ctx, open)
 	if err != nil {
@@ -114,6 +145,7 @@ func TestANewerAttachOpenWaitsForTheOlderHandlesRequests(t *testing.T) {
 	go func() { wrote <- old.WriteAt(ctx, o, make([]byte, 4096), 8192) }()
 	<-entered
 	opened := make(chan error, 1)
+	open.Incarnation = 6
 	go func() {
 		_, err := h.dial(ClientConfig{}).OpenFor(ctx, open)
 		opened <- err

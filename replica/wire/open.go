@@ -60,6 +60,11 @@ type OpenRequest struct {
 	Snapshot string
 	Epoch    uint64
 	Purpose  Purpose
+	// Incarnation orders an engine's attach handles of one replica (doc.go,
+	// "Incarnations"): the replica's control-plane generation when the
+	// engine opened it. It travels in the OPEN's generation field; 0 is
+	// an OPEN that states none, older than any that does.
+	Incarnation uint64
 }
 
 // openFields is how many NUL-separated fields an OPEN payload has at most.

@@ -163,10 +163,9 @@ type Server struct {
 	conns     map[*serverConn]struct{}
 	wg        sync.WaitGroup // Serve loops and connections; Add under mu
 
-	// attachMu guards attaches and attachSerial.
-	attachMu     sync.Mutex
-	attaches     map[string]*attachGate // replica id -> its gate, while an attach handle has it open
-	attachSerial uint64
+	// attachMu guards attaches.
+	attachMu sync.Mutex
+	attaches map[string]*attachGate // replica id -> its gate (attachGate)
 
 	// Counters for Stats.
 	accepted atomic.Uint64
@@ -227,46 +226,50 @@ func NewServer(b Backend, cfg ServerConfig) (*Server, error) {
 	}, nil
 }
 
-// attachGate is a replica's hand-over between the attach handles
-// (PurposeAttach) its volume's engine opened: only the newest may serve
-// requests (doc.go, "Incarnations"). mu is held shared by every request
-// on an attach handle from its check to its last effect, and exclusively
-// by an attach OPEN while it makes its handle the newest: once that OPEN
-// returns, no request of an older attach handle is still applying
-// anything, and none will.
-type attachGate struct {
-	mu     sync.RWMutex
-	latest uint64 // guarded by mu: the serial of the newest attach handle
-	refs   int    // guarded by Server.attachMu: attach handles open
+// incarnation is an attach handle's place among its replica's: its
+// epoch, then the OPEN's Incarnation.
+type incarnation struct{ epoch, n uint64 }
+
+func (a incarnation) before(b incarnation) bool {
+	return a.epoch < b.epoch || (a.epoch == b.epoch && a.n < b.n)
 }
 
-// takeAttach makes a new attach handle of replica id the newest: it
-// returns the replica's gate and the handle's serial, after every request
-// of an older attach handle has finished. Give it back with dropAttach.
-func (s *Server) takeAttach(id string) (*attachGate, uint64) {
+// attachGate orders the attach handles (PurposeAttach) of one replica:
+// only those of the newest incarnation may change it (doc.go,
+// "Incarnations"). mu is held shared by every changing request on an
+// attach handle from its check to its last effect, and exclusively by an
+// attach OPEN while it makes its incarnation the newest: once that OPEN
+// returns, no changing request of an older incarnation is still applying
+// anything, and none will. A gate lives as long as the server: an OPEN
+// that comes late, after every newer handle was closed, is still older.
+type attachGate struct {
+	mu     sync.RWMutex
+	latest incarnation // guarded by mu
+}
+
+// takeAttach enters an attach handle of replica id at incarnation inc:
+// if inc is newer than the replica's newest, it becomes the newest, once
+// every changing request of an older one has finished. An older or equal
+// one changes nothing (a duplicate OPEN, or one its client gave up on).
+func (s *Server) takeAttach(id string, inc incarnation) *attachGate {
 	s.attachMu.Lock()
 	g := s.attaches[id]
 	if g == nil {
 		g = &attachGate{}
 		s.attaches[id] = g
 	}
-	g.refs++
-	s.attachSerial++
-	serial := s.attachSerial
 	s.attachMu.Unlock()
-	g.mu.Lock()
-	g.latest = max(g.latest, serial) // two OPENs at once: the later serial wins
-	g.mu.Unlock()
-	return g, serial
-}
-
-// dropAttach gives back an attach handle's hold on replica id's gate.
-func (s *Server) dropAttach(id string, g *attachGate) {
-	s.attachMu.Lock()
-	defer s.attachMu.Unlock()
-	if g.refs--; g.refs == 0 && s.attaches[id] == g {
-		delete(s.attaches, id)
+	g.mu.RLock()
+	newer := g.latest.before(inc)
+	g.mu.RUnlock()
+	if newer {
+		g.mu.Lock()
+		if g.latest.before(inc) {
+			g.latest = inc
+		}
+		g.mu.Unlock()
 	}
+	return g
 }
 
 // Serve accepts connections on ln and serves each until it breaks or the
@@ -414,11 +417,10 @@ type handle struct {
 	// rebuild begun after it, whose tracking no longer knows the newer
 	// writes it would overwrite.
 	rebuild *atomic.Uint64
-	// gate and serial: an attach handle's place among its replica's
-	// (attachGate); nil for other purposes.
-	gate   *attachGate
-	serial uint64
-	drop   func() // gives back the gate (nil: none)
+	// gate and inc: an attach handle's place among its replica's
+	// (attachGate); gate is nil for other purposes.
+	gate *attachGate
+	inc  incarnation
 }
 
 // Pinner is implemented by a Replica whose files the store may close while
@@ -431,9 +433,6 @@ type Pinner interface {
 func (h handle) release() {
 	if h.unpin != nil {
 		h.unpin()
-	}
-	if h.drop != nil {
-		h.drop()
 	}
 }
 
@@ -557,6 +556,16 @@ func (c *serverConn) readLoop() (bool, error) {
 		c.workers.Add(1)
 		go c.serve(h, session, payload, buf, weight)
 	}
+}
+
+// changes reports whether op may change a replica (what the attach gate
+// orders); reads of an older incarnation are harmless and served.
+func changes(op Opcode) bool {
+	switch op {
+	case OpRead, OpSnapshotRead, OpExtents, OpDigest, OpDirtyRegions, OpWrittenSince:
+		return false
+	}
+	return true
 }
 
 // rebuildSession is the rebuild a REBUILD_WRITE or REBUILD_COPY on handle
@@ -751,6 +760,7 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 		if err != nil {
 			return nil, nil, err
 		}
+		req.Incarnation = h.Generation
 		return c.open(req)
 	case OpClose:
 		c.hmu.Lock()
@@ -771,13 +781,6 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 	if r == nil {
 		return nil, nil, fmt.Errorf("wire: %v handle %d: %w", h.Op, h.Handle, ErrBadHandle)
 	}
-	if g := hd.gate; g != nil {
-		g.mu.RLock()
-		defer g.mu.RUnlock()
-		if g.latest != hd.serial {
-			return nil, nil, fmt.Errorf("wire: %v on replica %s: a newer attach OPEN of the replica took it over: %w", h.Op, hd.open.Replica, replica.ErrClosed)
-		}
-	}
 	if hd.grant != nil {
 		req := Request{Op: h.Op, Epoch: h.Epoch, Generation: h.Generation}
 		switch h.Op {
@@ -790,6 +793,20 @@ func (c *serverConn) exec(h *RequestHeader, session uint64, payload []byte) (rep
 		}
 		if err := hd.grant.Allow(c.s.ctx, req); err != nil {
 			return nil, nil, err
+		}
+	}
+	// After the grant, which may wait: nothing stands between the check
+	// and the replica (a changing request's payload is already read).
+	if g := hd.gate; g != nil && changes(h.Op) {
+		g.mu.RLock()
+		defer g.mu.RUnlock()
+		if latest := g.latest; hd.inc.before(latest) {
+			err := replica.ErrClosed
+			if hd.inc.epoch < latest.epoch {
+				err = replica.ErrStaleEpoch
+			}
+			return nil, nil, fmt.Errorf("wire: %v on replica %s: an attach handle of a newer incarnation (epoch %d, %d) was opened: %w",
+				h.Op, hd.open.Replica, latest.epoch, latest.n, err)
 		}
 	}
 	off, n := int64(h.Off), int64(h.Len) // in range: Validate
@@ -904,9 +921,8 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 	}
 	if req.Purpose == PurposeAttach && !c.s.cfg.UnsafeStaleIncarnations {
 		// After the fence: an OPEN of an older epoch takes nothing over.
-		hd.gate, hd.serial = c.s.takeAttach(id)
-		g := hd.gate
-		hd.drop = func() { c.s.dropAttach(id, g) }
+		hd.inc = incarnation{epoch, req.Incarnation}
+		hd.gate = c.s.takeAttach(id, hd.inc)
 	}
 	c.hmu.Lock()
 	if err := c.checkHandlesLocked(id); err != nil {
