@@ -208,6 +208,12 @@ type Engine struct {
 	cutting    bool                      // a snapshot cut goroutine runs (snapshot.go)
 	cutAgain   bool                      // the volume changed while it ran: look again
 	cutPoints  map[string][]string       // snapshot id -> replicas cut at the point this engine fixed (snapshot.go)
+	// leftAt is, per replica that left the write set, its generation in
+	// the view it left in. An open from a view no newer (a watch event
+	// older than the leaving, retryJoins' last view) would state the old
+	// incarnation again, which its server does not order after what the
+	// old connection still carries (wire's doc, "Incarnations").
+	leftAt map[string]uint64
 
 	// faultMu serialises reports to the control plane so one failing
 	// replica is reported once.
@@ -302,7 +308,7 @@ func newEngine(cfg Config, v *storpb.Volume) *Engine {
 	e := &Engine{
 		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch, purpose: wire.PurposeAttach,
 		logger:  cfg.Logger.With("volume", v.Name, "volume_id", v.Id, "epoch", v.Epoch),
-		members: map[string]*member{}, rebuilding: map[string]bool{}, generation: v.Generation,
+		members: map[string]*member{}, rebuilding: map[string]bool{}, leftAt: map[string]uint64{}, generation: v.Generation,
 		flushTurn: make(chan struct{}, 1),
 	}
 	e.size.Store(v.SizeBytes)
@@ -1058,6 +1064,9 @@ func (e *Engine) applyVolume(v *storpb.Volume) {
 		if !ok || r.State == storpb.ReplicaState_REPLICA_STATE_FAULTY {
 			drop = append(drop, m)
 			delete(e.members, id)
+			if ok {
+				e.leftAt[id] = max(e.leftAt[id], r.Generation)
+			}
 			continue
 		}
 		// Members are immutable (requests in flight hold them): replace.

@@ -126,6 +126,9 @@ func (e *Engine) joinGrown(ctx context.Context, r *storpb.Replica, conn ReplicaC
 	if _, raced := e.members[r.Id]; raced {
 		return false, nil
 	}
+	if r.Generation <= e.leftAt[r.Id] {
+		return false, nil // opened from a view older than its leaving, which happened meanwhile
+	}
 	e.joins++
 	e.members[r.Id] = &member{info: r, conn: conn, local: e.newLocalRead(r.ServerId), incarnation: e.joins}
 	return true, nil
@@ -142,8 +145,9 @@ func (e *Engine) addNewReplicas(v *storpb.Volume) (added bool) {
 		e.mu.Lock()
 		_, have := e.members[r.Id]
 		_, known := e.servers[r.ServerId]
+		stale := r.Generation <= e.leftAt[r.Id] // a view from before it left
 		e.mu.Unlock()
-		if have {
+		if have || stale {
 			continue
 		}
 		if !known && !refreshed {

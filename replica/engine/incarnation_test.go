@@ -10,8 +10,11 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // delayedFaults delays the engine's fault reports for one replica: the
@@ -179,4 +182,53 @@ func TestARebuildWhoseSourceLeftIsRestarted(t *testing.T) {
 	}
 	t.Fatalf("replica 2 is still %v 8 s after its rebuild's source left (the other replica is healthy and could serve): no rebuild restarted; chunks copied into it: %d",
 		f.volume().Replicas[2].State, target.chunksCopied())
+}
+
+// An engine opens a replica again only from a view newer than the one it
+// left the write set in. A stale view (a watch event from before the
+// fault, retryJoins' last view) showing it REBUILDING at its old
+// generation would open it as the old incarnation again, which its server
+// does not order after the writes the old connection may still carry
+// (wire's doc, "Incarnations"): they would land on the rebuilt replica.
+// Found by a review of the incarnation order.
+func TestAStaleViewDoesNotReopenAReplicaAsItsOldIncarnation(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("n1")
+	var mu sync.Mutex
+	var opens []wire.OpenRequest
+	inner := cfg.Connect
+	cfg.Connect = func(ctx context.Context, addr string, open wire.OpenRequest) (engine.ReplicaConn, error) {
+		mu.Lock()
+		opens = append(opens, open)
+		mu.Unlock()
+		return inner(ctx, addr, open)
+	}
+	e := f.open(cfg)
+	before := f.volume()
+	target := f.replica(2)
+	old := before.Replicas[2].Generation
+	// Replica 2 fails a write and is recorded faulty; it stays unreachable,
+	// so the engine cannot open it again meanwhile.
+	target.mu.Lock()
+	target.failIO = true
+	target.mu.Unlock()
+	if err := e.WriteAt(ctx10(t), randomBytes(7, 4096), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if g := f.volume().Replicas[2].Generation; g <= old {
+		t.Fatalf("replica 2 is at generation %d after its fault, as before it (%d)", g, old)
+	}
+	mu.Lock()
+	n := len(opens)
+	mu.Unlock()
+	stale := proto.Clone(before).(*storpb.Volume)
+	stale.Replicas[2].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	engine.AddNewReplicas(e, stale)
+	mu.Lock()
+	defer mu.Unlock()
+	for _, o := range opens[n:] {
+		if o.Replica == target.id && o.Incarnation <= old {
+			t.Fatalf("the engine opened replica 2 as incarnation %d from a view older than its fault (it left at a later generation)", o.Incarnation)
+		}
+	}
 }
