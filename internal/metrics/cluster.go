@@ -115,6 +115,7 @@ var (
 	dataConnsDesc   = prometheus.NewDesc("stor_data_connections", "Replica data port connections served now.", nil, nil)
 	dataAcceptDesc  = prometheus.NewDesc("stor_data_connections_total", "Replica data port connections served since start.", nil, nil)
 	dataRefusedDesc = prometheus.NewDesc("stor_data_connections_refused_total", "Replica data port connections refused at the connection limit.", nil, nil)
+	dataOrdersDesc  = prometheus.NewDesc("stor_data_attach_orders", "Replicas whose attach handles the data port orders by incarnation: attached since the server started and not deleted since.", nil, nil)
 	dataFailedDesc  = prometheus.NewDesc("stor_data_requests_failed_total", "Replica data requests answered with an error, by status (stale_epoch and denied are refusals).", []string{"status"}, nil)
 )
 
@@ -132,6 +133,7 @@ func (d *DataPort) Describe(ch chan<- *prometheus.Desc) {
 	ch <- dataConnsDesc
 	ch <- dataAcceptDesc
 	ch <- dataRefusedDesc
+	ch <- dataOrdersDesc
 	ch <- dataFailedDesc
 }
 
@@ -141,6 +143,7 @@ func (d *DataPort) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(dataConnsDesc, prometheus.GaugeValue, float64(st.Conns))
 	ch <- prometheus.MustNewConstMetric(dataAcceptDesc, prometheus.CounterValue, float64(st.Accepted))
 	ch <- prometheus.MustNewConstMetric(dataRefusedDesc, prometheus.CounterValue, float64(st.Refused))
+	ch <- prometheus.MustNewConstMetric(dataOrdersDesc, prometheus.GaugeValue, float64(st.AttachOrders))
 	for _, s := range dataStatuses {
 		if _, ok := st.Failed[s]; !ok {
 			ch <- prometheus.MustNewConstMetric(dataFailedDesc, prometheus.CounterValue, 0, s.Name())

@@ -143,12 +143,13 @@ func value(t *testing.T, reg *prometheus.Registry, series string) float64 {
 // refusal statuses at 0 before any refusal.
 func TestDataPort(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
-	st := wire.Stats{Conns: 3, Accepted: 10, Refused: 2, Failed: map[wire.Status]uint64{wire.StatusDenied: 4}}
+	st := wire.Stats{Conns: 3, Accepted: 10, Refused: 2, AttachOrders: 5, Failed: map[wire.Status]uint64{wire.StatusDenied: 4}}
 	reg.MustRegister(metrics.NewDataPort(func() wire.Stats { return st }))
 	for series, want := range map[string]float64{
 		`stor_data_connections`:                                 3,
 		`stor_data_connections_total`:                           10,
 		`stor_data_connections_refused_total`:                   2,
+		`stor_data_attach_orders`:                               5,
 		`stor_data_requests_failed_total{status="denied"}`:      4,
 		`stor_data_requests_failed_total{status="stale_epoch"}`: 0,
 	} {

@@ -290,6 +290,9 @@ func (d *dataPlane) reconcile() {
 			d.s.logger.Warn("delete replica", "replica", id, "err", err)
 			continue
 		}
+		if d.wire != nil {
+			d.wire.Forget(id)
+		}
 		name := "(deleted)"
 		if v := view.vols[r.VolumeID()]; v != nil {
 			name = v.Name

@@ -3,6 +3,8 @@ package server
 import (
 	"context"
 	"encoding/binary"
+	"errors"
+	"net"
 	"path/filepath"
 	"testing"
 
@@ -14,6 +16,7 @@ import (
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/replicatest"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // TestClusterViewReadOncePerAppliedIndex: the reconcile's read of the
@@ -161,5 +164,66 @@ func TestReconcileOfAPartialReadDeletesNothing(t *testing.T) {
 				t.Errorf("a partial read was kept for reuse")
 			}
 		})
+	}
+}
+
+// TestADeletedReplicaIsForgottenByTheDataPort: the data port keeps, per
+// replica, the order of its attach handles (wire's "Incarnations"); a
+// replica the reconcile deletes must take its order with it, or a server
+// keeps one for every replica ever attached to it for as long as it runs.
+func TestADeletedReplicaIsForgottenByTheDataPort(t *testing.T) {
+	f, err := raftstore.OpenFSM(stateFile(t, nil, nil), replicatest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	if _, err := store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	ws, err := wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
+		r, err := store.Get(id)
+		if err != nil {
+			return nil, err
+		}
+		return r, nil
+	}), wire.ServerConfig{Logger: replicatest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ws.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go ws.Serve(ln)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	conn, err := wire.Dial(ctx, "tcp", ln.Addr().String(), wire.ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.OpenFor(ctx, wire.OpenRequest{Replica: "r1", Volume: "v1", Node: "n1", Epoch: 2,
+		Purpose: wire.PurposeAttach, Incarnation: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if n := ws.Stats().AttachOrders; n != 1 {
+		t.Fatalf("after an attach OPEN the data port orders %d replicas' handles; want 1", n)
+	}
+
+	s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
+	d := &dataPlane{s: s, store: store, wire: ws, rebuilding: map[string]bool{}, tasks: map[string]bool{},
+		view: f.View, catchUp: func(context.Context) error { return nil }}
+	d.reconcile() // the cluster places no replica here
+	if _, err := store.Get("r1"); !errors.Is(err, replica.ErrNotFound) {
+		t.Fatalf("replica r1, placed nowhere, after the reconcile: %v; want it deleted", err)
+	}
+	if n := ws.Stats().AttachOrders; n != 0 {
+		t.Errorf("after the reconcile deleted r1 the data port still orders %d replicas' attach handles; want 0", n)
 	}
 }

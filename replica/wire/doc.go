@@ -166,7 +166,8 @@
 // with the epoch). An OPEN of an equal or older incarnation takes nothing
 // over: an engine's duplicate OPEN, or one its client gave up on that the
 // server reached late. The order lives as long as the server process
-// (the connections it orders die with it). Handles of other purposes
+// (the connections it orders die with it), or until the replica is
+// deleted (Server.Forget). Handles of other purposes
 // (rebuild sources, inspection, clone copies, a detached volume's rebuild
 // or snapshot cut, which run at epochs of their own) are not ordered. The
 // Authorizer checks the incarnation against the metadata: stor-server's

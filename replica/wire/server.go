@@ -178,6 +178,10 @@ type Server struct {
 type Stats struct {
 	// Conns is the connections served now.
 	Conns int
+	// AttachOrders is the replicas whose attach handles the server
+	// orders (doc.go, "Incarnations"): those attached since it started
+	// and not deleted since.
+	AttachOrders int
 	// Accepted counts the connections served since the server started;
 	// Refused those closed at once because MaxConns were being served.
 	Accepted, Refused uint64
@@ -192,6 +196,9 @@ func (s *Server) Stats() Stats {
 	s.mu.Lock()
 	st := Stats{Conns: len(s.conns)}
 	s.mu.Unlock()
+	s.attachMu.Lock()
+	st.AttachOrders = len(s.attaches)
+	s.attachMu.Unlock()
 	st.Accepted, st.Refused = s.accepted.Load(), s.refused.Load()
 	st.Failed = map[Status]uint64{}
 	for i := range s.failed {
@@ -240,8 +247,9 @@ func (a incarnation) before(b incarnation) bool {
 // attach handle from its check to its last effect, and exclusively by an
 // attach OPEN while it makes its incarnation the newest: once that OPEN
 // returns, no changing request of an older incarnation is still applying
-// anything, and none will. A gate lives as long as the server: an OPEN
-// that comes late, after every newer handle was closed, is still older.
+// anything, and none will. A gate lives until its replica is deleted
+// (Forget), not only while handles hold it: an OPEN that comes late,
+// after every newer handle was closed, is still older.
 type attachGate struct {
 	mu     sync.RWMutex
 	latest incarnation // guarded by mu
@@ -270,6 +278,17 @@ func (s *Server) takeAttach(id string, inc incarnation) *attachGate {
 		g.mu.Unlock()
 	}
 	return g
+}
+
+// Forget drops the order of replica id's attach handles (attachGate):
+// the caller deleted the replica, and replica ids are never used again.
+// Without it the server would keep the order of every replica ever
+// attached for as long as it runs. Handles still open on the deleted
+// replica keep their gate, and the deleted replica refuses them.
+func (s *Server) Forget(id string) {
+	s.attachMu.Lock()
+	delete(s.attaches, id)
+	s.attachMu.Unlock()
 }
 
 // Serve accepts connections on ln and serves each until it breaks or the
