@@ -307,3 +307,42 @@ func TestLayerNameRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+// isZero finds a non-zero byte wherever it is: in the first or the last
+// byte of any block, or in a tail shorter than a block.
+func TestIsZero(t *testing.T) {
+	for _, n := range []int{0, 1, SectorSize, BlockSize, 3*BlockSize + SectorSize} {
+		p := make([]byte, n)
+		if !isZero(p) {
+			t.Fatalf("%d zero bytes: not zero", n)
+		}
+		for _, at := range []int{0, n / 2, n - 1, BlockSize - 1, BlockSize} {
+			if at < 0 || at >= n {
+				continue
+			}
+			p[at] = 1
+			if isZero(p) {
+				t.Fatalf("%d bytes with byte %d set: zero", n, at)
+			}
+			p[at] = 0
+		}
+	}
+}
+
+// BenchmarkIsZero: a block of data (the rebuild's case) and a zero block.
+func BenchmarkIsZero(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		fill byte
+	}{{"data", 0x5a}, {"zero", 0}} {
+		b.Run(tc.name, func(b *testing.B) {
+			p := bytes.Repeat([]byte{tc.fill}, BlockSize)
+			b.SetBytes(BlockSize)
+			for b.Loop() {
+				if isZero(p) != (tc.fill == 0) {
+					b.Fatal("wrong answer")
+				}
+			}
+		})
+	}
+}

@@ -252,9 +252,14 @@ func (r *Replica) copyBlocksLocked(l, upper *layer, s, e uint64, buf []byte) err
 	return nil
 }
 
+// isZero reports whether p is all zero bytes. It compares through a
+// pointer to each block: converting the slice to an array value copies
+// the block first, which cost a rebuild's target about 4% of its CPU
+// (replica/isZero in a profile of BenchmarkRebuild) where a block of
+// data differs from zero at its first bytes.
 func isZero(p []byte) bool {
 	for len(p) >= BlockSize {
-		if [BlockSize]byte(p[:BlockSize]) != zeroBlock {
+		if *(*[BlockSize]byte)(p[:BlockSize]) != zeroBlock {
 			return false
 		}
 		p = p[BlockSize:]
