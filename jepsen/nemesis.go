@@ -61,6 +61,7 @@ func init() {
 	register(rebuildFault{name: "rebuild-target"})
 	register(rebuildFault{name: "rebuild-source", source: true})
 	register(replaceReplica{})
+	register(rebuildClient{})
 	register(rebuildWrites{})
 	register(flushStorm{})
 	register(detachExpand{})

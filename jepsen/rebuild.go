@@ -425,6 +425,64 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 	return desc + strings.Join(done, "; ") + r.checkColdAfterRebuilds(ctx), nil
 }
 
+// rebuildClient faults the engine that drives a rebuild, in its copy: it
+// starts a rebuild as rebuild-target does, waits for the copy
+// (intoCopy), and then either kills the engine's process (kill -9; the
+// workers open a new engine, at a new epoch, which reconciles and starts
+// the rebuild again) or has the other client host take the volume over
+// (a new epoch; the old engine, its copy cut off at the replicas by the
+// fence, keeps writing for 3 s), half and half. The copy's chunks in
+// flight at the fault (REBUILD_COPY on the target's server, under the
+// old epoch) must not land after the new engine's own writes, and the
+// target must come out holding every acknowledged write: the cold
+// registers are read from every replica once all are HEALTHY.
+type rebuildClient struct{}
+
+func (rebuildClient) Name() string { return "rebuild-client" }
+
+func (rebuildClient) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
+	slow := slowedLinks{}
+	defer slow.restore()
+	target, desc, err := r.startRebuild(ctx, rng, slow)
+	if err != nil {
+		return "", err
+	}
+	v, err := r.intoCopy(ctx, rng, slow, target.Id)
+	if err != nil {
+		return "", err
+	}
+	now := replicaIn(v, target.Id)
+	if now == nil {
+		return desc + target.Id + " was removed" + r.checkColdAfterRebuilds(ctx), nil
+	}
+	hit, state := where(now)
+	old := r.active()
+	var what, how string
+	if rng.IntN(2) == 0 {
+		r.c.KillClient(old)
+		what = "kill -9 the engine on " + old.Host.Name
+		if err := (killClient{}).Heal(ctx, r); err != nil {
+			return "", fmt.Errorf("%s%s: %w", desc, what, err)
+		}
+		what += " (reopened)"
+		how = "engine killed"
+	} else {
+		if _, err := (takeover{}).Inject(ctx, r, rng); err != nil {
+			return "", fmt.Errorf("%stakeover: %w", desc, err)
+		}
+		what = fmt.Sprintf("%s took the volume over from %s", r.active().Host.Name, old.Host.Name)
+		how = "taken over"
+	}
+	if hit != "" {
+		r.hit(fmt.Sprintf("rebuild-client: %s %s", how, hit))
+	}
+	return fmt.Sprintf("%s%s while %s was %s (delta from generation %d)", desc, what, target.Id, state, now.RebuildFromGeneration) +
+		r.checkColdAfterRebuilds(ctx), nil
+}
+
+// Heal: each Inject healed its own fault (the reopen, or the new engine).
+func (rebuildClient) Heal(ctx context.Context, r *runner) error { return nil }
+
 // checkColdAfterRebuilds waits (up to rebuildDone) for every replica to be
 // HEALTHY and then reads the cold registers from each (ops
 // "replica-check", checkReplicasHoldLastWrite): the next rebuild nemesis
