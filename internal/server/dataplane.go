@@ -286,12 +286,15 @@ func (d *dataPlane) reconcile() {
 	}
 	for _, r := range stale {
 		id := r.ID()
-		if err := d.store.Delete(id); err != nil && !errors.Is(err, replica.ErrNotFound) {
+		err := d.store.Delete(id)
+		if _, gerr := d.store.Get(id); errors.Is(gerr, replica.ErrNotFound) && d.wire != nil {
+			// Gone from the store, even if its delete then failed (to
+			// sync the directory, say): no later reconcile lists it.
+			d.wire.Forget(id)
+		}
+		if err != nil && !errors.Is(err, replica.ErrNotFound) {
 			d.s.logger.Warn("delete replica", "replica", id, "err", err)
 			continue
-		}
-		if d.wire != nil {
-			d.wire.Forget(id)
 		}
 		name := "(deleted)"
 		if v := view.vols[r.VolumeID()]; v != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"net"
 	"path/filepath"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/raftstore"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/errorfs"
 	"github.com/stor-io/stor/replica/replicatest"
 	"github.com/stor-io/stor/replica/wire"
 )
@@ -171,13 +173,24 @@ func TestReconcileOfAPartialReadDeletesNothing(t *testing.T) {
 // replica, the order of its attach handles (wire's "Incarnations"); a
 // replica the reconcile deletes must take its order with it, or a server
 // keeps one for every replica ever attached to it for as long as it runs.
+// So must one whose delete failed after it left the store (its directory
+// renamed, the directory's sync failing): no later reconcile lists it.
 func TestADeletedReplicaIsForgottenByTheDataPort(t *testing.T) {
+	for _, syncFails := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sync-fails=%v", syncFails), func(t *testing.T) {
+			testDeletedReplicaForgotten(t, syncFails)
+		})
+	}
+}
+
+func testDeletedReplicaForgotten(t *testing.T, syncFails bool) {
 	f, err := raftstore.OpenFSM(stateFile(t, nil, nil), replicatest.Logger(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+	efs := errorfs.New(replica.OS(), 1)
+	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), FS: efs, Logger: replicatest.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,6 +232,9 @@ func TestADeletedReplicaIsForgottenByTheDataPort(t *testing.T) {
 	s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
 	d := &dataPlane{s: s, store: store, wire: ws, rebuilding: map[string]bool{}, tasks: map[string]bool{},
 		view: f.View, catchUp: func(context.Context) error { return nil }}
+	if syncFails {
+		efs.Add(errorfs.Rule{Ops: errorfs.OpSyncDir, Times: 1})
+	}
 	d.reconcile() // the cluster places no replica here
 	if _, err := store.Get("r1"); !errors.Is(err, replica.ErrNotFound) {
 		t.Fatalf("replica r1, placed nowhere, after the reconcile: %v; want it deleted", err)

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -165,5 +167,79 @@ func TestANewerAttachOpenWaitsForTheOlderHandlesRequests(t *testing.T) {
 		case <-time.After(10 * time.Second):
 			t.Fatalf("%s did not return", what)
 		}
+	}
+}
+
+// deletableBackend is a backend whose replicas can be deleted while it
+// serves.
+type deletableBackend struct {
+	mu sync.Mutex
+	m  map[string]*fakeReplica
+}
+
+func (b *deletableBackend) Replica(id string) (Replica, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if r, ok := b.m[id]; ok {
+		return r, nil
+	}
+	return nil, fmt.Errorf("replica %q: %w", id, replica.ErrNotFound)
+}
+
+// An attach OPEN that found its replica and then waited (here in its
+// fence) while the replica was deleted and its order forgotten must not
+// bring the order back: nothing would forget it again.
+func TestAnAttachOpenRacingTheReplicasDeletionLeavesNoOrder(t *testing.T) {
+	f := newFakeReplica("r1", testSize)
+	b := &deletableBackend{m: map[string]*fakeReplica{"r1": f}}
+	srv, err := NewServer(b, ServerConfig{Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln)
+	defer srv.Close()
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	f.setHook(func(op string, _ int64) error {
+		if op == "Fence" {
+			entered <- struct{}{}
+			<-release
+		}
+		return nil
+	})
+	ctx := context.Background()
+	conn, err := Dial(ctx, "tcp", ln.Addr().String(), ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	opened := make(chan error, 1)
+	go func() {
+		_, err := conn.OpenFor(ctx, OpenRequest{Replica: "r1", Volume: "v1", Node: "n1", Epoch: 2, Purpose: PurposeAttach, Incarnation: 1})
+		opened <- err
+	}()
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the OPEN never reached the replica's fence")
+	}
+	b.mu.Lock()
+	delete(b.m, "r1")
+	b.mu.Unlock()
+	srv.Forget("r1")
+	close(release)
+	select {
+	case err := <-opened:
+		if !errors.Is(err, replica.ErrNotFound) {
+			t.Errorf("the OPEN of a replica deleted meanwhile: %v, want replica.ErrNotFound", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the OPEN did not return")
+	}
+	if n := srv.Stats().AttachOrders; n != 0 {
+		t.Errorf("after the replica was deleted and forgotten the server orders %d replicas' attach handles; want 0", n)
 	}
 }

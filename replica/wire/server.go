@@ -942,6 +942,14 @@ func (c *serverConn) open(req OpenRequest) ([]byte, *[]byte, error) {
 		// After the fence: an OPEN of an older epoch takes nothing over.
 		hd.inc = incarnation{epoch, req.Incarnation}
 		hd.gate = c.s.takeAttach(id, hd.inc)
+		// The replica may have been deleted, and its order forgotten,
+		// since the lookup above: takeAttach made it a new one, which
+		// nothing would forget again.
+		if _, err := c.s.backend.Replica(id); errors.Is(err, replica.ErrNotFound) {
+			hd.release()
+			c.s.Forget(id)
+			return nil, nil, err
+		}
 	}
 	c.hmu.Lock()
 	if err := c.checkHandlesLocked(id); err != nil {
