@@ -13,10 +13,15 @@ import (
 // TestVolumeGrownDuringAFullRebuildIsWholeOnTheTarget: an online
 // expansion (a CSI ControllerExpandVolume) that lands while a replica is
 // being filled by a full rebuild. The copy planned its ranges at the old
-// size; the target is in the write set, so the engine grows it with the
-// others and sends it every write to the new space. Afterwards every
-// acknowledged write reads back and every replica, the rebuilt one
-// included, holds the same bytes over the whole grown volume.
+// size; the target is in the write set, so it must be grown with the
+// others (by the engine, and by its server's reconcile, which grows every
+// local replica to the volume's size) and take every write to the new
+// space. Afterwards every acknowledged write reads back, every replica,
+// the rebuilt one included, holds the same bytes over the whole grown
+// volume, and none was recorded faulty. The test fails if the copy ended
+// before the engine grew the volume; it does not force the writes to the
+// new space into the copy (they usually land in it: the copy takes
+// 0.2-0.5 s here).
 func TestVolumeGrownDuringAFullRebuildIsWholeOnTheTarget(t *testing.T) {
 	const oldSize, newSize = 16 << 20, 24 << 20
 	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
@@ -59,6 +64,7 @@ func TestVolumeGrownDuringAFullRebuildIsWholeOnTheTarget(t *testing.T) {
 	if _, err := c.Dial().Volumes.ExpandVolume(ctx10(t), &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}, SizeBytes: newSize}); err != nil {
 		t.Fatal(err)
 	}
+	deadline = time.Now().Add(20 * time.Second)
 	for e.Size() != newSize {
 		if time.Now().After(deadline) {
 			t.Fatalf("the engine did not follow the expansion to %d bytes within 20 s (size %d)", newSize, e.Size())
@@ -68,8 +74,8 @@ func TestVolumeGrownDuringAFullRebuildIsWholeOnTheTarget(t *testing.T) {
 	if _, left := e.RebuildProgress(); left == 0 {
 		t.Fatal("the copy ended before the engine grew the volume: the test did not make its sequence")
 	}
-	// Writes to the new space while the copy goes on, each block twice
-	// (the second must win on every replica).
+	// Writes to the new space, each block twice (the second must win on
+	// every replica).
 	for pass := uint64(1); pass <= 2; pass++ {
 		for b := int64(oldSize / block); b < newSize/block; b += 7 {
 			s := 60<<32 | pass<<20 | uint64(b)
@@ -84,7 +90,6 @@ func TestVolumeGrownDuringAFullRebuildIsWholeOnTheTarget(t *testing.T) {
 			l.mu.Unlock()
 		}
 	}
-	grown := e.Size()
 	close(stop)
 	<-done
 	if err := e.Flush(ctx10(t)); err != nil {
@@ -92,12 +97,8 @@ func TestVolumeGrownDuringAFullRebuildIsWholeOnTheTarget(t *testing.T) {
 	}
 	l.verify(t, e)
 	requireIdentical(t, c, v.Id, 60*time.Second)
-	if grown != newSize {
-		t.Fatalf("the engine's size changed again, to %d", grown)
-	}
-	// And it carried every replica through: none was given up (a target
-	// that missed the growth would be, and be rebuilt again, which the
-	// comparison above would not show).
+	// And every replica came through: none was given up (and rebuilt
+	// again, which the comparison above would not show).
 	evs, err := c.Dial().Cluster.ListEvents(ctx10(t), &storpb.ListEventsRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
 	if err != nil {
 		t.Fatal(err)
