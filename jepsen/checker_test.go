@@ -341,3 +341,32 @@ func TestReplicaHoldsLastWriteChecker(t *testing.T) {
 		t.Fatalf("divergence %v on registers whose last value is not known", a.Details)
 	}
 }
+
+// TestStaleWritesLeaveTheColdRegistersAlone: the fenced engine's writes
+// after a takeover fail, and a register with a failed write is left out
+// of the replica checks for the rest of the run (see
+// TestReplicaHoldsLastWriteChecker); staleWrites wrote every register,
+// the cold ones included, so a takeover left nothing for the cold
+// registers' checks to judge.
+func TestStaleWritesLeaveTheColdRegistersAlone(t *testing.T) {
+	for _, tc := range []struct{ blocks, cold int }{{16, 2}, {24, 12}, {4, 0}, {20, 2}} {
+		r := &runner{cfg: RunConfig{Blocks: tc.blocks, ColdBlocks: tc.cold}}
+		bs := staleBlocks(tc.blocks, r.cold)
+		if len(bs) != staleWrite {
+			t.Fatalf("%d registers, %d cold: %d stale writes, want %d", tc.blocks, tc.cold, len(bs), staleWrite)
+		}
+		seen := map[int]bool{}
+		for _, b := range bs {
+			if r.cold(b) || b < 0 || b >= tc.blocks {
+				t.Fatalf("%d registers, %d cold: a stale write to register %d", tc.blocks, tc.cold, b)
+			}
+			seen[b] = true
+		}
+		if hot := min(tc.blocks-tc.cold, staleWrite); len(seen) != hot {
+			t.Fatalf("%d registers, %d cold: stale writes reach %d registers, want all %d hot ones", tc.blocks, tc.cold, len(seen), hot)
+		}
+	}
+	if bs := staleBlocks(2, func(int) bool { return true }); len(bs) != 0 {
+		t.Fatalf("every register cold: stale writes %v", bs)
+	}
+}

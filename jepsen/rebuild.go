@@ -461,10 +461,11 @@ func (rebuildClient) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	if rng.IntN(2) == 0 {
 		r.c.KillClient(old)
 		what = "kill -9 the engine on " + old.Host.Name
-		if err := (killClient{}).Heal(ctx, r); err != nil {
-			return "", fmt.Errorf("%s%s: %w", desc, what, err)
+		if err := r.awaitReopen(ctx, old); err != nil {
+			what += fmt.Sprintf(" (not reopened: %v)", err)
+		} else {
+			what += " (reopened)"
 		}
-		what += " (reopened)"
 		how = "engine killed"
 	} else {
 		if _, err := (takeover{}).Inject(ctx, r, rng); err != nil {
@@ -476,8 +477,31 @@ func (rebuildClient) Inject(ctx context.Context, r *runner, rng *rand.Rand) (str
 	if hit != "" {
 		r.hit(fmt.Sprintf("rebuild-client: %s %s", how, hit))
 	}
-	return fmt.Sprintf("%s%s while %s was %s (delta from generation %d)", desc, what, target.Id, state, now.RebuildFromGeneration) +
+	kind := "a full rebuild"
+	if g := now.RebuildFromGeneration; g > 0 {
+		kind = fmt.Sprintf("a delta from generation %d", g)
+	}
+	return fmt.Sprintf("%s%s; the rebuild of %s (%s) was then %s", desc, what, target.Id, kind, state) +
 		r.checkColdAfterRebuilds(ctx), nil
+}
+
+// awaitReopen opens the volume on ch again after its engine was killed
+// (as killClient's Heal does, unless a worker is doing it already) and
+// waits, at most rebuildWait, until an engine serves there.
+func (r *runner) awaitReopen(ctx context.Context, ch *ClientHost) error {
+	if err := (killClient{}).Heal(ctx, r); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(rebuildWait)
+	for {
+		if s, _ := ch.Session(); s != nil {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("no engine open on %s within %v", ch.Host.Name, rebuildWait)
+		}
+		sleep(ctx, 50*time.Millisecond)
+	}
 }
 
 // Heal: each Inject healed its own fault (the reopen, or the new engine).
