@@ -427,15 +427,16 @@ func (n rebuildFault) Inject(ctx context.Context, r *runner, rng *rand.Rand) (st
 
 // rebuildClient faults the engine that drives a rebuild, in its copy: it
 // starts a rebuild as rebuild-target does, waits for the copy
-// (intoCopy), and then either kills the engine's process (kill -9; the
-// workers open a new engine, at a new epoch, which reconciles and starts
-// the rebuild again) or has the other client host take the volume over
-// (a new epoch; the old engine, its copy cut off at the replicas by the
-// fence, keeps writing for 3 s), half and half. The copy's chunks in
-// flight at the fault (REBUILD_COPY on the target's server, under the
-// old epoch) must not land after the new engine's own writes, and the
-// target must come out holding every acknowledged write: the cold
-// registers are read from every replica once all are HEALTHY.
+// (intoCopy), and then either kills the engine's process (kill -9; it
+// opens the volume there again, awaitReopen: a new engine at a new
+// epoch, which reconciles and starts the rebuild again) or has the other
+// client host take the volume over (a new epoch; the old engine, its
+// copy cut off at the replicas by the fence, keeps writing for 3 s),
+// half and half. What the old copy still had in flight (a REBUILD_COPY
+// on the target's server, under the old epoch and rebuild session) is
+// judged by what follows: once every replica is HEALTHY the cold
+// registers are read from each, and the workers' and the final reads
+// judge the rest.
 type rebuildClient struct{}
 
 func (rebuildClient) Name() string { return "rebuild-client" }
