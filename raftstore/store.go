@@ -43,6 +43,10 @@ type Store struct {
 	// leaderChanges counts the leader changes this server observed (a new
 	// leader, or none, as Raft reports them); see LeaderChanges.
 	leaderChanges atomic.Uint64
+	// leaderGone is closed at the next leader change (LeaderGone);
+	// guarded by leaderMu, nil until asked for.
+	leaderMu   sync.Mutex
+	leaderGone chan struct{}
 
 	// leaderReady is set once this server, as leader, has applied every
 	// entry of earlier terms; ConsistentRead requires it.
@@ -204,6 +208,12 @@ func (s *Store) observeLeaders() {
 				return
 			case <-ch:
 				s.leaderChanges.Add(1)
+				s.leaderMu.Lock()
+				if s.leaderGone != nil {
+					close(s.leaderGone)
+					s.leaderGone = nil
+				}
+				s.leaderMu.Unlock()
 			}
 		}
 	}()
@@ -212,6 +222,22 @@ func (s *Store) observeLeaders() {
 // LeaderChanges is how many times this server saw the leader change
 // (including to no leader) since it started.
 func (s *Store) LeaderChanges() uint64 { return s.leaderChanges.Load() }
+
+// LeaderGone returns a channel that is closed once this server sees the
+// leader change (a new leader, or none): taken before Leader or
+// LeaderAddress, it says when what they returned stopped being the
+// leader. The observations come asynchronously, so a change made shortly
+// before the call may still close it (while the leader read after it is
+// current), and one dropped from a burst (observeLeaders) leaves it open
+// until the next change seen.
+func (s *Store) LeaderGone() <-chan struct{} {
+	s.leaderMu.Lock()
+	defer s.leaderMu.Unlock()
+	if s.leaderGone == nil {
+		s.leaderGone = make(chan struct{})
+	}
+	return s.leaderGone
+}
 
 // resolveAdvertise accepts host:port with a host name or an IP.
 func resolveAdvertise(addr string) (net.Addr, error) {

@@ -650,3 +650,31 @@ func TestKilledLeaderIsNotSeenAfterItDied(t *testing.T) {
 		}
 	}
 }
+
+// TestACallForwardedToALostLeaderIsGivenUp: a follower forwards every
+// call to its leader; when the path between them drops packets without
+// breaking the connection (servertest's Stall), the forwarded call used
+// to wait for the caller's deadline (jepsen seed 6404: an engine's open
+// through such a server failed after 30 s, and the volume served nothing
+// meanwhile). Once the follower sees it has lost its leader, the call is
+// answered Unavailable, which the client retries through another server.
+func TestACallForwardedToALostLeaderIsGivenUp(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	leader := c.Leader(10 * time.Second)
+	f, other := (leader+1)%3, (leader+2)%3
+	// A forwarded call first, so the follower's connection to the leader
+	// is open (a stall holds it open, passing nothing).
+	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
+		return c.Client(f).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	})
+	c.Net.Stall(f, leader)
+	c.Net.Stall(f, other)
+	defer c.Heal()
+	start := time.Now()
+	_, err := c.Client(f).Cluster.ListServers(ctxT(t, 20*time.Second), &storpb.ListServersRequest{})
+	took := time.Since(start)
+	if status.Code(err) != codes.Unavailable || took > 10*time.Second {
+		t.Fatalf("a call forwarded by a server whose leader stopped answering: %v after %v; want Unavailable well before the caller's 20 s", err, took.Round(time.Millisecond))
+	}
+	t.Logf("answered %v after %v", status.Code(err), took.Round(time.Millisecond))
+}

@@ -49,6 +49,7 @@ func (f *forwarder) intercept(ctx context.Context, req any, info *grpc.UnaryServ
 	if md, ok := metadata.FromIncomingContext(ctx); ok && len(md.Get(forwardedKey)) > 0 {
 		return nil, status.Errorf(codes.Unavailable, "%s is not the leader (leadership moved while the call was forwarded)", f.s.cfg.ID)
 	}
+	gone := f.s.store.LeaderGone() // before the leader is read
 	leaderID, addr, err := f.s.store.LeaderAddress()
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "no leader: %s", strings.ReplaceAll(err.Error(), "raftstore: ", ""))
@@ -65,7 +66,25 @@ func (f *forwarder) intercept(ctx context.Context, req any, info *grpc.UnaryServ
 	if id, ok := callerOf(ctx); ok {
 		ctx = metadata.AppendToOutgoingContext(ctx, callerKey, id.String())
 	}
-	if err := conn.Invoke(ctx, info.FullMethod, req, reply); err != nil {
+	// A call forwarded to a leader this server then loses (it stops
+	// hearing from it: a path that drops packets, which no connection
+	// error reports) is given up as Unavailable, which the client retries
+	// through another server; otherwise it waits for the caller's
+	// deadline. The leader may have applied it: the control API's calls
+	// are safe to retry, as after "leadership moved" below.
+	fctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-gone:
+			cancel()
+		case <-fctx.Done():
+		}
+	}()
+	if err := conn.Invoke(fctx, info.FullMethod, req, reply); err != nil {
+		if ctx.Err() == nil && fctx.Err() != nil {
+			return nil, status.Errorf(codes.Unavailable, "%s lost its leader %s while the call was forwarded to it: %v", f.s.cfg.ID, leaderID, err)
+		}
 		return nil, err
 	}
 	return reply, nil

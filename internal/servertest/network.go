@@ -17,11 +17,45 @@ type Network struct {
 	cut   map[[2]int]bool           // {from, to} -> no traffic
 	ports map[int]map[string]bool   // from -> listen addresses it cannot reach
 	conns map[[2]int]map[*conn]bool // open connections per direction
+	// stalled pairs pass nothing but stay open (Stall); flowing is
+	// closed, and replaced, whenever a stall is lifted.
+	stalled map[[2]int]bool
+	flowing chan struct{}
 }
 
 // NewNetwork returns a network with no cuts.
 func NewNetwork() *Network {
-	return &Network{owner: map[string]int{}, cut: map[[2]int]bool{}, ports: map[int]map[string]bool{}, conns: map[[2]int]map[*conn]bool{}}
+	return &Network{owner: map[string]int{}, cut: map[[2]int]bool{}, ports: map[int]map[string]bool{}, conns: map[[2]int]map[*conn]bool{},
+		stalled: map[[2]int]bool{}, flowing: make(chan struct{})}
+}
+
+// Stall stops all traffic between a and b, both ways, without closing
+// anything, as a network that drops packets does: the connections open
+// between them stay open and pass nothing (their reads and writes wait),
+// and a new one waits in its dial, until Heal.
+func (n *Network) Stall(a, b int) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.stalled[[2]int{a, b}] = true
+	n.stalled[[2]int{b, a}] = true
+}
+
+// flow waits while key is stalled, until done is closed (false) or the
+// stall is lifted (true).
+func (n *Network) flow(key [2]int, done <-chan struct{}) bool {
+	for {
+		n.mu.Lock()
+		stalled, wake := n.stalled[key], n.flowing
+		n.mu.Unlock()
+		if !stalled {
+			return true
+		}
+		select {
+		case <-wake:
+		case <-done:
+			return false
+		}
+	}
 }
 
 // Register says which node listens on addr.
@@ -41,13 +75,16 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 		if blocked {
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
 		}
+		key := [2]int{from, to}
+		if known && !n.flow(key, ctx.Done()) {
+			return nil, fmt.Errorf("servertest: %d -> %d is stalled: %w", from, to, ctx.Err())
+		}
 		var d net.Dialer
 		c, err := d.DialContext(ctx, network, addr)
 		if err != nil || !known {
 			return c, err
 		}
-		key := [2]int{from, to}
-		tc := &conn{Conn: c, n: n, key: key, addr: addr}
+		tc := &conn{Conn: c, n: n, key: key, addr: addr, done: make(chan struct{})}
 		n.mu.Lock()
 		defer n.mu.Unlock()
 		if n.cut[key] || n.ports[from][addr] { // cut while dialing
@@ -110,12 +147,17 @@ func (n *Network) Isolate(i int, others []int) {
 	}
 }
 
-// Heal removes every cut.
+// Heal removes every cut and stall.
 func (n *Network) Heal() {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	clear(n.cut)
 	clear(n.ports)
+	if len(n.stalled) > 0 {
+		clear(n.stalled)
+		close(n.flowing)
+		n.flowing = make(chan struct{})
+	}
 }
 
 type conn struct {
@@ -124,6 +166,24 @@ type conn struct {
 	key  [2]int
 	addr string // dialed
 	once sync.Once
+	done chan struct{} // closed by Close
+}
+
+// Read holds what it read while the pair is stalled.
+func (c *conn) Read(p []byte) (int, error) {
+	k, err := c.Conn.Read(p)
+	if !c.n.flow(c.key, c.done) {
+		return 0, net.ErrClosed
+	}
+	return k, err
+}
+
+// Write waits while the pair is stalled.
+func (c *conn) Write(p []byte) (int, error) {
+	if !c.n.flow(c.key, c.done) {
+		return 0, net.ErrClosed
+	}
+	return c.Conn.Write(p)
 }
 
 func (c *conn) Close() error {
@@ -131,6 +191,7 @@ func (c *conn) Close() error {
 		c.n.mu.Lock()
 		delete(c.n.conns[c.key], c)
 		c.n.mu.Unlock()
+		close(c.done)
 	})
 	return c.Conn.Close()
 }
