@@ -69,25 +69,41 @@ func (f *forwarder) intercept(ctx context.Context, req any, info *grpc.UnaryServ
 	// A call forwarded to a leader this server then loses (it stops
 	// hearing from it: a path that drops packets, which no connection
 	// error reports) is given up as Unavailable, which the client retries
-	// through another server; otherwise it waits for the caller's
-	// deadline. The leader may have applied it: the control API's calls
-	// are safe to retry, as after "leadership moved" below.
+	// through another server; otherwise it would wait for the caller's
+	// deadline. As after any Unavailable that follows a forward, the
+	// leader may have applied the call before it was given up: the
+	// client's retry then meets what it did (the creating calls are
+	// idempotent by name).
 	fctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go func() {
-		select {
-		case <-gone:
-			cancel()
-		case <-fctx.Done():
-		}
-	}()
+	go f.cancelOnLoss(fctx, cancel, gone, leaderID)
 	if err := conn.Invoke(fctx, info.FullMethod, req, reply); err != nil {
-		if ctx.Err() == nil && fctx.Err() != nil {
+		if ctx.Err() == nil && fctx.Err() != nil && status.Code(err) == codes.Canceled {
 			return nil, status.Errorf(codes.Unavailable, "%s lost its leader %s while the call was forwarded to it: %v", f.s.cfg.ID, leaderID, err)
 		}
 		return nil, err
 	}
 	return reply, nil
+}
+
+// cancelOnLoss cancels a call forwarded to leader once this server's
+// leader is another or none, until ctx ends. gone is the store's
+// LeaderGone from before leader was read. A new term reports the leader
+// changing twice (to none, then to the winner): a call that read the
+// winner after the first may see gone close at the second, and goes on.
+func (f *forwarder) cancelOnLoss(ctx context.Context, cancel context.CancelFunc, gone <-chan struct{}, leader string) {
+	for {
+		select {
+		case <-gone:
+		case <-ctx.Done():
+			return
+		}
+		gone = f.s.store.LeaderGone() // before the leader is read again
+		if id, _ := f.s.store.Leader(); id != leader {
+			cancel()
+			return
+		}
+	}
 }
 
 // newReply makes an empty response message for a full method name

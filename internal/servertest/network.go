@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"sync"
+	"sync/atomic"
+	"time"
 )
 
 // Network is the fault seam between in-process servers: every
@@ -21,6 +24,9 @@ type Network struct {
 	// closed, and replaced, whenever a stall is lifted.
 	stalled map[[2]int]bool
 	flowing chan struct{}
+	// anyStall is set while stalled has entries: the common case, no
+	// stall, costs a read and a write no lock.
+	anyStall atomic.Bool
 }
 
 // NewNetwork returns a network with no cuts.
@@ -38,24 +44,40 @@ func (n *Network) Stall(a, b int) {
 	defer n.mu.Unlock()
 	n.stalled[[2]int{a, b}] = true
 	n.stalled[[2]int{b, a}] = true
+	n.anyStall.Store(true)
 }
 
-// flow waits while key is stalled, until done is closed (false) or the
-// stall is lifted (true).
-func (n *Network) flow(key [2]int, done <-chan struct{}) bool {
-	for {
+// flow waits while key is stalled: until the stall is lifted (nil), done
+// is closed (net.ErrClosed) or the deadline passes (deadline: UnixNano, 0
+// for none; os.ErrDeadlineExceeded), as a connection that passes nothing
+// does.
+func (n *Network) flow(key [2]int, done <-chan struct{}, deadline int64) error {
+	var expire <-chan time.Time
+	for n.anyStall.Load() {
 		n.mu.Lock()
 		stalled, wake := n.stalled[key], n.flowing
 		n.mu.Unlock()
 		if !stalled {
-			return true
+			return nil
+		}
+		if deadline != 0 && expire == nil {
+			d := time.Until(time.Unix(0, deadline))
+			if d <= 0 {
+				return os.ErrDeadlineExceeded
+			}
+			t := time.NewTimer(d)
+			defer t.Stop()
+			expire = t.C
 		}
 		select {
 		case <-wake:
 		case <-done:
-			return false
+			return net.ErrClosed
+		case <-expire:
+			return os.ErrDeadlineExceeded
 		}
 	}
+	return nil
 }
 
 // Register says which node listens on addr.
@@ -76,7 +98,7 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
 		}
 		key := [2]int{from, to}
-		if known && !n.flow(key, ctx.Done()) {
+		if known && n.flow(key, ctx.Done(), 0) != nil {
 			return nil, fmt.Errorf("servertest: %d -> %d is stalled: %w", from, to, ctx.Err())
 		}
 		var d net.Dialer
@@ -155,6 +177,7 @@ func (n *Network) Heal() {
 	clear(n.ports)
 	if len(n.stalled) > 0 {
 		clear(n.stalled)
+		n.anyStall.Store(false)
 		close(n.flowing)
 		n.flowing = make(chan struct{})
 	}
@@ -167,23 +190,76 @@ type conn struct {
 	addr string // dialed
 	once sync.Once
 	done chan struct{} // closed by Close
+	// rdl and wdl are the read and write deadlines (UnixNano, 0: none),
+	// which a stalled Read or Write keeps.
+	rdl, wdl atomic.Int64
+	rmu      sync.Mutex // serialises Reads, for held
+	held     *heldRead  // what a read got as a stall began
 }
 
-// Read holds what it read while the pair is stalled.
+// heldRead is what a conn read from its socket while its pair stalled.
+type heldRead struct {
+	data []byte
+	err  error
+}
+
+// Read waits while the pair is stalled (until its deadline), and holds
+// what it read when a stall began during the read, for the first read
+// after the stall.
 func (c *conn) Read(p []byte) (int, error) {
-	k, err := c.Conn.Read(p)
-	if !c.n.flow(c.key, c.done) {
-		return 0, net.ErrClosed
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	if c.held == nil {
+		if err := c.n.flow(c.key, c.done, c.rdl.Load()); err != nil {
+			return 0, err
+		}
+		k, err := c.Conn.Read(p)
+		if !c.n.anyStall.Load() {
+			return k, err
+		}
+		c.held = &heldRead{data: append([]byte(nil), p[:k]...), err: err}
 	}
-	return k, err
+	if err := c.n.flow(c.key, c.done, c.rdl.Load()); err != nil {
+		return 0, err
+	}
+	h := c.held
+	k := copy(p, h.data)
+	if h.data = h.data[k:]; len(h.data) > 0 {
+		return k, nil
+	}
+	c.held = nil
+	return k, h.err
 }
 
-// Write waits while the pair is stalled.
+// Write waits while the pair is stalled (until its deadline).
 func (c *conn) Write(p []byte) (int, error) {
-	if !c.n.flow(c.key, c.done) {
-		return 0, net.ErrClosed
+	if err := c.n.flow(c.key, c.done, c.wdl.Load()); err != nil {
+		return 0, err
 	}
 	return c.Conn.Write(p)
+}
+
+func unixNano(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixNano()
+}
+
+func (c *conn) SetDeadline(t time.Time) error {
+	c.rdl.Store(unixNano(t))
+	c.wdl.Store(unixNano(t))
+	return c.Conn.SetDeadline(t)
+}
+
+func (c *conn) SetReadDeadline(t time.Time) error {
+	c.rdl.Store(unixNano(t))
+	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *conn) SetWriteDeadline(t time.Time) error {
+	c.wdl.Store(unixNano(t))
+	return c.Conn.SetWriteDeadline(t)
 }
 
 func (c *conn) Close() error {

@@ -1,0 +1,78 @@
+package servertest
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+)
+
+// A stalled pair passes nothing and closes nothing: a read waits (and
+// keeps what arrived) until its deadline or a Heal, a write waits for
+// its deadline, and a Heal lets what was held through.
+func TestStallHoldsConnectionsOpenUntilHeal(t *testing.T) {
+	n := NewNetwork()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	n.Register(ln.Addr().String(), 1)
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	c, err := n.Dialer(0)(context.Background(), "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	peer := <-accepted
+	defer peer.Close()
+
+	n.Stall(0, 1)
+	if _, err := peer.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if _, err := c.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a read across a stall, with a deadline: %v, want os.ErrDeadlineExceeded", err)
+	}
+	c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	if _, err := c.Write([]byte("y")); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a write across a stall, with a deadline: %v, want os.ErrDeadlineExceeded", err)
+	}
+	c.SetDeadline(time.Time{})
+	dctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, err := n.Dialer(0)(dctx, "tcp", ln.Addr().String()); err == nil {
+		t.Fatal("a dial across a stall succeeded")
+	}
+
+	read := make(chan error, 1)
+	go func() {
+		_, err := io.ReadFull(c, buf)
+		read <- err
+	}()
+	select {
+	case err := <-read:
+		t.Fatalf("a read across a stall returned (%v) before the Heal", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	n.Heal()
+	select {
+	case err := <-read:
+		if err != nil || buf[0] != 'x' {
+			t.Fatalf("after the Heal the read returned %q, %v; want what the peer wrote", buf, err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the read did not return after the Heal")
+	}
+}
