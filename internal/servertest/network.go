@@ -2,6 +2,7 @@ package servertest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -48,11 +49,11 @@ func (n *Network) Stall(a, b int) {
 }
 
 // flow waits while key is stalled: until the stall is lifted (nil), done
-// is closed (net.ErrClosed) or the deadline passes (deadline: UnixNano, 0
-// for none; os.ErrDeadlineExceeded), as a connection that passes nothing
-// does.
-func (n *Network) flow(key [2]int, done <-chan struct{}, deadline int64) error {
-	var expire <-chan time.Time
+// is closed (net.ErrClosed) or the deadline passes (os.ErrDeadlineExceeded),
+// as a connection that passes nothing does. deadline, if not nil, returns
+// the deadline now (UnixNano, 0 for none) and a channel closed when it is
+// next set: a deadline set while flow waits applies, as net.Conn's do.
+func (n *Network) flow(key [2]int, done <-chan struct{}, deadline func() (int64, <-chan struct{})) error {
 	for n.anyStall.Load() {
 		n.mu.Lock()
 		stalled, wake := n.stalled[key], n.flowing
@@ -60,24 +61,48 @@ func (n *Network) flow(key [2]int, done <-chan struct{}, deadline int64) error {
 		if !stalled {
 			return nil
 		}
-		if deadline != 0 && expire == nil {
-			d := time.Until(time.Unix(0, deadline))
-			if d <= 0 {
-				return os.ErrDeadlineExceeded
+		var expire <-chan time.Time
+		var changed <-chan struct{}
+		var timer *time.Timer
+		if deadline != nil {
+			var at int64
+			at, changed = deadline()
+			if at != 0 {
+				d := time.Until(time.Unix(0, at))
+				if d <= 0 {
+					return os.ErrDeadlineExceeded
+				}
+				timer = time.NewTimer(d)
+				expire = timer.C
 			}
-			t := time.NewTimer(d)
-			defer t.Stop()
-			expire = t.C
 		}
+		var err error
 		select {
 		case <-wake:
+		case <-changed:
 		case <-done:
-			return net.ErrClosed
+			err = net.ErrClosed
 		case <-expire:
-			return os.ErrDeadlineExceeded
+			err = os.ErrDeadlineExceeded
+		}
+		if timer != nil {
+			timer.Stop()
+		}
+		if err != nil {
+			return err
 		}
 	}
 	return nil
+}
+
+// isStalled reports whether key is stalled now.
+func (n *Network) isStalled(key [2]int) bool {
+	if !n.anyStall.Load() {
+		return false
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.stalled[key]
 }
 
 // Register says which node listens on addr.
@@ -98,7 +123,7 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
 		}
 		key := [2]int{from, to}
-		if known && n.flow(key, ctx.Done(), 0) != nil {
+		if known && n.flow(key, ctx.Done(), nil) != nil {
 			return nil, fmt.Errorf("servertest: %d -> %d is stalled: %w", from, to, ctx.Err())
 		}
 		var d net.Dialer
@@ -191,10 +216,36 @@ type conn struct {
 	once sync.Once
 	done chan struct{} // closed by Close
 	// rdl and wdl are the read and write deadlines (UnixNano, 0: none),
-	// which a stalled Read or Write keeps.
+	// which a stalled Read or Write keeps; dlSet is closed, and replaced,
+	// whenever one is set.
 	rdl, wdl atomic.Int64
-	rmu      sync.Mutex // serialises Reads, for held
-	held     *heldRead  // what a read got as a stall began
+	dmu      sync.Mutex
+	dlSet    chan struct{} // guarded by dmu
+	rmu      sync.Mutex    // serialises Reads, for held
+	held     *heldRead     // what a read got as a stall began
+}
+
+// deadline returns flow's view of the read or write deadline.
+func (c *conn) deadline(dl *atomic.Int64) func() (int64, <-chan struct{}) {
+	return func() (int64, <-chan struct{}) {
+		c.dmu.Lock()
+		if c.dlSet == nil {
+			c.dlSet = make(chan struct{})
+		}
+		set := c.dlSet
+		c.dmu.Unlock()
+		return dl.Load(), set // the channel first: a later set closes it
+	}
+}
+
+// deadlineSet wakes the reads and writes waiting in flow.
+func (c *conn) deadlineSet() {
+	c.dmu.Lock()
+	if c.dlSet != nil {
+		close(c.dlSet)
+		c.dlSet = nil
+	}
+	c.dmu.Unlock()
 }
 
 // heldRead is what a conn read from its socket while its pair stalled.
@@ -210,16 +261,17 @@ func (c *conn) Read(p []byte) (int, error) {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
 	if c.held == nil {
-		if err := c.n.flow(c.key, c.done, c.rdl.Load()); err != nil {
+		if err := c.n.flow(c.key, c.done, c.deadline(&c.rdl)); err != nil {
 			return 0, err
 		}
 		k, err := c.Conn.Read(p)
-		if !c.n.anyStall.Load() {
-			return k, err
+		var ne net.Error
+		if !c.n.isStalled(c.key) || (k == 0 && errors.As(err, &ne) && ne.Timeout()) {
+			return k, err // nothing to hold back (the socket's own deadline passed)
 		}
 		c.held = &heldRead{data: append([]byte(nil), p[:k]...), err: err}
 	}
-	if err := c.n.flow(c.key, c.done, c.rdl.Load()); err != nil {
+	if err := c.n.flow(c.key, c.done, c.deadline(&c.rdl)); err != nil {
 		return 0, err
 	}
 	h := c.held
@@ -233,7 +285,7 @@ func (c *conn) Read(p []byte) (int, error) {
 
 // Write waits while the pair is stalled (until its deadline).
 func (c *conn) Write(p []byte) (int, error) {
-	if err := c.n.flow(c.key, c.done, c.wdl.Load()); err != nil {
+	if err := c.n.flow(c.key, c.done, c.deadline(&c.wdl)); err != nil {
 		return 0, err
 	}
 	return c.Conn.Write(p)
@@ -249,16 +301,19 @@ func unixNano(t time.Time) int64 {
 func (c *conn) SetDeadline(t time.Time) error {
 	c.rdl.Store(unixNano(t))
 	c.wdl.Store(unixNano(t))
+	c.deadlineSet()
 	return c.Conn.SetDeadline(t)
 }
 
 func (c *conn) SetReadDeadline(t time.Time) error {
 	c.rdl.Store(unixNano(t))
+	c.deadlineSet()
 	return c.Conn.SetReadDeadline(t)
 }
 
 func (c *conn) SetWriteDeadline(t time.Time) error {
 	c.wdl.Store(unixNano(t))
+	c.deadlineSet()
 	return c.Conn.SetWriteDeadline(t)
 }
 

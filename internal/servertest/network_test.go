@@ -76,3 +76,73 @@ func TestStallHoldsConnectionsOpenUntilHeal(t *testing.T) {
 		t.Fatal("the read did not return after the Heal")
 	}
 }
+
+// A read already waiting on its socket when the stall begins keeps what
+// then arrives until the Heal; a deadline set while a read waits across a
+// stall ends it, as a net.Conn's does.
+func TestStallHoldsWhatAWaitingReadGets(t *testing.T) {
+	n := NewNetwork()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	n.Register(ln.Addr().String(), 1)
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	c, err := n.Dialer(0)(context.Background(), "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	peer := <-accepted
+	defer peer.Close()
+
+	buf := make([]byte, 1)
+	read := make(chan error, 1)
+	go func() {
+		_, err := io.ReadFull(c, buf)
+		read <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the read waits on its socket
+	n.Stall(0, 1)
+	if _, err := peer.Write([]byte("z")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-read:
+		t.Fatalf("a read across a stall returned (%q, %v) before the Heal", buf, err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	n.Heal()
+	select {
+	case err := <-read:
+		if err != nil || buf[0] != 'z' {
+			t.Fatalf("after the Heal the read returned %q, %v; want what the peer wrote", buf, err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the read did not return after the Heal")
+	}
+
+	n.Stall(0, 1)
+	defer n.Heal()
+	go func() {
+		_, err := c.Read(buf)
+		read <- err
+	}()
+	time.Sleep(100 * time.Millisecond)
+	c.SetReadDeadline(time.Now())
+	select {
+	case err := <-read:
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatalf("a stalled read after its deadline was set to now: %v, want os.ErrDeadlineExceeded", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a deadline set while a read waited across a stall did not end it")
+	}
+}
