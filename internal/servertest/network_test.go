@@ -10,16 +10,16 @@ import (
 	"time"
 )
 
-// A stalled pair passes nothing and closes nothing: a read waits (and
-// keeps what arrived) until its deadline or a Heal, a write waits for
-// its deadline, and a Heal lets what was held through.
-func TestStallHoldsConnectionsOpenUntilHeal(t *testing.T) {
-	n := NewNetwork()
+// pair is a network with node 1 listening and a connection node 0 dialed
+// to it (c) and its accepted end (peer); all closed in t.Cleanup.
+func pair(t *testing.T) (n *Network, ln net.Listener, c, peer net.Conn) {
+	t.Helper()
+	n = NewNetwork()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
+	t.Cleanup(func() { ln.Close() })
 	n.Register(ln.Addr().String(), 1)
 	accepted := make(chan net.Conn, 1)
 	go func() {
@@ -28,13 +28,21 @@ func TestStallHoldsConnectionsOpenUntilHeal(t *testing.T) {
 			accepted <- c
 		}
 	}()
-	c, err := n.Dialer(0)(context.Background(), "tcp", ln.Addr().String())
+	c, err = n.Dialer(0)(context.Background(), "tcp", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	peer := <-accepted
-	defer peer.Close()
+	t.Cleanup(func() { c.Close() })
+	peer = <-accepted
+	t.Cleanup(func() { peer.Close() })
+	return n, ln, c, peer
+}
+
+// A stalled pair passes nothing and closes nothing: a read waits (and
+// keeps what arrived) until its deadline or a Heal, a write waits for
+// its deadline, and a Heal lets what was held through.
+func TestStallHoldsConnectionsOpenUntilHeal(t *testing.T) {
+	n, ln, c, peer := pair(t)
 
 	n.Stall(0, 1)
 	if _, err := peer.Write([]byte("x")); err != nil {
@@ -81,27 +89,7 @@ func TestStallHoldsConnectionsOpenUntilHeal(t *testing.T) {
 // then arrives until the Heal; a deadline set while a read waits across a
 // stall ends it, as a net.Conn's does.
 func TestStallHoldsWhatAWaitingReadGets(t *testing.T) {
-	n := NewNetwork()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	n.Register(ln.Addr().String(), 1)
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err == nil {
-			accepted <- c
-		}
-	}()
-	c, err := n.Dialer(0)(context.Background(), "tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	peer := <-accepted
-	defer peer.Close()
+	n, _, c, peer := pair(t)
 
 	buf := make([]byte, 1)
 	read := make(chan error, 1)
