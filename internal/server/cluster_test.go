@@ -679,3 +679,30 @@ func TestACallForwardedToALostLeaderIsGivenUp(t *testing.T) {
 	}
 	t.Logf("answered %v after %v", status.Code(err), took.Round(time.Millisecond))
 }
+
+// TestACallForwardedOverAStalledControlPortIsGivenUp: when the path from
+// a follower to its leader's control port drops packets while Raft's
+// traffic still flows, the follower never sees its leader lost, and a
+// forwarded call used to wait for the caller's deadline. The forwarding
+// connection's keepalive finds the dead path and the call is answered
+// Unavailable, which the client retries through another server.
+func TestACallForwardedOverAStalledControlPortIsGivenUp(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{})
+	leader := c.Leader(10 * time.Second)
+	f := (leader + 1) % 3
+	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ListServersResponse, error) {
+		return c.Client(f).Cluster.ListServers(ctx, &storpb.ListServersRequest{})
+	})
+	c.Net.StallPort(f, c.Nodes[leader].Addr)
+	defer c.Heal()
+	start := time.Now()
+	_, err := c.Client(f).Cluster.ListServers(ctxT(t, 40*time.Second), &storpb.ListServersRequest{})
+	took := time.Since(start)
+	if status.Code(err) != codes.Unavailable || took > 30*time.Second {
+		t.Fatalf("a call forwarded over a stalled path to the leader's control port: %v after %v; want Unavailable well before the caller's 40 s", err, took.Round(time.Millisecond))
+	}
+	if l := c.Leader(time.Second); l != leader {
+		t.Fatalf("the leader moved from %d to %d: the stall was not of the control port alone", leader, l)
+	}
+	t.Logf("answered %v after %v: %v", status.Code(err), took.Round(time.Millisecond), err)
+}

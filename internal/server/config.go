@@ -149,7 +149,9 @@ type APILimits struct {
 	// KeepaliveMinTime is the shortest interval between a client's pings
 	// the server tolerates (pings with no call in flight included); a
 	// client that pings more often is disconnected. Default 10s (grpc-go
-	// clients never ping more often).
+	// clients never ping more often). Keep it at most 10s: stor's own
+	// clients and servers ping every 10s while a call is in flight, to
+	// find a path that passes nothing (internal/client, forward.go).
 	KeepaliveMinTime time.Duration
 	// MaxConnectionIdle closes a connection with no call in flight for
 	// this long (gRPC clients reconnect by themselves). Default 15m.

@@ -6,11 +6,13 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -161,6 +163,17 @@ func (f *forwarder) close() {
 	f.conns = nil
 }
 
+// peerKeepalive is how a connection to another server's control port
+// finds a path that has stopped passing packets without breaking (a
+// firewall rule dropping only that port, say), which no connection error
+// reports and which Raft's own traffic, flowing on its port, does not
+// show either: with a call in flight and nothing read for Time, it pings,
+// and a ping unanswered for Timeout closes the connection, failing its
+// calls Unavailable (a forwarded call is then retried by its client
+// through another server). Time is grpc-go's minimum, and the servers'
+// KeepaliveMinTime (APILimits) tolerates it.
+var peerKeepalive = keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}
+
 // dialPeer opens a client connection to another server through the Dial seam.
 func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {
 	creds := grpc.WithTransportCredentials(insecure.NewCredentials())
@@ -168,6 +181,7 @@ func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {
 		creds = s.cfg.TLS.GRPCDialCredentials()
 	}
 	return grpc.NewClient("passthrough:///"+addr, creds,
+		grpc.WithKeepaliveParams(peerKeepalive),
 		grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
 			return s.cfg.Dial(ctx, "tcp", a)
 		}),

@@ -24,7 +24,10 @@ type Network struct {
 	// stalled pairs pass nothing but stay open (Stall); flowing is
 	// closed, and replaced, whenever a stall is lifted.
 	stalled map[[2]int]bool
-	flowing chan struct{}
+	// stalledPorts are the listen addresses, per dialing node, whose
+	// connections pass nothing (StallPort).
+	stalledPorts map[int]map[string]bool
+	flowing      chan struct{}
 	// anyStall is set while stalled has entries: the common case, no
 	// stall, costs a read and a write no lock.
 	anyStall atomic.Bool
@@ -33,7 +36,7 @@ type Network struct {
 // NewNetwork returns a network with no cuts.
 func NewNetwork() *Network {
 	return &Network{owner: map[string]int{}, cut: map[[2]int]bool{}, ports: map[int]map[string]bool{}, conns: map[[2]int]map[*conn]bool{},
-		stalled: map[[2]int]bool{}, flowing: make(chan struct{})}
+		stalled: map[[2]int]bool{}, stalledPorts: map[int]map[string]bool{}, flowing: make(chan struct{})}
 }
 
 // Stall stops all traffic between a and b, both ways, without closing
@@ -48,15 +51,29 @@ func (n *Network) Stall(a, b int) {
 	n.anyStall.Store(true)
 }
 
-// flow waits while key is stalled: until the stall is lifted (nil), done
+// StallPort stops the traffic on the connections from node from to the
+// listener at addr (one port of another node: its control port, say)
+// without closing them, as Stall does for every port of a pair; the
+// other ports of both nodes pass traffic. Heal lifts it.
+func (n *Network) StallPort(from int, addr string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.stalledPorts[from] == nil {
+		n.stalledPorts[from] = map[string]bool{}
+	}
+	n.stalledPorts[from][addr] = true
+	n.anyStall.Store(true)
+}
+
+// flow waits while key, or its connection to addr, is stalled: until the stall is lifted (nil), done
 // is closed (net.ErrClosed) or the deadline passes (os.ErrDeadlineExceeded),
 // as a connection that passes nothing does. deadline, if not nil, returns
 // the deadline now (UnixNano, 0 for none) and a channel closed when it is
 // next set: a deadline set while flow waits applies, as net.Conn's do.
-func (n *Network) flow(key [2]int, done <-chan struct{}, deadline func() (int64, <-chan struct{})) error {
+func (n *Network) flow(key [2]int, addr string, done <-chan struct{}, deadline func() (int64, <-chan struct{})) error {
 	for n.anyStall.Load() {
 		n.mu.Lock()
-		stalled, wake := n.stalled[key], n.flowing
+		stalled, wake := n.stalled[key] || n.stalledPorts[key[0]][addr], n.flowing
 		n.mu.Unlock()
 		if !stalled {
 			return nil
@@ -95,14 +112,15 @@ func (n *Network) flow(key [2]int, done <-chan struct{}, deadline func() (int64,
 	return nil
 }
 
-// isStalled reports whether key is stalled now.
-func (n *Network) isStalled(key [2]int) bool {
+// isStalled reports whether key, or its connection to addr, is stalled
+// now.
+func (n *Network) isStalled(key [2]int, addr string) bool {
 	if !n.anyStall.Load() {
 		return false
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	return n.stalled[key]
+	return n.stalled[key] || n.stalledPorts[key[0]][addr]
 }
 
 // Register says which node listens on addr.
@@ -123,7 +141,7 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
 		}
 		key := [2]int{from, to}
-		if known && n.flow(key, ctx.Done(), nil) != nil {
+		if known && n.flow(key, addr, ctx.Done(), nil) != nil {
 			return nil, fmt.Errorf("servertest: %d -> %d is stalled: %w", from, to, ctx.Err())
 		}
 		var d net.Dialer
@@ -200,8 +218,9 @@ func (n *Network) Heal() {
 	defer n.mu.Unlock()
 	clear(n.cut)
 	clear(n.ports)
-	if len(n.stalled) > 0 {
+	if n.anyStall.Load() {
 		clear(n.stalled)
+		clear(n.stalledPorts)
 		n.anyStall.Store(false)
 		close(n.flowing)
 		n.flowing = make(chan struct{})
@@ -261,17 +280,17 @@ func (c *conn) Read(p []byte) (int, error) {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
 	if c.held == nil {
-		if err := c.n.flow(c.key, c.done, c.deadline(&c.rdl)); err != nil {
+		if err := c.n.flow(c.key, c.addr, c.done, c.deadline(&c.rdl)); err != nil {
 			return 0, err
 		}
 		k, err := c.Conn.Read(p)
 		var ne net.Error
-		if !c.n.isStalled(c.key) || (k == 0 && errors.As(err, &ne) && ne.Timeout()) {
+		if !c.n.isStalled(c.key, c.addr) || (k == 0 && errors.As(err, &ne) && ne.Timeout()) {
 			return k, err // nothing to hold back (the socket's own deadline passed)
 		}
 		c.held = &heldRead{data: append([]byte(nil), p[:k]...), err: err}
 	}
-	if err := c.n.flow(c.key, c.done, c.deadline(&c.rdl)); err != nil {
+	if err := c.n.flow(c.key, c.addr, c.done, c.deadline(&c.rdl)); err != nil {
 		return 0, err
 	}
 	h := c.held
@@ -285,7 +304,7 @@ func (c *conn) Read(p []byte) (int, error) {
 
 // Write waits while the pair is stalled (until its deadline).
 func (c *conn) Write(p []byte) (int, error) {
-	if err := c.n.flow(c.key, c.done, c.deadline(&c.wdl)); err != nil {
+	if err := c.n.flow(c.key, c.addr, c.done, c.deadline(&c.wdl)); err != nil {
 		return 0, err
 	}
 	return c.Conn.Write(p)

@@ -134,3 +134,51 @@ func TestStallHoldsWhatAWaitingReadGets(t *testing.T) {
 		t.Fatal("a deadline set while a read waited across a stall did not end it")
 	}
 }
+
+// StallPort stalls only the connections to one listener: another listener
+// of the same node still passes traffic, and a Heal lets what the stalled
+// port held through.
+func TestStallPortStallsOnlyThatPort(t *testing.T) {
+	n, _, c, peer := pair(t)
+	other, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	n.Register(other.Addr().String(), 1)
+	go func() {
+		oc, err := other.Accept()
+		if err == nil {
+			defer oc.Close()
+			io.Copy(oc, oc) // echo
+		}
+	}()
+	oc, err := n.Dialer(0)(context.Background(), "tcp", other.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer oc.Close()
+
+	n.StallPort(0, c.(*conn).addr)
+	if _, err := peer.Write([]byte("s")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1)
+	c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if _, err := c.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a read from a stalled port, with a deadline: %v, want os.ErrDeadlineExceeded", err)
+	}
+	oc.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := oc.Write([]byte("o")); err != nil {
+		t.Fatalf("a write to the node's other port: %v", err)
+	}
+	if _, err := io.ReadFull(oc, buf); err != nil || buf[0] != 'o' {
+		t.Fatalf("the node's other port, while one of its ports stalls: %q, %v; want its echo", buf, err)
+	}
+
+	n.Heal()
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(c, buf); err != nil || buf[0] != 's' {
+		t.Fatalf("after the Heal the stalled port's read returned %q, %v; want what the peer wrote", buf, err)
+	}
+}
