@@ -387,13 +387,18 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	stats, err := engine.Rebuild(ctx, replica.Op{Epoch: v.Epoch, Generation: v.Generation},
 		engine.RebuildSource{Read: history[0], ReadID: historyIDs[0], History: history}, dst,
 		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes), ResumeFrom: int64(r.RebuildResumeOffset)},
-		func(p engine.Progress) {
-			_, _ = vols.SetReplicaState(ctx, engine.ProgressRequest(v.Id, r, v.Epoch, p))
-		})
+		engine.ProgressReports(ctx, vols, v.Id, r, v.Epoch))
 	if err != nil {
 		return err
 	}
-	if _, err := vols.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+	// A record the control plane does not take in time fails this
+	// attempt, which is then retried: a rebuild that waited here without
+	// a deadline (for a leader whose disk hangs, say) would hold the
+	// replica's entry in d.rebuilding, and so its next attempt, until the
+	// server restarted.
+	rctx, cancel := context.WithTimeout(ctx, recordTimeout)
+	defer cancel()
+	if _, err := vols.SetReplicaState(rctx, &storpb.SetReplicaStateRequest{
 		VolumeId: v.Id, ReplicaId: r.Id, State: storpb.ReplicaState_REPLICA_STATE_HEALTHY,
 		Epoch: v.Epoch, Generation: r.Generation, Reason: "rebuild complete (detached)",
 	}); err != nil {
@@ -427,6 +432,10 @@ func tlsDataIdentity(conn net.Conn) wire.Identity {
 // which waits for the task), so it cannot use that context, and a peer
 // that never answers must not hold the shutdown.
 const closeTimeout = 5 * time.Second
+
+// recordTimeout bounds the control call that records a rebuild of a
+// detached volume complete.
+const recordTimeout = 10 * time.Second
 
 // closeWithin closes c, waiting at most d for the server's answer.
 func closeWithin(c interface{ Close(context.Context) error }, d time.Duration) {

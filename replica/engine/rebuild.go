@@ -40,8 +40,12 @@ const (
 )
 
 // progressTimeout bounds a rebuild's report of its progress to the
-// control plane, during which the copy waits.
-const progressTimeout = 2 * time.Second
+// control plane, during which the copy waits; progressInterval spaces
+// the reports of plain progress (ProgressReports).
+const (
+	progressTimeout  = 2 * time.Second
+	progressInterval = 2 * time.Second
+)
 
 // RebuildPlan says what to copy.
 type RebuildPlan struct {
@@ -654,7 +658,7 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	}
 	start := time.Now()
 	log.Info("rebuild started", "source", sources[0].info.Id)
-	lastReport := time.Time{}
+	report := ProgressReports(ctx, e.cfg.Control.Volumes, e.id, r, e.epoch)
 	// copied and left are this rebuild's shares of rebuildCopied and
 	// rebuildLeft (RebuildProgress).
 	var copied, left int64
@@ -668,18 +672,7 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 			l := max(p.Total-p.Done, 0)
 			e.rebuildLeft.Add(l - left)
 			left = l
-			if p.ResumeOffset == 0 && !lastReport.IsZero() && time.Since(lastReport) < 2*time.Second {
-				return // the first report, checkpoints and then plain progress every 2 s
-			}
-			// A report is not worth a stalled copy: one the control plane
-			// has not taken within progressTimeout is dropped (the client
-			// retries a call without a deadline for as long as the
-			// cluster has no leader). A dropped checkpoint only makes a
-			// later resume start lower.
-			pctx, cancel := context.WithTimeout(ctx, progressTimeout)
-			_, _ = e.cfg.Control.Volumes.SetReplicaState(pctx, ProgressRequest(e.id, r, e.epoch, p))
-			cancel()
-			lastReport = time.Now()
+			report(p)
 		})
 	e.rebuildCopied.Add(stats.Bytes - copied) // what the last report did not count
 	if err != nil {
@@ -719,6 +712,28 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 	e.applyVolume(resp.Volume)
 	log.Info("rebuild complete", "delta", stats.Delta, "ranges", stats.Ranges, "bytes", stats.Bytes, "copied_by_target", stats.Copied,
 		"took", time.Since(start).Round(time.Millisecond))
+}
+
+// ProgressReports returns the progress callback of a rebuild of r that
+// reports to the control plane (vols): the first report, every checkpoint
+// and then plain progress every progressInterval. A report is not worth a
+// stalled copy: one the control plane has not taken within
+// progressTimeout is dropped (the control client retries a call without
+// a deadline for as long as the cluster has no leader, and a leader whose
+// disk hangs takes a call and never answers it). A dropped checkpoint
+// only makes a later resume start lower. The engine's rebuilds and the
+// servers' rebuilds of detached volumes both report through it.
+func ProgressReports(ctx context.Context, vols storpb.VolumeServiceClient, volumeID string, r *storpb.Replica, epoch uint64) func(Progress) {
+	var last time.Time
+	return func(p Progress) {
+		if p.ResumeOffset == 0 && !last.IsZero() && time.Since(last) < progressInterval {
+			return
+		}
+		pctx, cancel := context.WithTimeout(ctx, progressTimeout)
+		_, _ = vols.SetReplicaState(pctx, ProgressRequest(volumeID, r, epoch, p))
+		cancel()
+		last = time.Now()
+	}
 }
 
 // ProgressRequest is the control-plane report of the progress of a
