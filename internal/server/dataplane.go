@@ -287,7 +287,7 @@ func (d *dataPlane) reconcile() {
 	for _, r := range stale {
 		id := r.ID()
 		err := d.store.Delete(id)
-		if _, gerr := d.store.Get(id); errors.Is(gerr, replica.ErrNotFound) && d.wire != nil {
+		if _, gerr := d.store.Get(id); errors.Is(gerr, replica.ErrNotFound) {
 			// Gone from the store, even if its delete then failed (to
 			// sync the directory, say): no later reconcile lists it.
 			d.wire.Forget(id)

@@ -153,7 +153,7 @@ func TestReconcileOfAPartialReadDeletesNothing(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
-			d := &dataPlane{s: s, store: store, rebuilding: map[string]bool{}, tasks: map[string]bool{},
+			d := &dataPlane{s: s, store: store, wire: storeWire(t, store), rebuilding: map[string]bool{}, tasks: map[string]bool{},
 				view: f.View, catchUp: func(context.Context) error { return nil }}
 			d.reconcile()
 			if _, err := store.Get("r3"); err != nil {
@@ -183,6 +183,24 @@ func TestADeletedReplicaIsForgottenByTheDataPort(t *testing.T) {
 	}
 }
 
+// storeWire is a data port serving store's replicas, closed when the test
+// ends.
+func storeWire(t *testing.T, store *replica.Store) *wire.Server {
+	t.Helper()
+	ws, err := wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
+		r, err := store.Get(id)
+		if err != nil {
+			return nil, err
+		}
+		return r, nil
+	}), wire.ServerConfig{Logger: replicatest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ws.Close() })
+	return ws
+}
+
 func testDeletedReplicaForgotten(t *testing.T, syncFails bool) {
 	f, err := raftstore.OpenFSM(stateFile(t, nil, nil), replicatest.Logger(t))
 	if err != nil {
@@ -198,17 +216,7 @@ func testDeletedReplicaForgotten(t *testing.T, syncFails bool) {
 	if _, err := store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20}); err != nil {
 		t.Fatal(err)
 	}
-	ws, err := wire.NewServer(wire.BackendFunc(func(id string) (wire.Replica, error) {
-		r, err := store.Get(id)
-		if err != nil {
-			return nil, err
-		}
-		return r, nil
-	}), wire.ServerConfig{Logger: replicatest.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ws.Close()
+	ws := storeWire(t, store)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
