@@ -23,9 +23,11 @@
 //
 // A connection whose path stops passing packets without breaking (which
 // no connection error reports) is found by its keepalive: a call in flight
-// on it fails Unavailable within about 20 s and is retried through another
-// server, where it would otherwise wait for its deadline (20.1 s in
-// TestACallToAServerWhosePathStallsMovesOn).
+// on it fails Unavailable 10-15 s after the path stopped, sooner if data
+// it sent goes unacknowledged for 5 s (gRPC sets TCP_USER_TIMEOUT), and is
+// retried through another server, where it would otherwise wait for its
+// deadline. (In TestACallToAServerWhosePathStallsMovesOn, whose stalled
+// connection also holds gRPC's closing GOAWAY for its 5 s, 20.1 s.)
 //
 // Transport security: Dial uses insecure transport credentials unless its
 // options carry others (a cluster with TLS: pki.Source.GRPCDialCredentials).

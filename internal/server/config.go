@@ -149,9 +149,9 @@ type APILimits struct {
 	// KeepaliveMinTime is the shortest interval between a client's pings
 	// the server tolerates (pings with no call in flight included); a
 	// client that pings more often is disconnected. Default 10s (grpc-go
-	// clients never ping more often). Keep it at most 10s: stor's own
-	// clients and servers ping every 10s while a call is in flight, to
-	// find a path that passes nothing (internal/client, forward.go).
+	// clients never ping more often), and at most 10s: stor's own clients
+	// and servers ping every 10s while a call is in flight, to find a path
+	// that passes nothing (internal/client, forward.go).
 	KeepaliveMinTime time.Duration
 	// MaxConnectionIdle closes a connection with no call in flight for
 	// this long (gRPC clients reconnect by themselves). Default 15m.
@@ -169,6 +169,10 @@ type APILimits struct {
 	// 4 MiB). Default 1 MiB.
 	MaxPageBytes int
 }
+
+// maxKeepaliveMinTime is the longest APILimits.KeepaliveMinTime: the
+// keepalive interval of stor's own gRPC clients (peerKeepalive).
+const maxKeepaliveMinTime = 10 * time.Second
 
 // DefaultAPILimits returns the defaults documented on APILimits.
 func DefaultAPILimits() APILimits {
@@ -285,6 +289,8 @@ func (c *Config) Validate() error {
 		c.API.MaxConnectionIdle < 0 || c.API.ConnectionTimeout < 0 ||
 		c.API.DefaultPageSize < 0 || c.API.MaxPageSize < 0 || c.API.MaxPageBytes < 0:
 		return fmt.Errorf("server: control API limits must not be negative")
+	case c.API.KeepaliveMinTime > maxKeepaliveMinTime:
+		return fmt.Errorf("server: keepalive min time %v is over %v: stor's clients and servers, which ping every %v while a call is in flight, would be disconnected", c.API.KeepaliveMinTime, maxKeepaliveMinTime, maxKeepaliveMinTime)
 	}
 	if err := c.Data.Validate(); err != nil {
 		return fmt.Errorf("server: data service: %w", err)

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stor-io/stor/internal/pki"
 	"github.com/stor-io/stor/internal/server"
@@ -58,6 +59,8 @@ func TestConfigValidate(t *testing.T) {
 		{"id with a slash", func(c *server.Config) { c.ID = "a/b" }, false},
 		{"no data dir", func(c *server.Config) { c.ID = "s1"; c.DataDir = "" }, false},
 		{"bad listen address", func(c *server.Config) { c.ID = "s1"; c.Listen = "7400" }, false},
+		{"keepalive min time of 10 s", func(c *server.Config) { c.ID = "s1"; c.API.KeepaliveMinTime = 10 * time.Second }, true},
+		{"keepalive min time over the clients' 10 s pings", func(c *server.Config) { c.ID = "s1"; c.API.KeepaliveMinTime = 11 * time.Second }, false},
 		{"bad join address", func(c *server.Config) { c.ID = "s1"; c.Join = []string{"nohost"} }, false},
 		{"down timeout below heartbeat", func(c *server.Config) { c.ID = "s1"; c.Raft.ServerDownTimeout = c.HeartbeatInterval }, false},
 		{"replicas over the limit", func(c *server.Config) { c.ID = "s1"; c.DefaultReplicas = 99 }, false},

@@ -170,9 +170,12 @@ func (f *forwarder) close() {
 // show either: with a call in flight and nothing read for Time, it pings,
 // and a ping unanswered for Timeout closes the connection, failing its
 // calls Unavailable (a forwarded call is then retried by its client
-// through another server). Time is grpc-go's minimum, and the servers'
-// KeepaliveMinTime (APILimits) tolerates it.
-var peerKeepalive = keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second}
+// through another server): 10-15 s after the path stopped. gRPC also sets
+// the socket's TCP_USER_TIMEOUT to Timeout, so data unacknowledged for 5 s
+// closes it sooner; a link down that long has already cost Raft its
+// leader. Time is grpc-go's minimum, and the servers' KeepaliveMinTime
+// (APILimits) may not exceed it.
+var peerKeepalive = keepalive.ClientParameters{Time: maxKeepaliveMinTime, Timeout: 5 * time.Second}
 
 // dialPeer opens a client connection to another server through the Dial seam.
 func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {

@@ -28,8 +28,8 @@ type Network struct {
 	// connections pass nothing (StallPort).
 	stalledPorts map[int]map[string]bool
 	flowing      chan struct{}
-	// anyStall is set while stalled has entries: the common case, no
-	// stall, costs a read and a write no lock.
+	// anyStall is set while stalled or stalledPorts has entries: the
+	// common case, no stall, costs a read and a write no lock.
 	anyStall atomic.Bool
 }
 
@@ -54,7 +54,8 @@ func (n *Network) Stall(a, b int) {
 // StallPort stops the traffic on the connections from node from to the
 // listener at addr (one port of another node: its control port, say)
 // without closing them, as Stall does for every port of a pair; the
-// other ports of both nodes pass traffic. Heal lifts it.
+// other ports of both nodes pass traffic. Heal lifts it. addr must be
+// Registered: connections to other addresses pass through untouched.
 func (n *Network) StallPort(from int, addr string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()

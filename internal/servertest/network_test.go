@@ -136,8 +136,8 @@ func TestStallHoldsWhatAWaitingReadGets(t *testing.T) {
 }
 
 // StallPort stalls only the connections to one listener: another listener
-// of the same node still passes traffic, and a Heal lets what the stalled
-// port held through.
+// of the same node still passes traffic, and after a Heal the stalled
+// port's read gets what the peer wrote meanwhile.
 func TestStallPortStallsOnlyThatPort(t *testing.T) {
 	n, _, c, peer := pair(t)
 	other, err := net.Listen("tcp", "127.0.0.1:0")
