@@ -85,6 +85,31 @@ func BenchmarkWrite4KPipelined(b *testing.B) {
 	runIO(b, 32, 4096, writeOp(benchHandle(b)))
 }
 
+// BenchmarkWrite4KPipelinedAttach: as BenchmarkWrite4KPipelined, through
+// an attach handle, whose every write passes its replica's attach gate
+// (the read lock and the incarnation check), against the same with the
+// gate off (UnsafeStaleIncarnations, the jepsen broken mode): the gate's
+// cost on the data path. Interleave the two:
+//
+//	go test ./replica/wire/ -run '^$' -bench 'Write4KPipelinedAttach' -benchtime 200000x -count 8
+func BenchmarkWrite4KPipelinedAttach(b *testing.B) {
+	for _, gate := range []bool{true, false} {
+		b.Run(fmt.Sprintf("gate=%v", gate), func(b *testing.B) {
+			f := newFakeReplica("r1", benchSize)
+			f.quiet = true
+			h := newHarness(b, ServerConfig{Logger: discardLogger(), UnsafeStaleIncarnations: !gate}, f)
+			hd, err := h.dial(ClientConfig{}).OpenFor(context.Background(), OpenRequest{Replica: "r1", Epoch: 1, Purpose: PurposeAttach, Incarnation: 1})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if orders := h.srv.Stats().AttachOrders; (orders == 1) != gate {
+				b.Fatalf("gate=%v, but the data port orders %d replicas' attach handles", gate, orders)
+			}
+			runIO(b, 32, 4096, writeOp(hd))
+		})
+	}
+}
+
 // BenchmarkWrite4KQD1 is the unpipelined baseline: one write at a time.
 func BenchmarkWrite4KQD1(b *testing.B) {
 	runIO(b, 1, 4096, writeOp(benchHandle(b)))
