@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -262,7 +263,7 @@ func (d *dataPlane) reconcile() {
 				d.s.logger.Warn("fence replica", "replica", id, "epoch", p.vol.Epoch, "err", err)
 			}
 		}
-		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && p.vol.Attachment == nil {
+		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && p.vol.Attachment == nil && hasRebuildSource(p.vol, id) {
 			d.startRebuild(p.vol, p.rep)
 		}
 	}
@@ -327,6 +328,29 @@ func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
 	}()
 }
 
+// rebuildSource reports whether rep may be read to rebuild another
+// replica of v: a HEALTHY one and, while v is a clone being filled
+// (CREATING), one whose copy of the snapshot is done. A clone's replicas
+// are HEALTHY from their creation, before their copy fills them: a
+// rebuild read from one not yet filled wrote its holes over the target,
+// whose own copy may already have filled it and been counted done
+// (CloneDoneReplicaIds is never taken back), and the clone then became
+// AVAILABLE with a replica reading zeroes.
+func rebuildSource(v *storpb.Volume, rep *storpb.Replica) bool {
+	if rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		return false
+	}
+	return v.State != storpb.VolumeState_VOLUME_STATE_CREATING || slices.Contains(v.CloneDoneReplicaIds, rep.Id)
+}
+
+// hasRebuildSource reports whether a replica of v other than target may
+// be read to rebuild it (rebuildSource). A clone's replica with none
+// waits: its own copy fills it meanwhile, and once another replica's copy
+// is done it is rebuilt from that one.
+func hasRebuildSource(v *storpb.Volume, target string) bool {
+	return slices.ContainsFunc(v.Replicas, func(r *storpb.Replica) bool { return r.Id != target && rebuildSource(v, r) })
+}
+
 // rebuild copies a detached volume's data into the local rebuilding
 // replica at the volume's current epoch. An attach during the copy raises
 // the epoch on the replicas, which refuse the rest of this copy; the
@@ -362,7 +386,7 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 		}
 	}()
 	for _, rep := range v.Replicas {
-		if rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+		if !rebuildSource(v, rep) {
 			continue
 		}
 		c, err := open(rep)
