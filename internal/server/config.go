@@ -72,6 +72,12 @@ type Config struct {
 	// ShutdownTimeout bounds a graceful shutdown (leadership transfer and
 	// draining RPCs). Default 10s.
 	ShutdownTimeout time.Duration
+	// TaskIOTimeout bounds each request the server's own tasks make of a
+	// replica (the rebuild of a detached volume's replica, a clone's
+	// copy): a replica that takes a request and never answers (its disk
+	// hangs) fails the attempt, and the next attempt reads another
+	// replica. Default 30s.
+	TaskIOTimeout time.Duration
 	// API bounds the control API's connections, calls and messages. Zero
 	// fields take DefaultAPILimits()'s values.
 	API APILimits
@@ -232,6 +238,7 @@ func DefaultConfig() Config {
 		DefaultReplicas:   3,
 		HeartbeatInterval: time.Second,
 		ShutdownTimeout:   10 * time.Second,
+		TaskIOTimeout:     30 * time.Second,
 		API:               DefaultAPILimits(),
 		Data:              wire.DefaultServerConfig(),
 		Raft:              raftstore.DefaultConfig(),
@@ -250,6 +257,9 @@ func (c *Config) withDefaults() {
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = d.ShutdownTimeout
+	}
+	if c.TaskIOTimeout == 0 {
+		c.TaskIOTimeout = d.TaskIOTimeout
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -285,6 +295,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("server: default replicas %d is outside 1..%d", c.DefaultReplicas, raftstore.MaxReplicas)
 	case c.HeartbeatInterval <= 0:
 		return fmt.Errorf("server: heartbeat interval must be positive")
+	case c.TaskIOTimeout < 0:
+		return fmt.Errorf("server: task I/O timeout must not be negative")
 	case c.API.MaxConns < 0 || c.API.MaxRecvMsgSize < 0 || c.API.KeepaliveMinTime < 0 ||
 		c.API.MaxConnectionIdle < 0 || c.API.ConnectionTimeout < 0 ||
 		c.API.DefaultPageSize < 0 || c.API.MaxPageSize < 0 || c.API.MaxPageBytes < 0:

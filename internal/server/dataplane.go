@@ -57,7 +57,10 @@ type dataPlane struct {
 
 	mu         sync.Mutex
 	rebuilding map[string]bool // replica ids with a detached rebuild running
-	tasks      map[string]bool // snapshot cuts, clone copies and merges running (snapshots.go)
+	// rebuildFailures counts each replica's detached rebuild attempts
+	// that failed in a row: each next attempt reads the next source.
+	rebuildFailures map[string]int
+	tasks           map[string]bool // snapshot cuts, clone copies and merges running (snapshots.go)
 
 	wg sync.WaitGroup
 }
@@ -312,10 +315,12 @@ func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
 		return
 	}
 	d.rebuilding[r.Id] = true
+	failures := d.rebuildFailures[r.Id]
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
-		if err := d.rebuild(v, r); err != nil && d.s.ctx.Err() == nil {
+		err := d.rebuild(v, r, failures)
+		if err != nil && d.s.ctx.Err() == nil {
 			d.s.logger.Warn("rebuild of detached volume failed; will retry", "volume", v.Name, "volume_id", v.Id, "replica", r.Id, "err", err)
 			select { // back off before the next attempt
 			case <-d.s.ctx.Done():
@@ -324,6 +329,14 @@ func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
 		}
 		d.mu.Lock()
 		delete(d.rebuilding, r.Id)
+		if d.rebuildFailures == nil {
+			d.rebuildFailures = map[string]int{}
+		}
+		if err != nil {
+			d.rebuildFailures[r.Id]++
+		} else {
+			delete(d.rebuildFailures, r.Id)
+		}
 		d.mu.Unlock()
 	}()
 }
@@ -354,8 +367,12 @@ func hasRebuildSource(v *storpb.Volume, target string) bool {
 // rebuild copies a detached volume's data into the local rebuilding
 // replica at the volume's current epoch. An attach during the copy raises
 // the epoch on the replicas, which refuse the rest of this copy; the
-// attached engine then rebuilds the replica itself.
-func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
+// attached engine then rebuilds the replica itself. failures is how many
+// attempts failed before this one: the copy reads the source after the
+// one the last attempt read, so that a source that fails, or that takes
+// requests and never answers them (each request is bounded by
+// TaskIOTimeout), does not fail every attempt.
+func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica, failures int) error {
 	ctx := d.s.ctx
 	servers := map[string]*storpb.Server{}
 	_ = d.s.store.View(func(rd *raftstore.Reader) error {
@@ -400,6 +417,9 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	if len(history) == 0 {
 		return fmt.Errorf("no healthy replica of %s reachable", v.Name)
 	}
+	k := failures % len(history)
+	history = slices.Concat(history[k:], history[:k])
+	historyIDs = slices.Concat(historyIDs[k:], historyIDs[:k])
 	dst, err := open(r)
 	if err != nil {
 		return fmt.Errorf("open target: %w", err)
@@ -410,7 +430,8 @@ func (d *dataPlane) rebuild(v *storpb.Volume, r *storpb.Replica) error {
 	start := time.Now()
 	stats, err := engine.Rebuild(ctx, replica.Op{Epoch: v.Epoch, Generation: v.Generation},
 		engine.RebuildSource{Read: history[0], ReadID: historyIDs[0], History: history}, dst,
-		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes), ResumeFrom: int64(r.RebuildResumeOffset)},
+		engine.RebuildPlan{FromGeneration: r.RebuildFromGeneration, Size: int64(v.SizeBytes), ResumeFrom: int64(r.RebuildResumeOffset),
+			RequestTimeout: d.s.cfg.TaskIOTimeout},
 		engine.ProgressReports(ctx, vols, v.Id, r, v.Epoch))
 	if err != nil {
 		return err

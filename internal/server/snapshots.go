@@ -262,9 +262,24 @@ func boolInt(b bool) int {
 	return 0
 }
 
+// taskCall runs one request of a server task to a replica, bounded by
+// TaskIOTimeout: a replica that takes it and never answers fails the
+// task's attempt instead of holding it (and its entry in d.tasks, so
+// every later attempt) until the server restarts.
+func (d *dataPlane) taskCall(ctx context.Context, f func(context.Context) error) error {
+	if t := d.s.cfg.TaskIOTimeout; t > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, t)
+		defer cancel()
+	}
+	return f(ctx)
+}
+
 // copyFrom copies snapshot s from replica srcID of volume src (on the
 // server at addr, opened at src's epoch for this clone copy) into dst,
-// flushes dst, and returns the bytes copied.
+// flushes dst, and returns the bytes copied. A source that fails, or does
+// not answer a request within TaskIOTimeout, fails it: copyClone then
+// reads the next source.
 func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storpb.Volume, s *storpb.Snapshot, dst *replica.Replica, o replica.Op) (int64, error) {
 	epoch := src.Epoch
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -287,7 +302,11 @@ func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storp
 	buf := make([]byte, replica.MaxIO)
 	var copied int64
 	for from := int64(0); ; {
-		exts, err := h.Extents(ctx, so, layer, from, cloneExtents)
+		var exts []replica.Extent
+		err := d.taskCall(ctx, func(ctx context.Context) (err error) {
+			exts, err = h.Extents(ctx, so, layer, from, cloneExtents)
+			return err
+		})
 		if err != nil {
 			return copied, fmt.Errorf("extents: %w", err)
 		}
@@ -295,7 +314,7 @@ func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storp
 			for off := e.Off; off < e.Off+e.Len; {
 				n := min(int64(len(buf)), e.Off+e.Len-off)
 				p := buf[:n]
-				if err := h.ReadSnapshotAt(ctx, so, layer, p, off); err != nil {
+				if err := d.taskCall(ctx, func(ctx context.Context) error { return h.ReadSnapshotAt(ctx, so, layer, p, off) }); err != nil {
 					return copied, fmt.Errorf("read at %d: %w", off, err)
 				}
 				if allZero(p) {

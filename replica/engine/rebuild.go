@@ -80,6 +80,28 @@ type RebuildPlan struct {
 	// meanwhile (a detached volume, whose replicas an attach would fence
 	// against the copy).
 	Order WriteOrder
+	// RequestTimeout bounds each request the rebuild makes of a replica
+	// (its planning, its begin and end, each chunk's copy, each flush)
+	// when Order does not bound it: a replica that stops answering fails
+	// the rebuild instead of holding it. 0: only ctx bounds them (the
+	// engine's Order bounds a chunk by its IOTimeout, and the engine
+	// fails a replica that stops answering its writes).
+	RequestTimeout time.Duration
+}
+
+// bounded returns ctx bounded by the plan's RequestTimeout.
+func (p RebuildPlan) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	if p.RequestTimeout > 0 {
+		return context.WithTimeout(ctx, p.RequestTimeout)
+	}
+	return ctx, func() {}
+}
+
+// call runs one request of the rebuild under the plan's RequestTimeout.
+func (p RebuildPlan) call(ctx context.Context, f func(context.Context) error) error {
+	ctx, cancel := p.bounded(ctx)
+	defer cancel()
+	return f(ctx)
 }
 
 // WriteOrder orders a rebuild against the writes of the engine that
@@ -148,11 +170,11 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 		// attempt saw written are not newer than the source's (found by
 		// the jepsen harness; see docs/JEPSEN.md). Only a resumed full
 		// rebuild, whose target stayed in the write set, keeps it.
-		if err := dst.EndRebuild(ctx, o); err != nil {
+		if err := plan.call(ctx, func(ctx context.Context) error { return dst.EndRebuild(ctx, o) }); err != nil {
 			return st, fmt.Errorf("rebuild: reset: %w", err)
 		}
 	}
-	if err := dst.BeginRebuild(ctx, o); err != nil {
+	if err := plan.call(ctx, func(ctx context.Context) error { return dst.BeginRebuild(ctx, o) }); err != nil {
 		return st, fmt.Errorf("rebuild: begin: %w", err)
 	}
 	ranges, delta, err := planRanges(ctx, o, src, dst, plan)
@@ -169,7 +191,7 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 			progress(Progress{Done: st.Bytes, Total: total, ResumeOffset: resume})
 		}
 	}
-	cp := copier{o: o, src: src.Read, dst: dst, order: plan.Order, report: report, st: &st}
+	cp := copier{o: o, src: src.Read, dst: dst, order: plan.Order, timeout: plan.RequestTimeout, report: report, st: &st}
 	if ct, ok := dst.(CopyTarget); ok && src.ReadID != "" && !plan.Relay {
 		cp.copyTarget, cp.srcID = ct, src.ReadID
 		cp.pull.Store(true)
@@ -197,10 +219,10 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if err := cp.run(ctx, ranges); err != nil {
 		return st, err
 	}
-	if err := dst.EndRebuild(ctx, o); err != nil {
+	if err := plan.call(ctx, func(ctx context.Context) error { return dst.EndRebuild(ctx, o) }); err != nil {
 		return st, fmt.Errorf("rebuild: end: %w", err)
 	}
-	if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
+	if err := flushTarget(ctx, o, dst, plan.Order, plan.RequestTimeout); err != nil {
 		return st, err
 	}
 	report(0)
@@ -230,9 +252,10 @@ type copier struct {
 	o          replica.Op
 	src, dst   ReplicaConn
 	order      WriteOrder
-	chunk      int64 // bytes per copy request
-	inFlight   int   // copies at once
-	checkpoint int64 // bytes between checkpoints; 0: none (a delta)
+	timeout    time.Duration // RebuildPlan.RequestTimeout
+	chunk      int64         // bytes per copy request
+	inFlight   int           // copies at once
+	checkpoint int64         // bytes between checkpoints; 0: none (a delta)
 	report     func(resume int64)
 	st         *RebuildStats
 
@@ -361,7 +384,7 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 				}
 				flushing = true
 				resume := j.off + j.n
-				go func() { flushed <- flushResult{resume, flushTarget(ctx, c.o, c.dst, c.order)} }()
+				go func() { flushed <- flushResult{resume, flushTarget(ctx, c.o, c.dst, c.order, c.timeout)} }()
 				since, last = 0, time.Now()
 			case time.Since(last) > time.Second:
 				c.report(0)
@@ -392,6 +415,10 @@ func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
 		if d, ok := ctx.Deadline(); ok {
 			span = d.Sub(start)
 		}
+	} else if c.timeout > 0 {
+		copyCtx, cancel := context.WithTimeout(ctx, c.timeout)
+		defer cancel()
+		ctx, span = copyCtx, c.timeout
 	}
 	if c.pull.Load() {
 		err := c.copyTarget.RebuildCopy(ctx, c.o, c.srcID, j.off, j.n, copyBudget(ctx))
@@ -446,14 +473,14 @@ func copyBudget(ctx context.Context) time.Duration {
 }
 
 // flushTarget flushes the target, in the engine's flush order if there is
-// one.
-func flushTarget(ctx context.Context, o replica.Op, dst ReplicaConn, order WriteOrder) error {
+// one, else within timeout (if not 0).
+func flushTarget(ctx context.Context, o replica.Op, dst ReplicaConn, order WriteOrder, timeout time.Duration) error {
 	flush := func(ctx context.Context) error { return dst.Flush(ctx, o) }
 	var err error
 	if order != nil {
 		err = order.Flush(ctx, flush)
 	} else {
-		err = flush(ctx)
+		err = RebuildPlan{RequestTimeout: timeout}.call(ctx, flush)
 	}
 	if err != nil {
 		return fmt.Errorf("rebuild: flush target: %w", err)
@@ -521,7 +548,11 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 		var regions []replica.Extent
 		lost := false
 		for i, h := range src.History {
-			r, err := h.WrittenSince(ctx, o, plan.FromGeneration)
+			var r []replica.Extent
+			err := plan.call(ctx, func(ctx context.Context) (err error) {
+				r, err = h.WrittenSince(ctx, o, plan.FromGeneration)
+				return err
+			})
 			if errors.Is(err, replica.ErrHistoryLost) {
 				lost = true
 				break
@@ -532,7 +563,11 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 			regions = append(regions, r...)
 		}
 		if !lost {
-			own, err := dst.DirtyRegions(ctx, o)
+			var own []replica.Extent
+			err := plan.call(ctx, func(ctx context.Context) (err error) {
+				own, err = dst.DirtyRegions(ctx, o)
+				return err
+			})
 			if err != nil {
 				return nil, false, fmt.Errorf("rebuild: target dirty regions: %w", err)
 			}
@@ -542,11 +577,11 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 	// Full: every extent the source holds, and every extent the target
 	// holds (a returning replica may hold writes the source never had;
 	// copying the source's contents there, zeroes included, removes them).
-	all, err := allExtents(ctx, o, src.Read)
+	all, err := allExtents(ctx, o, src.Read, plan)
 	if err != nil {
 		return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err, -1})
 	}
-	own, err := allExtents(ctx, o, dst)
+	own, err := allExtents(ctx, o, dst, plan)
 	if err != nil {
 		return nil, false, fmt.Errorf("rebuild: target extents: %w", err)
 	}
@@ -572,11 +607,15 @@ func clipFrom(xs []replica.Extent, off int64) []replica.Extent {
 	return out
 }
 
-func allExtents(ctx context.Context, o replica.Op, r ReplicaConn) ([]replica.Extent, error) {
+func allExtents(ctx context.Context, o replica.Op, r ReplicaConn, plan RebuildPlan) ([]replica.Extent, error) {
 	var all []replica.Extent
 	from := int64(0)
 	for {
-		page, err := r.Extents(ctx, o, "", from, 4096)
+		var page []replica.Extent
+		err := plan.call(ctx, func(ctx context.Context) (err error) {
+			page, err = r.Extents(ctx, o, "", from, 4096)
+			return err
+		})
 		if err != nil {
 			return nil, err
 		}

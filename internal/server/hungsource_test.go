@@ -1,0 +1,185 @@
+package server_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/server"
+	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/replica"
+)
+
+// hungDisks makes the reads of chosen replicas hang, as a disk that takes
+// requests and never completes them does: their servers stay up and the
+// replicas HEALTHY, and a read of one never returns until the test ends
+// (or heals them).
+type hungDisks struct {
+	mu       sync.Mutex
+	replicas map[string]bool // ids of the replicas whose reads hang
+	release  chan struct{}   // closed by heal
+}
+
+// hang makes the reads of replicas ids hang.
+func (h *hungDisks) hang(ids ...string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, id := range ids {
+		h.replicas[id] = true
+	}
+}
+
+// heal lets every hung read, and every later one, through.
+func (h *hungDisks) heal() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	clear(h.replicas)
+	select {
+	case <-h.release:
+	default:
+		close(h.release)
+	}
+}
+
+// hangs reports whether a read of the file at name (in a replica's
+// directory, named by its id) hangs now.
+func (h *hungDisks) hangs(name string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for id := range h.replicas {
+		if strings.Contains(name, string(filepath.Separator)+id+string(filepath.Separator)) {
+			return true
+		}
+	}
+	return false
+}
+
+type hungFS struct {
+	replica.FS
+	h *hungDisks
+}
+
+func (f hungFS) OpenFile(name string, flag int, perm os.FileMode) (replica.File, error) {
+	file, err := f.FS.OpenFile(name, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return hungFile{File: file, h: f.h, name: name}, nil
+}
+
+type hungFile struct {
+	replica.File
+	h    *hungDisks
+	name string
+}
+
+func (f hungFile) ReadAt(p []byte, off int64) (int, error) {
+	if f.h.hangs(f.name) {
+		<-f.h.release
+	}
+	return f.File.ReadAt(p, off)
+}
+
+// hungCluster is a 4-server cluster whose replicas' reads hang at the
+// test's word, and whose servers' own tasks give up on a request after
+// 2 s.
+func hungCluster(t *testing.T) (*servertest.Cluster, *hungDisks) {
+	h := &hungDisks{replicas: map[string]bool{}, release: make(chan struct{})}
+	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
+		cfg.Raft.ReplaceAfter = time.Hour // only the test moves replicas
+		cfg.TaskIOTimeout = 2 * time.Second
+		cfg.ReplicaFS = hungFS{FS: replica.OS(), h: h}
+	}})
+	t.Cleanup(h.heal) // before the cluster's own cleanup, which closes its servers
+	return c, h
+}
+
+func randomData(seed uint64, n int) []byte {
+	data := make([]byte, n)
+	rng := rand.New(rand.NewPCG(seed, seed))
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	return data
+}
+
+// TestADetachedRebuildReadsAnotherSourceWhenOneHangs: a server rebuilds a
+// detached volume's replica from a HEALTHY one; when that one's disk
+// hung, a read of it never returned, and the rebuild, and every later
+// attempt (its entry in d.rebuilding), waited with it: the volume stayed
+// degraded until the server restarted. Now each request of the rebuild
+// gives up after TaskIOTimeout, and the next attempt reads the next
+// source.
+func TestADetachedRebuildReadsAnotherSourceWhenOneHangs(t *testing.T) {
+	c, h := hungCluster(t)
+	leader := c.Leader(10 * time.Second)
+	const size = 1 << 20
+	v := createVolume(t, c.Client(leader), "hung-source", size, 3)
+	data := randomData(17, size)
+	ctx := ctxT(t, 2*time.Minute)
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, data, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	// Every source but the last hangs (the replaced one too, in case it
+	// is still read).
+	h.hang(v.Replicas[0].Id, v.Replicas[1].Id)
+	var spare string
+	for _, n := range c.Nodes {
+		if replicaOn(v, n.ID) == nil {
+			spare = n.ID
+		}
+	}
+	start := time.Now()
+	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ReplaceReplicaResponse, error) {
+		return c.Client(leader).Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id, ServerId: spare})
+	})
+	waitVolume(t, c, leader, v.Id, time.Minute, "the replacement rebuilt from the source that answers", func(v *storpb.Volume) bool {
+		return replicaOn(v, spare).GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	t.Logf("rebuilt in %v", time.Since(start).Round(time.Millisecond))
+	h.heal()
+	requireChecksums(t, c, v.Id, data, "volume rebuilt past a hung source")
+}
+
+// TestACloneCopyReadsAnotherSourceWhenOneHangs: a server fills its
+// replica of a clone from a replica of the snapshot's volume (its own
+// first); when that one's disk hung, the copy waited for ever, and the
+// clone stayed CREATING (its PVC unbound) until the server restarted.
+// Now each request gives up after TaskIOTimeout and the copy reads the
+// next source.
+func TestACloneCopyReadsAnotherSourceWhenOneHangs(t *testing.T) {
+	c, h := hungCluster(t)
+	leader := c.Leader(10 * time.Second)
+	const size = 1 << 20
+	v := createVolume(t, c.Client(leader), "hung-clone-src", size, 3)
+	data := randomData(18, size)
+	ctx := ctxT(t, 2*time.Minute)
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, data, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	s := createSnapshot(t, c, leader, v.Id, "hung-clone-src-snap")
+	waitSnapshot(t, c, leader, s.Id, 30*time.Second, "snapshot ready", func(s *storpb.Snapshot) bool { return s.ReadyToUse })
+	h.hang(v.Replicas[0].Id, v.Replicas[1].Id)
+	start := time.Now()
+	clone := createClone(t, c, leader, "hung-clone", size, fromSnapshot(s.Id))
+	waitVolume(t, c, leader, clone.Id, time.Minute, "the clone filled from the source that answers", func(v *storpb.Volume) bool {
+		return available(v)
+	})
+	t.Logf("filled in %v", time.Since(start).Round(time.Millisecond))
+	h.heal()
+	requireChecksums(t, c, clone.Id, data, "clone filled past a hung source")
+}
