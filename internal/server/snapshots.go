@@ -279,66 +279,133 @@ func (d *dataPlane) taskCall(ctx context.Context, f func(context.Context) error)
 // server at addr, opened at src's epoch for this clone copy) into dst,
 // flushes dst, and returns the bytes copied. A source that fails, or does
 // not answer a request within TaskIOTimeout, fails it: copyClone then
-// reads the next source.
+// reads the next source. A source volume fenced at a newer epoch meanwhile
+// (an attach, a detach, a cut of a snapshot while detached) makes its
+// replicas refuse the copy's epoch; the snapshot's layer does not change,
+// so the copy opens the source again at the volume's new epoch and goes on
+// where it was (before, it started over from the first byte, and a clone
+// of a volume snapshotted or attached more often than its copy took
+// never finished).
 func (d *dataPlane) copyFrom(ctx context.Context, addr, srcID string, src *storpb.Volume, s *storpb.Snapshot, dst *replica.Replica, o replica.Op) (int64, error) {
+	c := cloneCopy{d: d, addr: addr, srcID: srcID, src: src.Id, s: s, dst: dst, o: o, buf: make([]byte, replica.MaxIO)}
 	epoch := src.Epoch
+	for reopened := 0; ; reopened++ {
+		err := c.from(ctx, epoch)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, replica.ErrStaleEpoch) || reopened == maxCloneReopens {
+			return c.copied, err
+		}
+		newer, verr := d.volumeEpoch(ctx, src.Id)
+		if verr != nil || newer <= epoch {
+			return c.copied, err
+		}
+		d.s.logger.Info("clone copy goes on at the source's new epoch", "replica", srcID, "snapshot", s.Name, "epoch", newer, "at", c.next)
+		epoch = newer
+	}
+	if err := dst.Flush(o); err != nil {
+		return c.copied, fmt.Errorf("flush: %w", err)
+	}
+	return c.copied, nil
+}
+
+// maxCloneReopens bounds how often one copy opens its source again at a
+// newer epoch before the attempt fails (and a later one starts over).
+const maxCloneReopens = 100
+
+// volumeEpoch is volume id's epoch once this server has caught up with
+// the leader.
+func (d *dataPlane) volumeEpoch(ctx context.Context, id string) (uint64, error) {
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := d.catchUp(cctx); err != nil {
+		return 0, err
+	}
+	var epoch uint64
+	err := d.view(func(r *raftstore.Reader) error {
+		v, err := r.Volume(id)
+		if err == nil {
+			epoch = v.Epoch
+		}
+		return err
+	})
+	return epoch, err
+}
+
+// cloneCopy is one clone copy from one source replica: what it has
+// copied, and where it is (every extent of the layer below next is
+// copied).
+type cloneCopy struct {
+	d      *dataPlane
+	addr   string
+	srcID  string
+	src    string // the source volume's id
+	s      *storpb.Snapshot
+	dst    *replica.Replica
+	o      replica.Op
+	buf    []byte
+	next   int64 // the copy's position
+	copied int64
+}
+
+// from opens the source at epoch and copies from c.next to the end.
+func (c *cloneCopy) from(ctx context.Context, epoch uint64) error {
+	d := c.d
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	conn, err := wire.Dial(dctx, "tcp", addr, wire.ClientConfig{Dial: d.s.dialData})
+	conn, err := wire.Dial(dctx, "tcp", c.addr, wire.ClientConfig{Dial: d.s.dialData})
 	if err != nil {
 		cancel()
-		return 0, err
+		return err
 	}
 	defer conn.Close()
 	h, err := conn.OpenFor(dctx, wire.OpenRequest{
-		Replica: srcID, Volume: src.Id, Node: d.s.cfg.ID, Snapshot: s.Id, Epoch: epoch, Purpose: wire.PurposeCloneCopy,
+		Replica: c.srcID, Volume: c.src, Node: d.s.cfg.ID, Snapshot: c.s.Id, Epoch: epoch, Purpose: wire.PurposeCloneCopy,
 	})
 	cancel()
 	if err != nil {
-		return 0, err
+		return err
 	}
 	defer closeWithin(h, closeTimeout)
 	so := replica.Op{Epoch: epoch}
-	layer := replica.LayerName(s.Id, s.CutEpoch)
-	buf := make([]byte, replica.MaxIO)
-	var copied int64
-	for from := int64(0); ; {
+	layer := replica.LayerName(c.s.Id, c.s.CutEpoch)
+	for {
 		var exts []replica.Extent
 		err := d.taskCall(ctx, func(ctx context.Context) (err error) {
-			exts, err = h.Extents(ctx, so, layer, from, cloneExtents)
+			exts, err = h.Extents(ctx, so, layer, c.next, cloneExtents)
 			return err
 		})
 		if err != nil {
-			return copied, fmt.Errorf("extents: %w", err)
+			return fmt.Errorf("extents: %w", err)
 		}
 		for _, e := range exts {
-			for off := e.Off; off < e.Off+e.Len; {
-				n := min(int64(len(buf)), e.Off+e.Len-off)
-				p := buf[:n]
+			// c.next is where the copy is: an extent below it (a page
+			// asked for again after a reopen may begin below) is done.
+			for off := max(e.Off, c.next); off < e.Off+e.Len; {
+				n := min(int64(len(c.buf)), e.Off+e.Len-off)
+				p := c.buf[:n]
 				if err := d.taskCall(ctx, func(ctx context.Context) error { return h.ReadSnapshotAt(ctx, so, layer, p, off) }); err != nil {
-					return copied, fmt.Errorf("read at %d: %w", off, err)
+					return fmt.Errorf("read at %d: %w", off, err)
 				}
 				if allZero(p) {
-					err = dst.WriteZeroes(o, off, n)
+					err = c.dst.WriteZeroes(c.o, off, n)
 				} else {
-					err = dst.WriteAt(o, p, off)
+					err = c.dst.WriteAt(c.o, p, off)
 				}
 				if err != nil {
-					return copied, fmt.Errorf("write at %d: %w", off, err)
+					return fmt.Errorf("write at %d: %w", off, err)
 				}
-				copied += n
+				c.copied += n
 				off += n
+				c.next = off
 			}
 		}
 		if len(exts) < cloneExtents {
-			break
+			return nil
 		}
 		last := exts[len(exts)-1]
-		from = last.Off + last.Len
+		c.next = max(c.next, last.Off+last.Len)
 	}
-	if err := dst.Flush(o); err != nil {
-		return copied, fmt.Errorf("flush: %w", err)
-	}
-	return copied, nil
 }
 
 func allZero(p []byte) bool {
