@@ -73,10 +73,10 @@ type Config struct {
 	// draining RPCs). Default 10s.
 	ShutdownTimeout time.Duration
 	// TaskIOTimeout bounds each request the server's own tasks make of a
-	// replica (the rebuild of a detached volume's replica, a clone's
-	// copy): a replica that takes a request and never answers (its disk
-	// hangs) fails the attempt, and the next attempt reads another
-	// replica. Default 30s.
+	// source replica (the rebuild of a detached volume's replica, a
+	// clone's copy): a source that takes a request and never answers (its
+	// disk hangs) fails the attempt, and the next attempt reads another.
+	// The server's own replica, the one filled, is waited for. Default 30s.
 	TaskIOTimeout time.Duration
 	// API bounds the control API's connections, calls and messages. Zero
 	// fields take DefaultAPILimits()'s values.

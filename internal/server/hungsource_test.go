@@ -24,6 +24,26 @@ type hungDisks struct {
 	mu       sync.Mutex
 	replicas map[string]bool // ids of the replicas whose reads hang
 	release  chan struct{}   // closed by heal
+	slowDir  string          // syncs of files under it take slowSync
+	slowSync time.Duration
+}
+
+// slow makes every sync of a file under dir (a server's data directory)
+// take d, as a slow disk's do.
+func (h *hungDisks) slow(dir string, d time.Duration) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.slowDir, h.slowSync = dir, d
+}
+
+// syncTime is how long a sync of the file at name takes.
+func (h *hungDisks) syncTime(name string) time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.slowDir != "" && strings.HasPrefix(name, h.slowDir+string(filepath.Separator)) {
+		return h.slowSync
+	}
+	return 0
 }
 
 // hang makes the reads of replicas ids hang.
@@ -79,6 +99,11 @@ type hungFile struct {
 	name string
 }
 
+func (f hungFile) Sync() error {
+	time.Sleep(f.h.syncTime(f.name))
+	return f.File.Sync()
+}
+
 func (f hungFile) ReadAt(p []byte, off int64) (int, error) {
 	if f.h.hangs(f.name) {
 		<-f.h.release
@@ -88,12 +113,12 @@ func (f hungFile) ReadAt(p []byte, off int64) (int, error) {
 
 // hungCluster is a 4-server cluster whose replicas' reads hang at the
 // test's word, and whose servers' own tasks give up on a request after
-// 2 s.
-func hungCluster(t *testing.T) (*servertest.Cluster, *hungDisks) {
+// taskIO.
+func hungCluster(t *testing.T, taskIO time.Duration) (*servertest.Cluster, *hungDisks) {
 	h := &hungDisks{replicas: map[string]bool{}, release: make(chan struct{})}
 	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
 		cfg.Raft.ReplaceAfter = time.Hour // only the test moves replicas
-		cfg.TaskIOTimeout = 2 * time.Second
+		cfg.TaskIOTimeout = taskIO
 		cfg.ReplicaFS = hungFS{FS: replica.OS(), h: h}
 	}})
 	t.Cleanup(h.heal) // before the cluster's own cleanup, which closes its servers
@@ -117,7 +142,7 @@ func randomData(seed uint64, n int) []byte {
 // gives up after TaskIOTimeout, and the next attempt reads the next
 // source.
 func TestADetachedRebuildReadsAnotherSourceWhenOneHangs(t *testing.T) {
-	c, h := hungCluster(t)
+	c, h := hungCluster(t, 2*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
 	v := createVolume(t, c.Client(leader), "hung-source", size, 3)
@@ -158,7 +183,7 @@ func TestADetachedRebuildReadsAnotherSourceWhenOneHangs(t *testing.T) {
 // Now each request gives up after TaskIOTimeout and the copy reads the
 // next source.
 func TestACloneCopyReadsAnotherSourceWhenOneHangs(t *testing.T) {
-	c, h := hungCluster(t)
+	c, h := hungCluster(t, 2*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
 	v := createVolume(t, c.Client(leader), "hung-clone-src", size, 3)
@@ -182,4 +207,42 @@ func TestACloneCopyReadsAnotherSourceWhenOneHangs(t *testing.T) {
 	t.Logf("filled in %v", time.Since(start).Round(time.Millisecond))
 	h.heal()
 	requireChecksums(t, c, clone.Id, data, "clone filled past a hung source")
+}
+
+// TestADetachedRebuildWaitsForASlowTarget: the bound on a detached
+// rebuild's requests is for its sources, which another attempt can
+// avoid. A target (the server's own replica) whose disk is slow is
+// waited for: bounding its flushes too failed every attempt of a slow
+// disk's rebuild, and the replica never became HEALTHY.
+func TestADetachedRebuildWaitsForASlowTarget(t *testing.T) {
+	c, h := hungCluster(t, 300*time.Millisecond)
+	leader := c.Leader(10 * time.Second)
+	const size = 1 << 20
+	v := createVolume(t, c.Client(leader), "slow-target", size, 3)
+	data := randomData(19, size)
+	ctx := ctxT(t, 2*time.Minute)
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, data, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	spare := -1
+	for i, n := range c.Nodes {
+		if replicaOn(v, n.ID) == nil {
+			spare = i
+		}
+	}
+	h.slow(c.Nodes[spare].Dir, time.Second) // each sync over the TaskIOTimeout
+	start := time.Now()
+	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ReplaceReplicaResponse, error) {
+		return c.Client(leader).Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id, ServerId: c.Nodes[spare].ID})
+	})
+	waitVolume(t, c, leader, v.Id, time.Minute, "the replacement on the slow disk rebuilt", func(v *storpb.Volume) bool {
+		return replicaOn(v, c.Nodes[spare].ID).GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	t.Logf("rebuilt in %v", time.Since(start).Round(time.Millisecond))
+	h.slow("", 0)
+	requireChecksums(t, c, v.Id, data, "volume rebuilt onto a slow disk")
 }

@@ -80,10 +80,14 @@ type RebuildPlan struct {
 	// meanwhile (a detached volume, whose replicas an attach would fence
 	// against the copy).
 	Order WriteOrder
-	// RequestTimeout bounds each request the rebuild makes of a replica
-	// (its planning, its begin and end, each chunk's copy, each flush)
-	// when Order does not bound it: a replica that stops answering fails
-	// the rebuild instead of holding it. 0: only ctx bounds them (the
+	// RequestTimeout bounds each request the rebuild makes of a source
+	// (the extents and write history it plans by, each chunk's read; a
+	// chunk the target copies itself gets it as its budget) when Order
+	// does not bound the chunk: a source that stops answering fails the
+	// rebuild instead of holding it. The target's requests are not
+	// bounded: the target is the rebuilder's own replica (a server's
+	// rebuild of a detached volume's), and a bound would only fail a slow
+	// disk's flushes at every attempt. 0: only ctx bounds them (the
 	// engine's Order bounds a chunk by its IOTimeout, and the engine
 	// fails a replica that stops answering its writes).
 	RequestTimeout time.Duration
@@ -97,7 +101,7 @@ func (p RebuildPlan) bounded(ctx context.Context) (context.Context, context.Canc
 	return ctx, func() {}
 }
 
-// call runs one request of the rebuild under the plan's RequestTimeout.
+// call runs one request of a source under the plan's RequestTimeout.
 func (p RebuildPlan) call(ctx context.Context, f func(context.Context) error) error {
 	ctx, cancel := p.bounded(ctx)
 	defer cancel()
@@ -170,11 +174,11 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 		// attempt saw written are not newer than the source's (found by
 		// the jepsen harness; see docs/JEPSEN.md). Only a resumed full
 		// rebuild, whose target stayed in the write set, keeps it.
-		if err := plan.call(ctx, func(ctx context.Context) error { return dst.EndRebuild(ctx, o) }); err != nil {
+		if err := dst.EndRebuild(ctx, o); err != nil {
 			return st, fmt.Errorf("rebuild: reset: %w", err)
 		}
 	}
-	if err := plan.call(ctx, func(ctx context.Context) error { return dst.BeginRebuild(ctx, o) }); err != nil {
+	if err := dst.BeginRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: begin: %w", err)
 	}
 	ranges, delta, err := planRanges(ctx, o, src, dst, plan)
@@ -219,10 +223,10 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if err := cp.run(ctx, ranges); err != nil {
 		return st, err
 	}
-	if err := plan.call(ctx, func(ctx context.Context) error { return dst.EndRebuild(ctx, o) }); err != nil {
+	if err := dst.EndRebuild(ctx, o); err != nil {
 		return st, fmt.Errorf("rebuild: end: %w", err)
 	}
-	if err := flushTarget(ctx, o, dst, plan.Order, plan.RequestTimeout); err != nil {
+	if err := flushTarget(ctx, o, dst, plan.Order); err != nil {
 		return st, err
 	}
 	report(0)
@@ -384,7 +388,7 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 				}
 				flushing = true
 				resume := j.off + j.n
-				go func() { flushed <- flushResult{resume, flushTarget(ctx, c.o, c.dst, c.order, c.timeout)} }()
+				go func() { flushed <- flushResult{resume, flushTarget(ctx, c.o, c.dst, c.order)} }()
 				since, last = 0, time.Now()
 			case time.Since(last) > time.Second:
 				c.report(0)
@@ -415,13 +419,13 @@ func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
 		if d, ok := ctx.Deadline(); ok {
 			span = d.Sub(start)
 		}
-	} else if c.timeout > 0 {
-		copyCtx, cancel := context.WithTimeout(ctx, c.timeout)
-		defer cancel()
-		ctx, span = copyCtx, c.timeout
+	}
+	budget := copyBudget(ctx)
+	if c.order == nil && c.timeout > 0 {
+		budget = c.timeout
 	}
 	if c.pull.Load() {
-		err := c.copyTarget.RebuildCopy(ctx, c.o, c.srcID, j.off, j.n, copyBudget(ctx))
+		err := c.copyTarget.RebuildCopy(ctx, c.o, c.srcID, j.off, j.n, budget)
 		switch {
 		case err == nil:
 			j.copied = true
@@ -453,7 +457,13 @@ func (c *copier) copyChunk(ctx context.Context, j *copyJob) error {
 		j.buf = make([]byte, c.chunk)
 	}
 	p := j.buf[:j.n]
-	if err := c.src.ReadAt(ctx, c.o, p, j.off); err != nil {
+	readCtx := ctx
+	if c.order == nil && c.timeout > 0 { // the source's read alone is bounded
+		var cancel context.CancelFunc
+		readCtx, cancel = context.WithTimeout(ctx, c.timeout)
+		defer cancel()
+	}
+	if err := c.src.ReadAt(readCtx, c.o, p, j.off); err != nil {
 		return fmt.Errorf("rebuild: read source: %w", errSource{err, -1})
 	}
 	if err := c.dst.RebuildWrite(ctx, c.o, p, j.off); err != nil {
@@ -473,14 +483,14 @@ func copyBudget(ctx context.Context) time.Duration {
 }
 
 // flushTarget flushes the target, in the engine's flush order if there is
-// one, else within timeout (if not 0).
-func flushTarget(ctx context.Context, o replica.Op, dst ReplicaConn, order WriteOrder, timeout time.Duration) error {
+// one.
+func flushTarget(ctx context.Context, o replica.Op, dst ReplicaConn, order WriteOrder) error {
 	flush := func(ctx context.Context) error { return dst.Flush(ctx, o) }
 	var err error
 	if order != nil {
 		err = order.Flush(ctx, flush)
 	} else {
-		err = RebuildPlan{RequestTimeout: timeout}.call(ctx, flush)
+		err = flush(ctx)
 	}
 	if err != nil {
 		return fmt.Errorf("rebuild: flush target: %w", err)
@@ -563,11 +573,7 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 			regions = append(regions, r...)
 		}
 		if !lost {
-			var own []replica.Extent
-			err := plan.call(ctx, func(ctx context.Context) (err error) {
-				own, err = dst.DirtyRegions(ctx, o)
-				return err
-			})
+			own, err := dst.DirtyRegions(ctx, o)
 			if err != nil {
 				return nil, false, fmt.Errorf("rebuild: target dirty regions: %w", err)
 			}
@@ -581,7 +587,7 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 	if err != nil {
 		return nil, false, fmt.Errorf("rebuild: source extents: %w", errSource{err, -1})
 	}
-	own, err := allExtents(ctx, o, dst, plan)
+	own, err := allExtents(ctx, o, dst, RebuildPlan{}) // the target's: not bounded
 	if err != nil {
 		return nil, false, fmt.Errorf("rebuild: target extents: %w", err)
 	}
