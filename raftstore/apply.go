@@ -249,6 +249,9 @@ func (w *writer) removeServer(at int64, id string) (proto.Message, error) {
 			}
 		}
 		if changed {
+			if err := w.finishClone(v); err != nil {
+				return nil, err
+			}
 			w.putVolume(v)
 		}
 	}
@@ -607,6 +610,9 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		if err := w.loseReplica(v, old.Id, "its replica was removed from the volume"); err != nil {
 			return nil, err
 		}
+	}
+	if err := w.finishClone(v); err != nil {
+		return nil, err
 	}
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil

@@ -492,20 +492,42 @@ func (w *writer) recordCloneCopied(req *storpb.RecordCloneCopiedRequest) (proto.
 	if !slices.Contains(v.CloneDoneReplicaIds, req.ReplicaId) {
 		v.CloneDoneReplicaIds = append(v.CloneDoneReplicaIds, req.ReplicaId)
 	}
-	done := true
-	for _, r := range v.Replicas {
-		if !r.ServerRemoved && !slices.Contains(v.CloneDoneReplicaIds, r.Id) {
-			done = false
-		}
-	}
-	if done {
-		if err := w.dropImplicitSnapshot(v); err != nil {
-			return nil, err
-		}
-		v.State = storpb.VolumeState_VOLUME_STATE_AVAILABLE
+	if err := w.finishClone(v); err != nil {
+		return nil, err
 	}
 	w.put(bucketVolumes, v.Id, v)
 	return v, nil
+}
+
+// finishClone makes clone v AVAILABLE, and drops its implicit snapshot,
+// once every replica it keeps (not removed with its server) has its copy
+// of the snapshot. A recorded copy can finish it, and so can a replica
+// that leaves it (an operator's or a drain's removal, its server removed
+// from the cluster) when it was the last one without a copy: nothing
+// would record again, and the clone stayed CREATING for ever. v is
+// changed in place; the caller stores it.
+func (w *writer) finishClone(v *storpb.Volume) error {
+	if v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
+		return nil
+	}
+	kept := 0
+	for _, r := range v.Replicas {
+		if r.ServerRemoved {
+			continue
+		}
+		if !slices.Contains(v.CloneDoneReplicaIds, r.Id) {
+			return nil
+		}
+		kept++
+	}
+	if kept == 0 {
+		return nil // every replica lost: no copy holds the snapshot
+	}
+	if err := w.dropImplicitSnapshot(v); err != nil {
+		return err
+	}
+	v.State = storpb.VolumeState_VOLUME_STATE_AVAILABLE
+	return nil
 }
 
 // cutAllowed reports whether a replica of s's volume may still cut s at

@@ -284,3 +284,63 @@ func TestFSMReplicaLeavesSnapshot(t *testing.T) {
 		})
 	}
 }
+
+// TestFSMCloneFilledWhenItsLastUnfilledReplicaLeaves: a clone turns
+// AVAILABLE when every replica it keeps has its copy. Only a recorded
+// copy used to check that, so a clone whose last replica without one
+// left it (an operator's removal, a drain's, its server removed from the
+// cluster) stayed CREATING for ever: no copy was left to record, and its
+// PVC never bound.
+func TestFSMCloneFilledWhenItsLastUnfilledReplicaLeaves(t *testing.T) {
+	f := snapshotBase(t)
+	mustApply(t, f, cmdRegisterServer("s4", "d", gib, nil),
+		cmdCreateSnapshot("snap-1", "vol-1", "snap-one"),
+		cmdRecordCut("snap-1", 0, []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}, nil))
+	clone := func(id string) *storpb.Volume {
+		t.Helper()
+		return mustApply(t, f, cmdCreateVolumeReq(id, &storpb.CreateVolumeRequest{
+			Name: "pvc-" + id, SizeBytes: mib, ReplicaCount: 3,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}},
+		}))[0].msg.(*storpb.Volume)
+	}
+
+	// Removed by an operator (or a drain: RemoveOnly too).
+	v := clone("clone-1")
+	mustApply(t, f, cmdRecordCloneCopied(v.Id, v.Replicas[0].Id), cmdRecordCloneCopied(v.Id, v.Replicas[1].Id))
+	if v := readVolume(t, f, v.Id); v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
+		t.Fatalf("clone with two of three copies: %v", v)
+	}
+	mustApply(t, f, cmdReplaceReplica(v.Id, v.Replicas[2].Id, "", "", true))
+	if v := readVolume(t, f, v.Id); v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+		t.Errorf("clone whose replica without a copy was removed: %v; want AVAILABLE", v.State)
+	}
+
+	// Replaced by a new replica: that one's copy is still to come.
+	v = clone("clone-3")
+	mustApply(t, f, cmdRecordCloneCopied(v.Id, v.Replicas[0].Id), cmdRecordCloneCopied(v.Id, v.Replicas[1].Id))
+	var spare string
+	for _, s := range []string{"s1", "s2", "s3", "s4"} {
+		if !slices.Contains(replicaServers(v), s) {
+			spare = s
+		}
+	}
+	if spare == "" {
+		t.Fatalf("clone-3 on %v: no server left to move a replica to", replicaServers(v))
+	}
+	mustApply(t, f, cmdReplaceReplica(v.Id, v.Replicas[2].Id, spare, v.Id+"-r9", false))
+	if v := readVolume(t, f, v.Id); v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
+		t.Errorf("clone whose replica without a copy was replaced by a new one: %v; want CREATING", v.State)
+	}
+	mustApply(t, f, cmdRecordCloneCopied(v.Id, v.Id+"-r9"))
+	if v := readVolume(t, f, v.Id); v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+		t.Errorf("clone once the new replica's copy is recorded: %v; want AVAILABLE", v.State)
+	}
+
+	// Its server removed from the cluster.
+	v = clone("clone-4")
+	mustApply(t, f, cmdRecordCloneCopied(v.Id, v.Replicas[0].Id), cmdRecordCloneCopied(v.Id, v.Replicas[1].Id))
+	mustApply(t, f, cmdRemoveServer(v.Replicas[2].ServerId))
+	if v := readVolume(t, f, v.Id); v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+		t.Errorf("clone whose replica without a copy lost its server: %v; want AVAILABLE", v.State)
+	}
+}
