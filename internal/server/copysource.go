@@ -41,7 +41,8 @@ func newCopySources(s *Server, a *dataAccess) *wire.Sources {
 }
 
 // copySourceAddress is the data address of the server of replica source,
-// if it may be the source of a copy into target's replica on server me.
+// if it may be the source of a copy into target's replica on server me
+// (a healthy replica; of a clone being filled, a filled one: rebuildSource).
 func copySourceAddress(m metaView, me string, target wire.OpenRequest, source string) (string, error) {
 	v, err := m.Volume(target.Volume)
 	if errors.Is(err, raftstore.ErrNotFound) {
@@ -54,8 +55,8 @@ func copySourceAddress(m metaView, me string, target wire.OpenRequest, source st
 		return "", lagging("copy into %s: not a rebuilding replica of volume %s on this server", target.Replica, v.Name)
 	}
 	src := replicaOf(v, source)
-	if src == nil || src.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-		return "", lagging("copy into %s from %s: not a healthy replica of volume %s", target.Replica, source, v.Name)
+	if src == nil || !rebuildSource(v, src) {
+		return "", lagging("copy into %s from %s: not a healthy replica of volume %s (of a clone being filled, not a filled one)", target.Replica, source, v.Name)
 	}
 	srv, err := m.Server(src.ServerId)
 	if errors.Is(err, raftstore.ErrNotFound) {

@@ -44,6 +44,10 @@ func TestCopySourceAddress(t *testing.T) {
 		{"source removed with its server", meta(func(v *storpb.Volume) { v.Replicas[0].ServerRemoved = true }), "s2", into("r2"), "r1", ""},
 		{"volume unknown", meta(nil), "s2", wire.OpenRequest{Replica: "r2", Volume: "v9"}, "r1", ""},
 		{"source's server unknown", meta(func(v *storpb.Volume) { v.Replicas[0].ServerId = "s7" }), "s2", into("r2"), "r1", ""},
+		{"source of a clone, filled", meta(func(v *storpb.Volume) {
+			v.State, v.CloneDoneReplicaIds = storpb.VolumeState_VOLUME_STATE_CREATING, []string{"r1"}
+		}), "s2", into("r2"), "r1", "10.0.0.1:7001"},
+		{"source of a clone, not yet filled", meta(func(v *storpb.Volume) { v.State = storpb.VolumeState_VOLUME_STATE_CREATING }), "s2", into("r2"), "r1", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			addr, err := copySourceAddress(tc.meta, tc.me, tc.target, tc.source)

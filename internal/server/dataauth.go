@@ -424,12 +424,13 @@ func (g *dataGrant) checkSource(m metaView) error {
 	return checkRebuildSource(v, g.open.Replica, g.open.Node)
 }
 
-// checkRebuildSource: replica id is a healthy replica of v, and server
+// checkRebuildSource: replica id is a healthy replica of v (while v is a
+// clone being filled, one whose copy is done: rebuildSource), and server
 // node holds a rebuilding one (the rebuild-source rule, at the OPEN and at
 // every READ).
 func checkRebuildSource(v *storpb.Volume, id, node string) error {
-	if rep := replicaOf(v, id); rep == nil || rep.State != storpb.ReplicaState_REPLICA_STATE_HEALTHY {
-		return lagging("%s as a rebuild source: not a healthy replica of volume %s", id, v.Name)
+	if rep := replicaOf(v, id); rep == nil || !rebuildSource(v, rep) {
+		return lagging("%s as a rebuild source: not a healthy replica of volume %s (of a clone being filled, not a filled one)", id, v.Name)
 	}
 	if !slices.ContainsFunc(v.Replicas, func(x *storpb.Replica) bool {
 		return x.ServerId == node && x.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && !x.ServerRemoved

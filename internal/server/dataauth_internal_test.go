@@ -144,6 +144,13 @@ func TestDataAccessOpenRules(t *testing.T) {
 	sourceRebuilding := testMeta() // r1 here is not healthy: no one's source
 	sourceRebuilding.vols[testVol].Replicas[0].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
 	sourceRebuilding.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	cloneFilling := testMeta() // testVol a clone being filled: r1 not yet
+	cloneFilling.vols[testVol].Attachment = nil
+	cloneFilling.vols[testVol].State = storpb.VolumeState_VOLUME_STATE_CREATING
+	cloneFilling.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	cloneFilled := testMeta()
+	cloneFilled.vols[testVol] = proto.Clone(cloneFilling.vols[testVol]).(*storpb.Volume)
+	cloneFilled.vols[testVol].CloneDoneReplicaIds = []string{"r1"}
 	copySource := func(node string) wire.OpenRequest {
 		return wire.OpenRequest{Replica: "r1", Volume: testVol, Node: node, Epoch: 4, Purpose: wire.PurposeRebuildSource}
 	}
@@ -179,6 +186,8 @@ func TestDataAccessOpenRules(t *testing.T) {
 		{"rebuild source for a server with no rebuilding replica", attachedRebuilding, copySource("s3"), wire.ErrDenied},
 		{"rebuild source with nothing rebuilding", testMeta(), copySource("s2"), wire.ErrDenied},
 		{"rebuild source not healthy", sourceRebuilding, copySource("s2"), wire.ErrDenied},
+		{"rebuild source of a clone, filled", cloneFilled, copySource("s2"), nil},
+		{"rebuild source of a clone, not yet filled", cloneFilling, copySource("s2"), wire.ErrDenied},
 		{"rebuild source at the next epoch", attachedRebuilding, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 5, Purpose: wire.PurposeRebuildSource}, wire.ErrDenied},
 		{"rebuild source at an old epoch", attachedRebuilding, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 3, Purpose: wire.PurposeRebuildSource}, replica.ErrStaleEpoch},
 	} {
