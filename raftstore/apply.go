@@ -237,21 +237,41 @@ func (w *writer) removeServer(at int64, id string) (proto.Message, error) {
 	if err != nil {
 		return nil, err
 	}
+	var changed []string
 	for _, v := range vols {
-		changed := false
+		lost := false
 		for _, r := range v.Replicas {
 			if r.ServerId == id && !r.ServerRemoved {
 				w.must(moveReplica(v, r, eventServerRemoved, at, 0))
 				if err := w.loseReplica(v, r.Id, fmt.Sprintf("its server %s was removed from the cluster", id)); err != nil {
 					return nil, err
 				}
-				changed = true
+				lost = true
 			}
 		}
-		if changed {
-			if err := w.finishClone(v); err != nil {
-				return nil, err
-			}
+		if lost {
+			w.putVolume(v)
+			changed = append(changed, v.Id)
+		}
+	}
+	// Then the clones it finishes, each read again: finishing one drops
+	// its implicit snapshot, which may remove its source volume (deleted,
+	// kept for the snapshot), a volume the loop above held a copy of.
+	for _, vid := range changed {
+		v, err := w.Volume(vid)
+		if errors.Is(err, ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		if v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
+			continue
+		}
+		if err := w.finishClone(v); err != nil {
+			return nil, err
+		}
+		if v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
 			w.putVolume(v)
 		}
 	}

@@ -344,3 +344,47 @@ func TestFSMCloneFilledWhenItsLastUnfilledReplicaLeaves(t *testing.T) {
 		t.Errorf("clone whose replica without a copy lost its server: %v; want AVAILABLE", v.State)
 	}
 }
+
+// TestFSMServerRemovedFinishingACloneKeepsItsSourceGone: removing a
+// server can finish a clone of a volume (its last unfilled replica was
+// there), which drops the clone's implicit snapshot, and with it the
+// source volume when that was deleted and kept only for the snapshot.
+// removeServer worked through copies of every volume read before it
+// began, and wrote the source's stale copy back after that: a deleted
+// volume with no snapshot, which nothing would ever remove, its replicas
+// left on disk and no longer counted on their servers (found by a review
+// of the change that finishes clones there).
+func TestFSMServerRemovedFinishingACloneKeepsItsSourceGone(t *testing.T) {
+	f := snapshotBase(t) // vol-1 on s1, s2, s3
+	mustApply(t, f, cmdRegisterServer("s4", "d", gib, nil))
+	c := mustApply(t, f, cmdCreateVolumeReq("clone-1", &storpb.CreateVolumeRequest{
+		Name: "pvc-clone", SizeBytes: mib, ReplicaCount: 3,
+		ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-1"}},
+	}))[0].msg.(*storpb.Volume)
+	mustApply(t, f, cmdRecordCut(ImplicitSnapshotID(c.Id), 0, []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}, nil),
+		cmdDeleteVolume("vol-1")) // kept for the implicit snapshot
+	// Every clone replica filled but one on a server that also holds
+	// vol-1 (every server but one does), whose server is then removed.
+	src := readVolume(t, f, "vol-1")
+	victim := -1
+	for i, r := range c.Replicas {
+		if victim < 0 && slices.Contains(replicaServers(src), r.ServerId) {
+			victim = i
+		}
+	}
+	for i, r := range c.Replicas {
+		if i != victim {
+			mustApply(t, f, cmdRecordCloneCopied(c.Id, r.Id))
+		}
+	}
+	mustApply(t, f, cmdRemoveServer(c.Replicas[victim].ServerId))
+	if v := readVolume(t, f, c.Id); v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+		t.Errorf("clone whose unfilled replica lost its server: %v; want AVAILABLE", v.State)
+	}
+	if err := f.View(func(r *Reader) error { _, err := r.Volume("vol-1"); return err }); !errors.Is(err, ErrNotFound) {
+		t.Errorf("deleted source volume after its last snapshot went: %v; want it gone", err)
+	}
+	for _, p := range allocationProblems(t, f) {
+		t.Error(p)
+	}
+}
