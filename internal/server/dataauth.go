@@ -245,6 +245,10 @@ func (a *dataAccess) checkOpen(m metaView, r wire.OpenRequest) (*dataGrant, erro
 		}) {
 			return nil, lagging("OPEN %s for a rebuild: volume %s has no rebuilding replica on server %q", r.Replica, v.Name, r.Node)
 		}
+		// A source (any replica but the rebuilding one: rebuildSource).
+		if !(rep.ServerId == r.Node && rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING) && !rebuildSource(v, rep) {
+			return nil, lagging("OPEN %s for a rebuild: not a healthy replica of volume %s (of a clone being filled, not a filled one)", r.Replica, v.Name)
+		}
 	case wire.PurposeSnapshotCut:
 		if v.Attachment != nil || len(v.PendingSnapshotIds) == 0 {
 			return nil, lagging("OPEN %s for a snapshot cut: volume %s is attached or has no pending snapshot", r.Replica, v.Name)

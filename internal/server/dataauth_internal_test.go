@@ -148,6 +148,10 @@ func TestDataAccessOpenRules(t *testing.T) {
 	cloneFilling.vols[testVol].Attachment = nil
 	cloneFilling.vols[testVol].State = storpb.VolumeState_VOLUME_STATE_CREATING
 	cloneFilling.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	faultySource := testMeta() // r2 on s2 rebuilds; r1 here is faulty
+	faultySource.vols[testVol].Attachment = nil
+	faultySource.vols[testVol].Replicas[0].State = storpb.ReplicaState_REPLICA_STATE_FAULTY
+	faultySource.vols[testVol].Replicas[1].State = storpb.ReplicaState_REPLICA_STATE_REBUILDING
 	cloneFilled := testMeta()
 	cloneFilled.vols[testVol] = proto.Clone(cloneFilling.vols[testVol]).(*storpb.Volume)
 	cloneFilled.vols[testVol].CloneDoneReplicaIds = []string{"r1"}
@@ -186,6 +190,9 @@ func TestDataAccessOpenRules(t *testing.T) {
 		{"rebuild source for a server with no rebuilding replica", attachedRebuilding, copySource("s3"), wire.ErrDenied},
 		{"rebuild source with nothing rebuilding", testMeta(), copySource("s2"), wire.ErrDenied},
 		{"rebuild source not healthy", sourceRebuilding, copySource("s2"), wire.ErrDenied},
+		{"rebuild reading a clone's replica, filled", cloneFilled, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeRebuild}, nil},
+		{"rebuild reading a clone's replica, not yet filled", cloneFilling, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeRebuild}, wire.ErrDenied},
+		{"rebuild reading a faulty replica", faultySource, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeRebuild}, wire.ErrDenied},
 		{"rebuild source of a clone, filled", cloneFilled, copySource("s2"), nil},
 		{"rebuild source of a clone, not yet filled", cloneFilling, copySource("s2"), wire.ErrDenied},
 		{"rebuild source at the next epoch", attachedRebuilding, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 5, Purpose: wire.PurposeRebuildSource}, wire.ErrDenied},
