@@ -125,6 +125,47 @@ func hungCluster(t *testing.T, taskIO time.Duration) (*servertest.Cluster, *hung
 	return c, h
 }
 
+// writtenVolume creates a detached volume of size bytes with 3 replicas,
+// written whole with randomData(seed).
+func writtenVolume(t *testing.T, c *servertest.Cluster, leader int, name string, size int, seed uint64) (*storpb.Volume, []byte) {
+	t.Helper()
+	v := createVolume(t, c.Client(leader), name, uint64(size), 3)
+	data := randomData(seed, size)
+	ctx := ctxT(t, 2*time.Minute)
+	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
+	if err := e.WriteAt(ctx, data, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	return v, data
+}
+
+// spareServer is a server holding no replica of v.
+func spareServer(c *servertest.Cluster, v *storpb.Volume) *servertest.Node {
+	for _, n := range c.Nodes {
+		if replicaOn(v, n.ID) == nil {
+			return n
+		}
+	}
+	panic("no spare server")
+}
+
+// moveFirstReplica moves v's first replica to server to and waits until
+// the replacement there is HEALTHY (what: the wait's failure).
+func moveFirstReplica(t *testing.T, c *servertest.Cluster, leader int, v *storpb.Volume, to *servertest.Node, what string) {
+	t.Helper()
+	start := time.Now()
+	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ReplaceReplicaResponse, error) {
+		return c.Client(leader).Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id, ServerId: to.ID})
+	})
+	waitVolume(t, c, leader, v.Id, time.Minute, what, func(v *storpb.Volume) bool {
+		return replicaOn(v, to.ID).GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY
+	})
+	t.Logf("rebuilt in %v", time.Since(start).Round(time.Millisecond))
+}
+
 func randomData(seed uint64, n int) []byte {
 	data := make([]byte, n)
 	rng := rand.New(rand.NewPCG(seed, seed))
@@ -145,33 +186,11 @@ func TestADetachedRebuildReadsAnotherSourceWhenOneHangs(t *testing.T) {
 	c, h := hungCluster(t, 2*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v := createVolume(t, c.Client(leader), "hung-source", size, 3)
-	data := randomData(17, size)
-	ctx := ctxT(t, 2*time.Minute)
-	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
-	if err := e.WriteAt(ctx, data, 0, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Close(ctx, true); err != nil {
-		t.Fatal(err)
-	}
+	v, data := writtenVolume(t, c, leader, "hung-source", size, 17)
 	// Every source but the last hangs (the replaced one too, in case it
 	// is still read).
 	h.hang(v.Replicas[0].Id, v.Replicas[1].Id)
-	var spare string
-	for _, n := range c.Nodes {
-		if replicaOn(v, n.ID) == nil {
-			spare = n.ID
-		}
-	}
-	start := time.Now()
-	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ReplaceReplicaResponse, error) {
-		return c.Client(leader).Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id, ServerId: spare})
-	})
-	waitVolume(t, c, leader, v.Id, time.Minute, "the replacement rebuilt from the source that answers", func(v *storpb.Volume) bool {
-		return replicaOn(v, spare).GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY
-	})
-	t.Logf("rebuilt in %v", time.Since(start).Round(time.Millisecond))
+	moveFirstReplica(t, c, leader, v, spareServer(c, v), "the replacement rebuilt from the source that answers")
 	h.heal()
 	requireChecksums(t, c, v.Id, data, "volume rebuilt past a hung source")
 }
@@ -186,16 +205,7 @@ func TestACloneCopyReadsAnotherSourceWhenOneHangs(t *testing.T) {
 	c, h := hungCluster(t, 2*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v := createVolume(t, c.Client(leader), "hung-clone-src", size, 3)
-	data := randomData(18, size)
-	ctx := ctxT(t, 2*time.Minute)
-	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
-	if err := e.WriteAt(ctx, data, 0, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Close(ctx, true); err != nil {
-		t.Fatal(err)
-	}
+	v, data := writtenVolume(t, c, leader, "hung-clone-src", size, 18)
 	s := createSnapshot(t, c, leader, v.Id, "hung-clone-src-snap")
 	waitSnapshot(t, c, leader, s.Id, 30*time.Second, "snapshot ready", func(s *storpb.Snapshot) bool { return s.ReadyToUse })
 	h.hang(v.Replicas[0].Id, v.Replicas[1].Id)
@@ -218,31 +228,10 @@ func TestADetachedRebuildWaitsForASlowTarget(t *testing.T) {
 	c, h := hungCluster(t, 300*time.Millisecond)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v := createVolume(t, c.Client(leader), "slow-target", size, 3)
-	data := randomData(19, size)
-	ctx := ctxT(t, 2*time.Minute)
-	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
-	if err := e.WriteAt(ctx, data, 0, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Close(ctx, true); err != nil {
-		t.Fatal(err)
-	}
-	spare := -1
-	for i, n := range c.Nodes {
-		if replicaOn(v, n.ID) == nil {
-			spare = i
-		}
-	}
-	h.slow(c.Nodes[spare].Dir, time.Second) // each sync over the TaskIOTimeout
-	start := time.Now()
-	retry(t, 10*time.Second, func(ctx context.Context) (*storpb.ReplaceReplicaResponse, error) {
-		return c.Client(leader).Volumes.ReplaceReplica(ctx, &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: v.Replicas[0].Id, ServerId: c.Nodes[spare].ID})
-	})
-	waitVolume(t, c, leader, v.Id, time.Minute, "the replacement on the slow disk rebuilt", func(v *storpb.Volume) bool {
-		return replicaOn(v, c.Nodes[spare].ID).GetState() == storpb.ReplicaState_REPLICA_STATE_HEALTHY
-	})
-	t.Logf("rebuilt in %v", time.Since(start).Round(time.Millisecond))
+	v, data := writtenVolume(t, c, leader, "slow-target", size, 19)
+	spare := spareServer(c, v)
+	h.slow(spare.Dir, time.Second) // each sync over the TaskIOTimeout
+	moveFirstReplica(t, c, leader, v, spare, "the replacement on the slow disk rebuilt")
 	h.slow("", 0)
 	requireChecksums(t, c, v.Id, data, "volume rebuilt onto a slow disk")
 }
