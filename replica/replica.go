@@ -292,6 +292,11 @@ func (r *Replica) regionCount(size uint64) uint64 {
 // ID returns the replica id.
 func (r *Replica) ID() string { return r.id }
 
+// Failed returns why the replica failed (a sync the disk failed, say), or
+// nil. A failed replica refuses every request until its store is opened
+// again (its server restarts).
+func (r *Replica) Failed() error { return r.failed() }
+
 // VolumeID returns the id of the volume this is a replica of.
 func (r *Replica) VolumeID() string { return r.volumeID }
 

@@ -8,7 +8,11 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/pki"
@@ -32,6 +36,9 @@ import (
 //   - rebuilds this server's rebuilding replicas of detached volumes (an
 //     attached volume's engine rebuilds its own, since it also sends the
 //     target every new write);
+//   - records this server's failed or damaged replicas of detached volumes
+//     FAULTY, so that the leader replaces them (reportFailed; an attached
+//     volume's engine records the replicas that fail its requests);
 //   - cuts snapshots of detached volumes, fills clones' replicas, and
 //     merges deleted snapshots' layers (snapshots.go).
 //
@@ -61,6 +68,9 @@ type dataPlane struct {
 	// that failed in a row: each next attempt reads the next source.
 	rebuildFailures map[string]int
 	tasks           map[string]bool // snapshot cuts, clone copies and merges running (snapshots.go)
+	// failures paces the reports of each failed local replica
+	// (reportFailed).
+	failures map[string]*failureReports
 
 	wg sync.WaitGroup
 }
@@ -255,16 +265,37 @@ func (d *dataPlane) reconcile() {
 			}
 		}
 	}
+	damaged := d.store.Damaged()
 	for id, p := range desired {
+		if err := damaged[id]; err != nil {
+			if diskFailure(err) {
+				d.reportFailed(p, fmt.Errorf("damaged: %w", err))
+			}
+			continue
+		}
 		r, err := d.store.Create(replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes, VolumeName: p.vol.Name})
 		if err != nil {
 			d.s.logger.Warn("create replica", "replica", id, "volume", p.vol.Name, "volume_id", p.vol.Id, "err", err)
+			if diskFailure(err) {
+				d.reportFailed(p, err)
+			}
+			continue
+		}
+		if err := r.Failed(); err != nil {
+			d.reportFailed(p, err)
 			continue
 		}
 		if r.Epoch() < p.vol.Epoch {
 			if err := r.Fence(p.vol.Epoch); err != nil {
 				d.s.logger.Warn("fence replica", "replica", id, "epoch", p.vol.Epoch, "err", err)
+				if diskFailure(err) {
+					d.reportFailed(p, err)
+				}
+				continue
 			}
+		}
+		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
+			d.forgetFailures(id) // it works (again): its next failure is reported at once
 		}
 		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && p.vol.Attachment == nil && hasRebuildSource(p.vol, id) {
 			d.startRebuild(p.vol, p.rep)
@@ -273,6 +304,7 @@ func (d *dataPlane) reconcile() {
 	if readErr != nil {
 		return
 	}
+	d.forgetReplicasGone(desired)
 	d.reconcileSnapshots(desired, view)
 	var stale []*replica.Replica
 	for _, r := range d.store.List() {
@@ -322,6 +354,9 @@ func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
 		err := d.rebuild(v, r, failures)
 		if err != nil && d.s.ctx.Err() == nil {
 			d.s.logger.Warn("rebuild of detached volume failed; will retry", "volume", v.Name, "volume_id", v.Id, "replica", r.Id, "err", err)
+			if diskFailure(err) && !engine.IsSourceError(err) {
+				d.reportFailed(placed{v, r}, err) // the target's: this server's disk
+			}
 			select { // back off before the next attempt
 			case <-d.s.ctx.Done():
 			case <-time.After(2 * time.Second):
@@ -339,6 +374,128 @@ func (d *dataPlane) startRebuild(v *storpb.Volume, r *storpb.Replica) {
 		}
 		d.mu.Unlock()
 	}()
+}
+
+// failureReports paces the reports of one failed local replica.
+type failureReports struct {
+	running bool          // a report is in flight
+	next    time.Time     // no report before
+	wait    time.Duration // from the last report to the next
+}
+
+// A failed replica is reported at most every failureReportWait at first,
+// the wait doubling after each report, up to failureReportMaxWait.
+const (
+	failureReportWait    = 2 * time.Second
+	failureReportMaxWait = time.Minute
+)
+
+// reportFailed records a replica placed here FAULTY because this server's
+// disk failed it: the replica failed (a sync the disk failed fails it
+// until the server restarts), could not be opened (damaged), or this
+// server's own request of it (its creation, a fence, a detached rebuild
+// writing it) met a disk error (diskFailure). Nothing else would while
+// its volume is detached: every rebuild of it, and every task reading it,
+// failed, and the replica stayed REBUILDING (or HEALTHY) for ever, its
+// volume a copy short without anyone told. Once FAULTY it is replaced
+// elsewhere after the cluster's replacement wait; a disk error that was
+// passing costs a rebuild of it.
+//
+// An attached volume's replicas are left to its engine, which records the
+// replicas that fail its requests. The leader sets a FAULTY replica of a
+// server it hears from REBUILDING again, to catch up; this replica cannot,
+// and is reported again, at a wait that doubles up to
+// failureReportMaxWait: the leader replaces it at its first look at it
+// FAULTY past the replacement wait, so at most that much late.
+func (d *dataPlane) reportFailed(p placed, cause error) {
+	v, rep := p.vol, p.rep
+	if v.Attachment != nil || v.State == storpb.VolumeState_VOLUME_STATE_DELETED || rep.State == storpb.ReplicaState_REPLICA_STATE_FAULTY {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	f := d.failures[rep.Id]
+	if f == nil {
+		if d.failures == nil {
+			d.failures = map[string]*failureReports{}
+		}
+		f = &failureReports{wait: failureReportWait}
+		d.failures[rep.Id] = f
+	}
+	if f.running || time.Now().Before(f.next) || d.s.ctx.Err() != nil {
+		return
+	}
+	f.running = true
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		ctx, cancel := context.WithTimeout(d.s.ctx, recordTimeout)
+		defer cancel()
+		vols := storpb.NewVolumeServiceClient(d.s.selfConn())
+		_, err := vols.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+			VolumeId: v.Id, ReplicaId: rep.Id, State: storpb.ReplicaState_REPLICA_STATE_FAULTY,
+			Epoch: v.Epoch, Reason: fmt.Sprintf("failed on server %s: %v", d.s.cfg.ID, cause),
+		})
+		log := d.s.logger.With("volume", v.Name, "volume_id", v.Id, "replica", rep.Id, "cause", cause)
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		f.running = false
+		f.next = time.Now().Add(f.wait)
+		f.wait = min(2*f.wait, failureReportMaxWait)
+		switch {
+		case status.Code(err) == codes.FailedPrecondition:
+			log.Error("a replica failed here and could not be recorded faulty: the volume has no other healthy replica to serve its data; restart this server (or restore its disk) to serve it again",
+				"err", err, "retry_in", time.Until(f.next).Round(time.Second))
+			return
+		case err != nil:
+			log.Warn("a replica failed here and could not be recorded faulty; will retry", "err", err, "retry_in", time.Until(f.next).Round(time.Second))
+			return
+		}
+		log.Warn("a replica failed here; recorded it faulty, to be replaced")
+	}()
+}
+
+// diskFailure reports whether err is a disk's failure of a replica
+// request: an I/O error, a full disk, or data that fails validation. The
+// process's own limits and rights are not the disk's (out of file
+// descriptors or memory, a permission refused: a data directory restored
+// with the wrong owner, say): a restart with the right ones serves the
+// replica again, where a replica recorded FAULTY is replaced, and a
+// snapshot whose last copy it held lost.
+func diskFailure(err error) bool {
+	for _, errno := range []error{syscall.EMFILE, syscall.ENFILE, syscall.ENOMEM, syscall.EACCES, syscall.EPERM} {
+		if errors.Is(err, errno) {
+			return false
+		}
+	}
+	return errors.Is(err, replica.ErrIO) || errors.Is(err, replica.ErrNoSpace) || errors.Is(err, replica.ErrCorrupt)
+}
+
+// forgetFailures drops the pace of replica id's failure reports.
+func (d *dataPlane) forgetFailures(id string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if f := d.failures[id]; f != nil && !f.running {
+		delete(d.failures, id)
+	}
+}
+
+// forgetReplicasGone drops what the data plane keeps of the replicas of
+// its past attempts (failed rebuilds, failure reports) that are no
+// longer placed here.
+func (d *dataPlane) forgetReplicasGone(desired map[string]placed) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for id := range d.rebuildFailures {
+		if _, ok := desired[id]; !ok {
+			delete(d.rebuildFailures, id)
+		}
+	}
+	for id, f := range d.failures {
+		if _, ok := desired[id]; !ok && !f.running {
+			delete(d.failures, id)
+		}
+	}
 }
 
 // rebuildSource reports whether rep may be read to rebuild another

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,13 +20,20 @@ import (
 // hungDisks makes the reads of chosen replicas hang, as a disk that takes
 // requests and never completes them does: their servers stay up and the
 // replicas HEALTHY, and a read of one never returns until the test ends
-// (or heals them).
+// (or heals them). It also makes a server's disk slow, or fail its
+// syncs.
 type hungDisks struct {
 	mu       sync.Mutex
 	replicas map[string]bool // ids of the replicas whose reads hang
+	failing  map[string]bool // ids of the replicas whose reads fail (EIO)
+	failed   int             // reads failed so far
 	release  chan struct{}   // closed by heal
 	slowDir  string          // syncs of files under it take slowSync
 	slowSync time.Duration
+	// failDir: the replicas' files under it fail (EIO): their syncs, or
+	// (failWrites) the writes of their data.
+	failDir    string
+	failWrites bool
 }
 
 // slow makes every sync of a file under dir (a server's data directory)
@@ -55,11 +63,13 @@ func (h *hungDisks) hang(ids ...string) {
 	}
 }
 
-// heal lets every hung read, and every later one, through.
+// heal lets every hung read, and every later one, through, and fails no
+// more reads.
 func (h *hungDisks) heal() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	clear(h.replicas)
+	clear(h.failing)
 	select {
 	case <-h.release:
 	default:
@@ -67,17 +77,84 @@ func (h *hungDisks) heal() {
 	}
 }
 
-// hangs reports whether a read of the file at name (in a replica's
-// directory, named by its id) hangs now.
-func (h *hungDisks) hangs(name string) bool {
+// failReads makes the reads of replicas ids fail with EIO.
+func (h *hungDisks) failReads(ids ...string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for id := range h.replicas {
+	if h.failing == nil {
+		h.failing = map[string]bool{}
+	}
+	for _, id := range ids {
+		h.failing[id] = true
+	}
+}
+
+// readFails reports whether a read of the file at name fails now.
+func (h *hungDisks) readFails(name string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if inReplica(name, h.failing) {
+		h.failed++
+		return true
+	}
+	return false
+}
+
+// failedReads is how many reads failed so far.
+func (h *hungDisks) failedReads() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.failed
+}
+
+// inReplica reports whether the file at name is in the directory of one
+// of the replicas ids (a replica's directory is named by its id).
+func inReplica(name string, ids map[string]bool) bool {
+	for id := range ids {
 		if strings.Contains(name, string(filepath.Separator)+id+string(filepath.Separator)) {
 			return true
 		}
 	}
 	return false
+}
+
+// hangs reports whether a read of the file at name (in a replica's
+// directory, named by its id) hangs now.
+func (h *hungDisks) hangs(name string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return inReplica(name, h.replicas)
+}
+
+// failSyncs makes every sync of a replica's file under dir (a server's
+// data directory) fail with EIO, as a failing disk's do, which fails the
+// replica until its server restarts. A replica being created is spared,
+// so that it is created and then fails.
+func (h *hungDisks) failSyncs(dir string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.failDir, h.failWrites = dir, false
+}
+
+// failDataWrites makes every write of a replica's data under dir fail with
+// EIO, as a failing disk's do; the replica's other files (its epoch, its
+// logs) are spared.
+func (h *hungDisks) failDataWrites(dir string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.failDir, h.failWrites = dir, true
+}
+
+// fails reports whether a sync (write false) or a write of the file at
+// name fails now.
+func (h *hungDisks) fails(name string, write bool) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.failDir == "" || write != h.failWrites || !strings.HasPrefix(name, h.failDir+string(filepath.Separator)) ||
+		strings.Contains(name, string(filepath.Separator)+".creating-") {
+		return false
+	}
+	return !write || strings.HasSuffix(name, ".data")
 }
 
 type hungFS struct {
@@ -101,23 +178,42 @@ type hungFile struct {
 
 func (f hungFile) Sync() error {
 	time.Sleep(f.h.syncTime(f.name))
+	if f.h.fails(f.name, false) {
+		return &os.PathError{Op: "sync", Path: f.name, Err: syscall.EIO}
+	}
 	return f.File.Sync()
+}
+
+func (f hungFile) WriteAt(p []byte, off int64) (int, error) {
+	if f.h.fails(f.name, true) {
+		return 0, &os.PathError{Op: "write", Path: f.name, Err: syscall.EIO}
+	}
+	return f.File.WriteAt(p, off)
 }
 
 func (f hungFile) ReadAt(p []byte, off int64) (int, error) {
 	if f.h.hangs(f.name) {
 		<-f.h.release
 	}
+	if f.h.readFails(f.name) {
+		return 0, &os.PathError{Op: "read", Path: f.name, Err: syscall.EIO}
+	}
 	return f.File.ReadAt(p, off)
 }
 
 // hungCluster is a 4-server cluster whose replicas' reads hang at the
 // test's word, and whose servers' own tasks give up on a request after
-// taskIO.
+// taskIO. Only the test moves replicas.
 func hungCluster(t *testing.T, taskIO time.Duration) (*servertest.Cluster, *hungDisks) {
+	return hungClusterReplacing(t, taskIO, time.Hour)
+}
+
+// hungClusterReplacing is hungCluster whose leader replaces a replica
+// FAULTY for replaceAfter.
+func hungClusterReplacing(t *testing.T, taskIO, replaceAfter time.Duration) (*servertest.Cluster, *hungDisks) {
 	h := &hungDisks{replicas: map[string]bool{}, release: make(chan struct{})}
 	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
-		cfg.Raft.ReplaceAfter = time.Hour // only the test moves replicas
+		cfg.Raft.ReplaceAfter = replaceAfter
 		cfg.TaskIOTimeout = taskIO
 		cfg.ReplicaFS = hungFS{FS: replica.OS(), h: h}
 	}})
