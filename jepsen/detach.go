@@ -92,9 +92,7 @@ func (detachExpand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (stri
 		defer c.Close()
 		volumes = c.Volumes
 	}
-	cctx, cancel = context.WithTimeout(ctx, 10*time.Second)
-	_, err = volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}, SizeBytes: size})
-	cancel()
+	err = expandVolume(ctx, volumes, r.c.Volume, size)
 	var restart error
 	if down != nil {
 		restart = down.Proc.Start(false)

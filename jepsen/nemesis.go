@@ -11,6 +11,9 @@ import (
 	"syscall"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	storpb "github.com/stor-io/stor/api/proto"
 )
 
@@ -342,6 +345,26 @@ const sigDiskHeal = syscall.SIGUSR2
 // maxBlocks caps online expansion (each adds one register).
 const maxBlocks = 48
 
+// expandVolume grows volume name to size within 10 s. The control plane
+// refuses to expand a volume while a snapshot of it is not yet cut (the
+// snapshotter's snapshots race this nemesis and detach-expand): that
+// refusal is retried until the 10 s are over.
+func expandVolume(ctx context.Context, volumes storpb.VolumeServiceClient, name string, size uint64) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	for {
+		_, err := volumes.ExpandVolume(ctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: name}, SizeBytes: size})
+		if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "not yet cut") {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
 // expand grows the volume online by one register's stride while the
 // workload runs, then writes and reads back a register in the new space
 // through the engine: the engine must pick up the new size (from its watch
@@ -357,10 +380,7 @@ func (expand) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, er
 		return "", fmt.Errorf("the volume already has %d registers", n)
 	}
 	size := uint64(n+1) * blockStride
-	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err := r.c.Control.Volumes.ExpandVolume(cctx, &storpb.ExpandVolumeRequest{Volume: &storpb.VolumeRef{Name: r.c.Volume}, SizeBytes: size})
-	cancel()
-	if err != nil {
+	if err := expandVolume(ctx, r.c.Control.Volumes, r.c.Volume, size); err != nil {
 		return "", err
 	}
 	if err := r.addRegister(ctx, n, r.now()); err != nil {

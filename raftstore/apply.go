@@ -387,6 +387,14 @@ func (w *writer) expandVolume(req *storpb.ExpandVolumeRequest) (proto.Message, e
 	case size == v.SizeBytes:
 		return v, nil
 	}
+	// A snapshot records the volume's size when it is taken, and each
+	// replica freezes its layer at its own size when it cuts: an expand
+	// between the two would give the snapshot data past its recorded size
+	// (a clone of that size could never be filled).
+	if n := len(v.PendingSnapshotIds); n > 0 {
+		return nil, fmt.Errorf("%w: volume %q has %d snapshot(s) not yet cut (%s); it can be expanded once they are cut, so that each snapshot holds the size it was taken at",
+			ErrFailedPrecondition, v.Name, n, strings.Join(v.PendingSnapshotIds, ", "))
+	}
 	delta := size - v.SizeBytes
 	percent, err := w.overProvisioningPercent()
 	if err != nil {

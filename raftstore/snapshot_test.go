@@ -388,3 +388,33 @@ func TestFSMServerRemovedFinishingACloneKeepsItsSourceGone(t *testing.T) {
 		t.Error(p)
 	}
 }
+
+// TestFSMNoExpandWhileASnapshotIsBeingCut: a snapshot records its
+// volume's size when it is taken, and its replicas freeze their layers
+// at their own size when they cut it. A volume expanded (and written past
+// its old end) between the two gave a snapshot holding more than its
+// recorded size: a clone of that size never finished filling (its copy
+// of the blocks past its end was refused on every attempt). An expand is
+// now refused while the volume has snapshots not yet cut; a retry once
+// they are succeeds, and an expand to the size the volume has already
+// succeeds as before.
+func TestFSMNoExpandWhileASnapshotIsBeingCut(t *testing.T) {
+	f := snapshotBase(t)
+	mustApply(t, f, cmdCreateSnapshot("snap-1", "vol-1", "snap-one"))
+	r := applyCommands(t, f, cmdExpandVolume("vol-1", 2*mib))[0]
+	if !errors.Is(r.err, ErrFailedPrecondition) || !strings.Contains(r.err.Error(), "snap-1") {
+		t.Fatalf("expand with a snapshot pending: %v, want ErrFailedPrecondition naming snap-1", r.err)
+	}
+	if v := readVolume(t, f, "vol-1"); v.SizeBytes != mib {
+		t.Fatalf("volume is %d bytes after the refused expand, want %d", v.SizeBytes, mib)
+	}
+	mustApply(t, f, cmdExpandVolume("vol-1", mib)) // its size already: nothing to refuse
+	mustApply(t, f, cmdRecordCut("snap-1", 0, []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}, nil))
+	mustApply(t, f, cmdExpandVolume("vol-1", 2*mib))
+	if v := readVolume(t, f, "vol-1"); v.SizeBytes != 2*mib {
+		t.Fatalf("volume is %d bytes after the expand, want %d", v.SizeBytes, 2*mib)
+	}
+	if s := readSnapshot(t, f, "snap-1"); s.SizeBytes != mib {
+		t.Fatalf("snapshot is %d bytes, want the %d it was taken at", s.SizeBytes, mib)
+	}
+}

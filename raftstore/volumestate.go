@@ -27,7 +27,9 @@ import (
 //
 // Refused, nothing changes: deleting an attached volume
 // (ErrFailedPrecondition: detach it first; a volume is detached before it
-// is deleted, so a tombstone is never attached). A CREATING volume has no
+// is deleted, so a tombstone is never attached); expanding a volume with
+// snapshots not yet cut (ErrFailedPrecondition: retry once they are cut,
+// so that each snapshot holds the size it was taken at; expandVolume). A CREATING volume has no
 // snapshots (it cannot be snapshotted, nor be a clone's source), so it is
 // never kept.
 //
