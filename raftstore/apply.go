@@ -425,6 +425,9 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 		return nil, err
 	}
 	if err := checkVolume(v, actAttach); err != nil {
+		if s, serr := w.Snapshot(v.CloneSnapshotId); serr == nil && cloneFailed(v, s) != "" {
+			return nil, fmt.Errorf("%w: %s", ErrFailedPrecondition, cloneFailed(v, s))
+		}
 		return nil, err
 	}
 	switch {

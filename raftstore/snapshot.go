@@ -260,6 +260,17 @@ func (w *writer) deleteSnapshot(ref *storpb.SnapshotRef) (proto.Message, error) 
 // a snapshot in a cluster of 10,000 volumes does not decode 10,000
 // volume records.
 func (r *Reader) cloneCopying(id string) (*storpb.Volume, error) {
+	var first *storpb.Volume
+	err := r.clonesCopying(id, func(v *storpb.Volume) bool {
+		first = v
+		return false
+	})
+	return first, err
+}
+
+// clonesCopying calls fn with each clone still being filled from snapshot
+// id (as cloneCopying finds them) until fn returns false.
+func (r *Reader) clonesCopying(id string, fn func(*storpb.Volume) bool) error {
 	c := r.tx.Bucket(bucketVolumes).Cursor()
 	for k, b := c.First(); k != nil; k, b = c.Next() {
 		if !bytes.Contains(b, []byte(id)) {
@@ -267,13 +278,27 @@ func (r *Reader) cloneCopying(id string) (*storpb.Volume, error) {
 		}
 		v := &storpb.Volume{}
 		if err := proto.Unmarshal(b, v); err != nil {
-			return nil, fmt.Errorf("%w: volume %q: %v", ErrCorrupt, k, err)
+			return fmt.Errorf("%w: volume %q: %v", ErrCorrupt, k, err)
 		}
-		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == id {
-			return v, nil
+		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == id && !fn(v) {
+			return nil
 		}
 	}
-	return nil, nil
+	return nil
+}
+
+// cloneFailed is why clone v, filled from snapshot s, can never be filled
+// ("" while it can): s failed (no replica cut it, or every copy of it was
+// lost). Nothing fills it then; it can only be deleted.
+func cloneFailed(v *storpb.Volume, s *storpb.Snapshot) string {
+	if v.State != storpb.VolumeState_VOLUME_STATE_CREATING || s == nil || !s.Failed {
+		return ""
+	}
+	what := fmt.Sprintf("snapshot %q", s.Name)
+	if s.ImplicitForVolumeId != "" {
+		what = "the snapshot of its source volume"
+	}
+	return fmt.Sprintf("volume %q can never be filled: %s failed (%s); delete it, and restore from another snapshot", v.Name, what, s.StatusMessage)
 }
 
 // recordCut applies a data-path report of cuts (see the file comment).

@@ -418,3 +418,43 @@ func TestFSMNoExpandWhileASnapshotIsBeingCut(t *testing.T) {
 		t.Fatalf("snapshot is %d bytes, want the %d it was taken at", s.SizeBytes, mib)
 	}
 }
+
+// TestFSMCloneOfAFailedSnapshotSaysSo: a clone may be made from a snapshot
+// not yet cut (a user's, or the one a clone of a volume takes of it). If
+// that snapshot then fails (no replica cut it, or every copy was lost),
+// the clone can never be filled. It stayed CREATING with nothing said but
+// "still being filled (0 of N replicas copied)" at every attach, for
+// ever. Now the clone's events say it failed and why, and so does the
+// attach refusal; the clone can be deleted as before.
+func TestFSMCloneOfAFailedSnapshotSaysSo(t *testing.T) {
+	f := snapshotBase(t)
+	all := []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}
+	mustApply(t, f,
+		cmdCreateSnapshot("snap-1", "vol-1", "snap-one"),
+		cmdCreateVolumeReq("clone-1", &storpb.CreateVolumeRequest{Name: "from-snap", SizeBytes: mib, ReplicaCount: 1,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}}}),
+		cmdCreateVolumeReq("clone-2", &storpb.CreateVolumeRequest{Name: "from-vol", SizeBytes: mib, ReplicaCount: 1,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_VolumeId{VolumeId: "vol-1"}}}),
+		cmdRecordCut("snap-1", 0, nil, all),
+		cmdRecordCut(ImplicitSnapshotID("clone-2"), 0, nil, all),
+	)
+	for _, clone := range []string{"clone-1", "clone-2"} {
+		if v := readVolume(t, f, clone); v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
+			t.Fatalf("%s: %v, want CREATING", clone, v.State)
+		}
+		var failed *storpb.Event
+		for _, e := range readEvents(t, f, clone) {
+			if e.Reason == "CloneFailed" {
+				failed = e
+			}
+		}
+		if failed == nil || !strings.Contains(failed.Message, "can never be filled") || !strings.Contains(failed.Message, "no replica could cut") {
+			t.Errorf("%s: no CloneFailed event saying why (events %v)", clone, readEvents(t, f, clone))
+		}
+		r := applyCommands(t, f, cmdAttachVolume(clone, "node-1", false))[0]
+		if !errors.Is(r.err, ErrFailedPrecondition) || !strings.Contains(r.err.Error(), "can never be filled") {
+			t.Errorf("attach %s: %v, want ErrFailedPrecondition saying it can never be filled", clone, r.err)
+		}
+	}
+	mustApply(t, f, cmdDeleteVolume("clone-1"), cmdDeleteVolume("clone-2"))
+}
