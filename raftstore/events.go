@@ -96,13 +96,12 @@ func (w *writer) snapshotEvents(old, s *storpb.Snapshot) {
 		cur = old
 	}
 	if s != nil && s.Failed && (old == nil || !old.Failed) {
-		// Its clones being filled never will be: say so on each. (A
-		// volume record that cannot be read is reported by every other
-		// read of it; an event is not worth failing the command for.)
-		_ = w.clonesCopying(s.Id, func(v *storpb.Volume) bool {
-			w.event(&storpb.Event{VolumeId: v.Id, VolumeName: v.Name, Reason: "CloneFailed", Message: clip(cloneFailed(v, s), 2*maxEventReason)})
-			return true
-		})
+		// Its clones being filled cannot be: said on each once the
+		// command is done (recordCloneFailures).
+		if w.failedSnapshots == nil {
+			w.failedSnapshots = map[string]*storpb.Snapshot{}
+		}
+		w.failedSnapshots[s.Id] = proto.Clone(s).(*storpb.Snapshot)
 	}
 	if cur == nil || cur.ImplicitForVolumeId != "" {
 		return // a clone's own snapshot: the clone's events tell

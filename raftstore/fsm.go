@@ -191,6 +191,7 @@ func (f *FSM) ApplyBatch(logs []*raft.Log) []interface{} {
 				continue
 			}
 			msg, err := w.apply(cmd)
+			w.recordCloneFailures()
 			out[i] = result{msg: msg, err: err}
 			if err == nil && watching {
 				if v, ok := msg.(*storpb.Volume); ok {

@@ -3,6 +3,7 @@ package raftstore
 import (
 	"bytes"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
@@ -260,17 +261,6 @@ func (w *writer) deleteSnapshot(ref *storpb.SnapshotRef) (proto.Message, error) 
 // a snapshot in a cluster of 10,000 volumes does not decode 10,000
 // volume records.
 func (r *Reader) cloneCopying(id string) (*storpb.Volume, error) {
-	var first *storpb.Volume
-	err := r.clonesCopying(id, func(v *storpb.Volume) bool {
-		first = v
-		return false
-	})
-	return first, err
-}
-
-// clonesCopying calls fn with each clone still being filled from snapshot
-// id (as cloneCopying finds them) until fn returns false.
-func (r *Reader) clonesCopying(id string, fn func(*storpb.Volume) bool) error {
 	c := r.tx.Bucket(bucketVolumes).Cursor()
 	for k, b := c.First(); k != nil; k, b = c.Next() {
 		if !bytes.Contains(b, []byte(id)) {
@@ -278,18 +268,20 @@ func (r *Reader) clonesCopying(id string, fn func(*storpb.Volume) bool) error {
 		}
 		v := &storpb.Volume{}
 		if err := proto.Unmarshal(b, v); err != nil {
-			return fmt.Errorf("%w: volume %q: %v", ErrCorrupt, k, err)
+			return nil, fmt.Errorf("%w: volume %q: %v", ErrCorrupt, k, err)
 		}
-		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == id && !fn(v) {
-			return nil
+		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && v.CloneSnapshotId == id {
+			return v, nil
 		}
 	}
-	return nil
+	return nil, nil
 }
 
-// cloneFailed is why clone v, filled from snapshot s, can never be filled
+// cloneFailed is why clone v, filled from snapshot s, cannot be filled
 // ("" while it can): s failed (no replica cut it, or every copy of it was
-// lost). Nothing fills it then; it can only be deleted.
+// lost), and nothing fills v's replicas without their copy. If some have
+// theirs, removing the others finishes v (finishClone); if none, v can
+// only be deleted.
 func cloneFailed(v *storpb.Volume, s *storpb.Snapshot) string {
 	if v.State != storpb.VolumeState_VOLUME_STATE_CREATING || s == nil || !s.Failed {
 		return ""
@@ -298,7 +290,49 @@ func cloneFailed(v *storpb.Volume, s *storpb.Snapshot) string {
 	if s.ImplicitForVolumeId != "" {
 		what = "the snapshot of its source volume"
 	}
+	kept, filled := 0, 0
+	for _, r := range v.Replicas {
+		if !r.ServerRemoved {
+			kept++
+			if slices.Contains(v.CloneDoneReplicaIds, r.Id) {
+				filled++
+			}
+		}
+	}
+	if filled > 0 {
+		return fmt.Sprintf("volume %q cannot be filled further: %s failed (%s); %d of its %d replicas are filled: remove the others (stor-ctl replica remove) to finish it from those, or delete it",
+			v.Name, what, s.StatusMessage, filled, kept)
+	}
 	return fmt.Sprintf("volume %q can never be filled: %s failed (%s); delete it, and restore from another snapshot", v.Name, what, s.StatusMessage)
+}
+
+// recordCloneFailures records a CloneFailed event on each clone left
+// being filled from a snapshot that failed in the command just applied
+// (w.failedSnapshots), once the command is done: a clone it finished
+// meanwhile (its unfilled replicas removed with their server) is not
+// failed. One pass over the volumes serves every snapshot that failed (a
+// removed server can fail many at once); with few, only the records that
+// name one are decoded, as in cloneCopying.
+func (w *writer) recordCloneFailures() {
+	failed := w.failedSnapshots
+	if len(failed) == 0 {
+		return
+	}
+	w.failedSnapshots = nil
+	ids := slices.Sorted(maps.Keys(failed))
+	c := w.tx.Bucket(bucketVolumes).Cursor()
+	for k, b := c.First(); k != nil; k, b = c.Next() {
+		if len(ids) <= 8 && !slices.ContainsFunc(ids, func(id string) bool { return bytes.Contains(b, []byte(id)) }) {
+			continue
+		}
+		v := &storpb.Volume{}
+		if proto.Unmarshal(b, v) != nil {
+			continue // every other read of it reports it
+		}
+		if why := cloneFailed(v, failed[v.CloneSnapshotId]); why != "" {
+			w.event(&storpb.Event{VolumeId: v.Id, VolumeName: v.Name, Reason: "CloneFailed", Message: clip(why, 2*maxEventReason)})
+		}
+	}
 }
 
 // recordCut applies a data-path report of cuts (see the file comment).

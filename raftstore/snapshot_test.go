@@ -2,6 +2,7 @@ package raftstore
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -442,14 +443,9 @@ func TestFSMCloneOfAFailedSnapshotSaysSo(t *testing.T) {
 		if v := readVolume(t, f, clone); v.State != storpb.VolumeState_VOLUME_STATE_CREATING {
 			t.Fatalf("%s: %v, want CREATING", clone, v.State)
 		}
-		var failed *storpb.Event
-		for _, e := range readEvents(t, f, clone) {
-			if e.Reason == "CloneFailed" {
-				failed = e
-			}
-		}
-		if failed == nil || !strings.Contains(failed.Message, "can never be filled") || !strings.Contains(failed.Message, "no replica could cut") {
-			t.Errorf("%s: no CloneFailed event saying why (events %v)", clone, readEvents(t, f, clone))
+		if failed := cloneFailedEvents(t, f, clone); len(failed) != 1 || !strings.Contains(failed[0].Message, "can never be filled") ||
+			!strings.Contains(failed[0].Message, "no replica could cut") {
+			t.Errorf("%s: CloneFailed events %v, want one saying why", clone, failed)
 		}
 		r := applyCommands(t, f, cmdAttachVolume(clone, "node-1", false))[0]
 		if !errors.Is(r.err, ErrFailedPrecondition) || !strings.Contains(r.err.Error(), "can never be filled") {
@@ -457,4 +453,60 @@ func TestFSMCloneOfAFailedSnapshotSaysSo(t *testing.T) {
 		}
 	}
 	mustApply(t, f, cmdDeleteVolume("clone-1"), cmdDeleteVolume("clone-2"))
+}
+
+func cloneFailedEvents(t *testing.T, f *FSM, volumeID string) []*storpb.Event {
+	t.Helper()
+	var out []*storpb.Event
+	for _, e := range readEvents(t, f, volumeID) {
+		if e.Reason == "CloneFailed" {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// TestFSMPartlyFilledCloneOfALostSnapshotSaysWhatFinishesIt: a clone with
+// one of its two replicas filled when every copy of its (ready) snapshot
+// is lost can still be finished, from the filled one: its CloneFailed
+// event and the attach refusal say to remove the other; removing it makes
+// the clone AVAILABLE.
+func TestFSMPartlyFilledCloneOfALostSnapshotSaysWhatFinishesIt(t *testing.T) {
+	f := snapshotBase(t)
+	mustApply(t, f, cmdRegisterServer("s4", "d", gib, nil), cmdRegisterServer("s5", "e", gib, nil), cmdRegisterServer("s6", "f", gib, nil))
+	src := readVolume(t, f, "vol-1")
+	mustApply(t, f,
+		cmdCreateSnapshot("snap-1", "vol-1", "snap-one"),
+		cmdRecordCut("snap-1", 0, []string{"vol-1-r1", "vol-1-r2", "vol-1-r3"}, nil),
+		cmdCreateVolumeReq("clone-1", &storpb.CreateVolumeRequest{Name: "partly", SizeBytes: mib, ReplicaCount: 2,
+			ContentSource: &storpb.ContentSource{Source: &storpb.ContentSource_SnapshotId{SnapshotId: "snap-1"}}}),
+	)
+	clone := readVolume(t, f, "clone-1")
+	filled, unfilled := clone.Replicas[0].Id, clone.Replicas[1].Id
+	mustApply(t, f, cmdRecordCloneCopied("clone-1", filled))
+	// The leader's repair replaces every replica holding the snapshot
+	// (their disks died, say): its copies are lost.
+	for i, r := range src.Replicas {
+		id := fmt.Sprintf("new-%d", i)
+		repair := cmdReplaceReplica("vol-1", r.Id, "", id, false)
+		repair.Op = opRepairReplica
+		mustApply(t, f, repair)
+		v := readVolume(t, f, "vol-1") // rebuilt (so that the next may go)
+		mustApply(t, f, cmdSetReplicaState("vol-1", id, storpb.ReplicaState_REPLICA_STATE_HEALTHY, v.Epoch, replicaIn(v, id).Generation))
+	}
+	if s := readSnapshot(t, f, "snap-1"); !s.Failed {
+		t.Fatalf("snapshot with every copy lost: %v, want failed", s)
+	}
+	failed := cloneFailedEvents(t, f, "clone-1")
+	if len(failed) != 1 || !strings.Contains(failed[0].Message, "1 of its 2 replicas are filled") {
+		t.Fatalf("CloneFailed events %v, want one saying 1 of 2 replicas are filled", failed)
+	}
+	if r := applyCommands(t, f, cmdAttachVolume("clone-1", "node-1", false))[0]; !errors.Is(r.err, ErrFailedPrecondition) ||
+		!strings.Contains(r.err.Error(), "remove the others") {
+		t.Fatalf("attach: %v, want ErrFailedPrecondition saying to remove the unfilled replicas", r.err)
+	}
+	mustApply(t, f, cmdReplaceReplica("clone-1", unfilled, "", "", true))
+	if v := readVolume(t, f, "clone-1"); v.State != storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+		t.Fatalf("clone after its unfilled replica was removed: %v, want AVAILABLE", v.State)
+	}
 }

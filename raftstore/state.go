@@ -345,6 +345,9 @@ type writer struct {
 	// lastTouched lists volumes changed as a side effect of the command
 	// being applied (a removed server's replicas), for watchers.
 	lastTouched []string
+	// failedSnapshots holds the snapshots that failed in the command
+	// being applied, by id (recordCloneFailures).
+	failedSnapshots map[string]*storpb.Snapshot
 }
 
 func (w *writer) put(bucket []byte, key string, m proto.Message) {
