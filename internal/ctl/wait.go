@@ -126,7 +126,8 @@ func (a *app) waitSnapshotReady(ctx context.Context, c *client.Client, id string
 }
 
 // waitCloneFilled waits until clone volume id is AVAILABLE, showing how
-// many of its replicas hold their copy.
+// many of its replicas hold their copy. A clone whose snapshot failed
+// cannot be filled: that ends the wait with the snapshot's reason.
 func (a *app) waitCloneFilled(ctx context.Context, c *client.Client, id string) (*storpb.Volume, error) {
 	var v *storpb.Volume
 	err := a.waitProgress(ctx, func(ctx context.Context) (progress, error) {
@@ -135,6 +136,13 @@ func (a *app) waitCloneFilled(ctx context.Context, c *client.Client, id string) 
 			return progress{}, err
 		}
 		v = resp.GetVolume()
+		if sid := v.GetCloneSnapshotId(); sid != "" && v.GetState() == storpb.VolumeState_VOLUME_STATE_CREATING {
+			s, err := c.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: sid}})
+			if err == nil && s.GetSnapshot().GetFailed() {
+				return progress{}, fmt.Errorf("clone %s cannot be filled: the snapshot it is filled from failed: %s (stor-ctl events --volume %s says what to do)",
+					v.GetName(), s.GetSnapshot().GetStatusMessage(), v.GetName())
+			}
+		}
 		p := progress{what: "clone " + v.GetName(), unit: "replicas filled", total: uint64(len(v.GetReplicas())),
 			done: uint64(len(v.GetCloneDoneReplicaIds())), finished: v.GetState() != storpb.VolumeState_VOLUME_STATE_CREATING}
 		if p.finished {

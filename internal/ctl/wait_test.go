@@ -65,3 +65,23 @@ func TestWaitFlags(t *testing.T) {
 		t.Fatalf("--wait on a volume that is no clone: exit %d, %q; want 2", r.code, r.stderr)
 	}
 }
+
+// TestWaitForACloneOfAFailedSnapshotEnds: `volume create --from-snapshot
+// --wait` of a clone whose snapshot failed waited until its timeout with
+// "0 of N replicas filled"; the clone can never be filled that way. The
+// wait now ends at once with the snapshot's reason.
+func TestWaitForACloneOfAFailedSnapshotEnds(t *testing.T) {
+	f := newFake(t)
+	f.snapshots.snapshots = append(f.snapshots.snapshots, &storpb.Snapshot{Id: "snap-f", Name: "broken", VolumeId: "vol-1",
+		SizeBytes: 10 << 30, Failed: true, StatusMessage: "no replica could cut the snapshot: r-1: server removed"})
+	f.volumes.volumes = append(f.volumes.volumes, &storpb.Volume{Id: "vol-new", Name: "restored", SizeBytes: 10 << 30, ReplicaCount: 1,
+		State: storpb.VolumeState_VOLUME_STATE_CREATING, CloneSnapshotId: "snap-f", Replicas: []*storpb.Replica{healthy("r-9", "s1")}})
+	start := time.Now()
+	r := run(t, "--server", f.addr, "--timeout", "20s", "volume", "create", "restored", "--from-snapshot", "broken", "--wait")
+	if r.code != 1 || !strings.Contains(r.stderr, "cannot be filled") || !strings.Contains(r.stderr, "server removed") {
+		t.Fatalf("exit %d, stderr %q; want 1 saying the clone cannot be filled and why", r.code, r.stderr)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("the wait took %v: it ended at the timeout, not at the failure", d)
+	}
+}

@@ -136,8 +136,9 @@ func newest(ctx context.Context, l EventLister) (uint64, error) {
 	}
 }
 
-// warnings are the reasons posted as Warning events.
-var warnings = map[string]bool{"ReplicaFaulty": true, "TakenOver": true}
+// warnings are the reasons posted as Warning events: a replica or a
+// snapshot's copy lost, a snapshot or a clone that failed, a takeover.
+var warnings = map[string]bool{"ReplicaFaulty": true, "TakenOver": true, "SnapshotFailed": true, "SnapshotCopyLost": true, "CloneFailed": true}
 
 // post creates e as an Event on its volume's claim, if it has one.
 func post(ctx context.Context, cfg Config, e *storpb.Event) error {

@@ -76,6 +76,7 @@ func TestMirrorsEventsOntoClaims(t *testing.T) {
 	stor.add(&storpb.Event{VolumeName: "not-a-pv", Reason: "Attached", Message: "attached to node n1"})
 	stor.add(&storpb.Event{ServerId: "s2", Reason: "ServerDown", Message: "server s2 down"})
 	stor.add(&storpb.Event{VolumeName: "pvc-1", Reason: "Attached", Message: "attached to node n1 at epoch 2"})
+	stor.add(&storpb.Event{VolumeName: "pvc-1", Reason: "CloneFailed", Message: `volume "pvc-1" can never be filled`})
 
 	var evs []corev1.Event
 	for {
@@ -83,18 +84,18 @@ func TestMirrorsEventsOntoClaims(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if evs = l.Items; len(evs) >= 2 {
+		if evs = l.Items; len(evs) >= 3 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d events on the claim's namespace within 20 s, want 2: %v", len(evs), evs)
+			t.Fatalf("%d events on the claim's namespace within 20 s, want 3: %v", len(evs), evs)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	time.Sleep(200 * time.Millisecond)
 	l, _ := kube.CoreV1().Events("").List(ctx, metav1.ListOptions{})
-	if len(l.Items) != 2 {
-		t.Fatalf("%d events posted in all, want 2 (the claim's): %v", len(l.Items), l.Items)
+	if len(l.Items) != 3 {
+		t.Fatalf("%d events posted in all, want 3 (the claim's): %v", len(l.Items), l.Items)
 	}
 	got := map[string]corev1.Event{}
 	for _, e := range evs {
@@ -108,5 +109,8 @@ func TestMirrorsEventsOntoClaims(t *testing.T) {
 	}
 	if e := got["Attached"]; e.Type != corev1.EventTypeNormal {
 		t.Fatalf("Attached posted as %+v", e)
+	}
+	if e := got["CloneFailed"]; e.Type != corev1.EventTypeWarning {
+		t.Fatalf("CloneFailed posted as %+v", e)
 	}
 }
