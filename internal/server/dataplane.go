@@ -68,6 +68,9 @@ type dataPlane struct {
 	// that failed in a row: each next attempt reads the next source.
 	rebuildFailures map[string]int
 	tasks           map[string]bool // snapshot cuts, clone copies and merges running (snapshots.go)
+	// taskFailures counts each task's attempts that failed in a row,
+	// which pace its retries (runTask).
+	taskFailures map[string]int
 	// failures paces the reports of each failed local replica
 	// (reportFailed).
 	failures map[string]*failureReports

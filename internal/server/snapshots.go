@@ -38,21 +38,28 @@ import (
 //     once this server has caught up with the leader.
 //
 // Each task runs in its own goroutine, at most one per key; a failed task
-// is retried by a later reconcile.
+// is retried by a later reconcile, after a wait that doubles with each
+// failure in a row (runTask).
 
 // reconcileSnapshots starts the snapshot tasks desired's replicas need
 // in view w: detached cuts, clone copies, merges of stray layers.
 func (d *dataPlane) reconcileSnapshots(desired map[string]placed, w *clusterView) {
 	type layerRef struct{ replica, layer, snapshot string }
-	var unknown []layerRef // local layers with no record in our view
+	var unknown []layerRef      // local layers with no record in our view
+	wanted := map[string]bool{} // the tasks this reconcile asks for
+	defer d.forgetTasksGone(wanted)
+	run := func(key string, fn func() error) {
+		wanted[key] = true
+		d.runTask(key, fn)
+	}
 	for id, p := range desired {
 		v, rep := p.vol, p.rep
 		if v.Attachment == nil && len(v.PendingSnapshotIds) > 0 && detachedCutter(v, w.servers) == id {
-			d.runTask("cut/"+v.Id, func() error { return d.cutDetached(v) })
+			run("cut/"+v.Id, func() error { return d.cutDetached(v) })
 		}
 		if v.State == storpb.VolumeState_VOLUME_STATE_CREATING && !slices.Contains(v.CloneDoneReplicaIds, id) {
 			if s := w.snaps[v.CloneSnapshotId]; s != nil && s.ReadyToUse {
-				d.runTask("clone/"+id, func() error { return d.copyClone(v, rep, s, w) })
+				run("clone/"+id, func() error { return d.copyClone(v, rep, s, w) })
 			}
 		}
 		r, err := d.store.Get(id)
@@ -67,10 +74,11 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed, w *clusterView
 			s := w.snaps[sid]
 			if s == nil {
 				unknown = append(unknown, layerRef{id, layer, sid})
+				wanted["merge/"+id+"/"+layer] = true // perhaps: see below
 				continue
 			}
 			if why := strayLayer(s, v, id, epoch); why != "" {
-				d.runTask("merge/"+id+"/"+layer, func() error { return d.mergeLayer(r, layer, why) })
+				run("merge/"+id+"/"+layer, func() error { return d.mergeLayer(r, layer, why) })
 			}
 		}
 	}
@@ -95,7 +103,7 @@ func (d *dataPlane) reconcileSnapshots(desired map[string]placed, w *clusterView
 		if err != nil {
 			continue
 		}
-		d.runTask("merge/"+rid+"/"+layer, func() error { return d.mergeLayer(r, layer, "the snapshot was deleted") })
+		run("merge/"+rid+"/"+layer, func() error { return d.mergeLayer(r, layer, "the snapshot was deleted") })
 	}
 }
 
@@ -133,7 +141,12 @@ func snapshotEntry(s *storpb.Snapshot, id string) storpb.SnapshotReplicaState {
 }
 
 // runTask runs fn in a goroutine unless a task with the same key is
-// running. A failure is logged; a later reconcile retries.
+// running. A failure is logged; a later reconcile retries, after a wait
+// that doubles with each failure in a row (taskRetryWait up to
+// taskRetryMaxWait) and starts over after a success. A task that keeps
+// failing (a detached cut whose reconcile cannot read a source, say)
+// would otherwise run every second for as long as the cause lasts, and a
+// detached cut raises its volume's epoch, a Raft entry, at each attempt.
 func (d *dataPlane) runTask(key string, fn func() error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -144,17 +157,61 @@ func (d *dataPlane) runTask(key string, fn func() error) {
 	d.wg.Add(1)
 	go func() {
 		defer d.wg.Done()
-		if err := fn(); err != nil && d.s.ctx.Err() == nil {
-			d.s.logger.Warn("snapshot task failed; will retry", "task", key, "err", err)
+		err := fn()
+		d.mu.Lock()
+		if d.taskFailures == nil {
+			d.taskFailures = map[string]int{}
+		}
+		failures := 0
+		if err != nil {
+			d.taskFailures[key]++
+			failures = d.taskFailures[key]
+		} else {
+			delete(d.taskFailures, key)
+		}
+		d.mu.Unlock()
+		if err != nil && d.s.ctx.Err() == nil {
+			wait := taskRetryDelay(failures)
+			d.s.logger.Warn("snapshot task failed; will retry", "task", key, "failures", failures, "retry_in", wait, "err", err)
 			select { // back off before the next attempt
 			case <-d.s.ctx.Done():
-			case <-time.After(time.Second):
+			case <-time.After(wait):
 			}
 		}
 		d.mu.Lock()
 		delete(d.tasks, key)
 		d.mu.Unlock()
 	}()
+}
+
+// A failed snapshot task is retried after taskRetryWait, the wait
+// doubling with each failure in a row up to taskRetryMaxWait.
+var (
+	taskRetryWait    = time.Second
+	taskRetryMaxWait = 30 * time.Second
+)
+
+// taskRetryDelay is the wait before the next attempt of a task that has
+// failed failures times in a row (at least once).
+func taskRetryDelay(failures int) time.Duration {
+	wait := taskRetryWait
+	for i := 1; i < failures && wait < taskRetryMaxWait; i++ {
+		wait *= 2
+	}
+	return min(wait, taskRetryMaxWait)
+}
+
+// forgetTasksGone drops the failure counts of the tasks that a reconcile
+// no longer asks for (wanted: the keys it started or found running), so
+// that the counts of finished or abandoned tasks do not pile up.
+func (d *dataPlane) forgetTasksGone(wanted map[string]bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for key := range d.taskFailures {
+		if !wanted[key] && !d.tasks[key] {
+			delete(d.taskFailures, key)
+		}
+	}
 }
 
 // detachedCutter is the replica whose server cuts detached volume v's
