@@ -3,7 +3,6 @@ package server_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"slices"
 	"sync/atomic"
@@ -55,20 +54,7 @@ func TestACloneReplicaIsNotRebuiltFromOneNotYetFilled(t *testing.T) {
 	// A source on every server (so each can fill its clone replica from
 	// its own), written, and a snapshot of it.
 	const size = 1 << 20
-	src := createVolume(t, c.Client(leader), "clone-src", size, 4)
-	data := make([]byte, size)
-	rng := rand.New(rand.NewPCG(16, 16))
-	for i := range data {
-		data[i] = byte(rng.Uint32())
-	}
-	ctx := ctxT(t, 3*time.Minute)
-	e := c.OpenEngine(c.EngineConfig(src.Name, "node-1"))
-	if err := e.WriteAt(ctx, data, 0, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Close(ctx, true); err != nil {
-		t.Fatal(err)
-	}
+	src, data := writtenVolume(t, c, leader, "clone-src", size, 4, 16)
 	s := createSnapshot(t, c, leader, src.Id, "clone-src-snap")
 	waitSnapshot(t, c, leader, s.Id, 30*time.Second, "snapshot ready", func(s *storpb.Snapshot) bool { return s.ReadyToUse })
 

@@ -26,7 +26,7 @@ func TestADetachedRebuildOntoAFailingDiskIsReplaced(t *testing.T) {
 			c, h := hungClusterReplacing(t, 30*time.Second, 3*time.Second)
 			leader := c.Leader(10 * time.Second)
 			const size = 1 << 20
-			v, data := writtenVolume(t, c, leader, "failing-target", size, 21)
+			v, data := writtenVolume(t, c, leader, "failing-target", size, 3, 21)
 			spare := spareServer(c, v)
 			if writes {
 				h.failDataWrites(spare.Dir)
@@ -57,7 +57,7 @@ func TestADetachedRebuildDoesNotFaultItsTargetForASourcesError(t *testing.T) {
 	c, h := hungClusterReplacing(t, 30*time.Second, 3*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v, data := writtenVolume(t, c, leader, "failing-source", size, 23)
+	v, data := writtenVolume(t, c, leader, "failing-source", size, 3, 23)
 	h.failReads(v.Replicas[0].Id, v.Replicas[1].Id) // the rebuild's first source, whichever is read first
 	spare := spareServer(c, v)
 	moveFirstReplica(t, c, leader, v, spare, "the replacement rebuilt from the source that reads")
@@ -91,7 +91,7 @@ func TestADamagedReplicaOfADetachedVolumeIsReplaced(t *testing.T) {
 	c, _ := hungClusterReplacing(t, 30*time.Second, 3*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v, data := writtenVolume(t, c, leader, "damaged-healthy", size, 22)
+	v, data := writtenVolume(t, c, leader, "damaged-healthy", size, 3, 22)
 	var rep *storpb.Replica
 	var i int
 	for _, r := range v.Replicas {

@@ -221,11 +221,11 @@ func hungClusterReplacing(t *testing.T, taskIO, replaceAfter time.Duration) (*se
 	return c, h
 }
 
-// writtenVolume creates a detached volume of size bytes with 3 replicas,
-// written whole with randomData(seed).
-func writtenVolume(t *testing.T, c *servertest.Cluster, leader int, name string, size int, seed uint64) (*storpb.Volume, []byte) {
+// writtenVolume creates a detached volume of size bytes with that many
+// replicas, written whole with randomData(seed).
+func writtenVolume(t *testing.T, c *servertest.Cluster, leader int, name string, size int, replicas uint32, seed uint64) (*storpb.Volume, []byte) {
 	t.Helper()
-	v := createVolume(t, c.Client(leader), name, uint64(size), 3)
+	v := createVolume(t, c.Client(leader), name, uint64(size), replicas)
 	data := randomData(seed, size)
 	ctx := ctxT(t, 2*time.Minute)
 	e := c.OpenEngine(c.EngineConfig(v.Name, "node-1"))
@@ -282,7 +282,7 @@ func TestADetachedRebuildReadsAnotherSourceWhenOneHangs(t *testing.T) {
 	c, h := hungCluster(t, 2*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v, data := writtenVolume(t, c, leader, "hung-source", size, 17)
+	v, data := writtenVolume(t, c, leader, "hung-source", size, 3, 17)
 	// Every source but the last hangs (the replaced one too, in case it
 	// is still read).
 	h.hang(v.Replicas[0].Id, v.Replicas[1].Id)
@@ -301,7 +301,7 @@ func TestACloneCopyReadsAnotherSourceWhenOneHangs(t *testing.T) {
 	c, h := hungCluster(t, 2*time.Second)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v, data := writtenVolume(t, c, leader, "hung-clone-src", size, 18)
+	v, data := writtenVolume(t, c, leader, "hung-clone-src", size, 3, 18)
 	s := createSnapshot(t, c, leader, v.Id, "hung-clone-src-snap")
 	waitSnapshot(t, c, leader, s.Id, 30*time.Second, "snapshot ready", func(s *storpb.Snapshot) bool { return s.ReadyToUse })
 	h.hang(v.Replicas[0].Id, v.Replicas[1].Id)
@@ -324,7 +324,7 @@ func TestADetachedRebuildWaitsForASlowTarget(t *testing.T) {
 	c, h := hungCluster(t, 300*time.Millisecond)
 	leader := c.Leader(10 * time.Second)
 	const size = 1 << 20
-	v, data := writtenVolume(t, c, leader, "slow-target", size, 19)
+	v, data := writtenVolume(t, c, leader, "slow-target", size, 3, 19)
 	spare := spareServer(c, v)
 	h.slow(spare.Dir, time.Second) // each sync over the TaskIOTimeout
 	moveFirstReplica(t, c, leader, v, spare, "the replacement on the slow disk rebuilt")
