@@ -71,6 +71,12 @@ func NewKernelAttacher(cfg KernelAttacherConfig) Attacher {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.Kernel == nil {
+		cfg.Kernel = attach.RealKernel()
+	}
+	if cfg.StateDir == "" {
+		cfg.StateDir = attach.DefaultStateDir
+	}
 	return &kernelAttacher{cfg: cfg, served: map[string]*served{}}
 }
 
@@ -126,28 +132,37 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 	return at.Device(), nil
 }
 
+// Detach stops serving the volume (the clean stop: flush, disconnect,
+// close) and then releases what any stop left on this node: a device that
+// an engine fenced by a newer attach, or a stop that found the device in
+// use, left connected without a server, with its record
+// (attach.Release). A detach succeeds only once no device is connected
+// for the volume here: a later attach of the volume to this node would
+// resume such a device, and the kernel would resend the requests still
+// held in it, written by the fenced engine, over what the volume's next
+// holders wrote meanwhile. A device still in use fails it (ErrInUse), as
+// often as it is retried.
 func (k *kernelAttacher) Detach(ctx context.Context, volumeID string) error {
 	k.mu.Lock()
 	s := k.served[volumeID]
 	k.mu.Unlock()
-	if s == nil {
-		return nil
+	if s != nil {
+		s.cancel()
+		select {
+		case <-s.done:
+		case <-ctx.Done():
+			return fmt.Errorf("detach %s: %w", volumeID, ctx.Err())
+		}
+		k.mu.Lock()
+		if k.served[volumeID] == s {
+			delete(k.served, volumeID)
+		}
+		k.mu.Unlock()
+		if s.err != nil && !errors.Is(s.err, attach.ErrFenced) && !errors.Is(s.err, attach.ErrInUse) {
+			return s.err
+		}
 	}
-	s.cancel()
-	select {
-	case <-s.done:
-	case <-ctx.Done():
-		return fmt.Errorf("detach %s: %w", volumeID, ctx.Err())
-	}
-	k.mu.Lock()
-	if k.served[volumeID] == s {
-		delete(k.served, volumeID)
-	}
-	k.mu.Unlock()
-	if errors.Is(s.err, attach.ErrFenced) {
-		return nil // nothing of ours left to flush
-	}
-	return s.err
+	return attach.Release(ctx, k.cfg.StateDir, k.cfg.Kernel, volumeID, k.cfg.Logger)
 }
 
 func (k *kernelAttacher) Served(volumeID string) (string, uint64, bool) {

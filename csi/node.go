@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -56,12 +57,16 @@ type nodeServer struct {
 	dir        string // staged records
 	registered atomic.Bool
 	recovered  atomic.Bool
+	// closing is closed by close; wg counts recovery retries.
+	closing   chan struct{}
+	closeOnce sync.Once
+	wg        sync.WaitGroup
 
 	csipb.UnimplementedNodeServer
 }
 
 func newNodeServer(d *Driver) (*nodeServer, error) {
-	n := &nodeServer{d: d, attacher: d.cfg.Attacher, host: d.cfg.Host, dir: filepath.Join(d.cfg.StateDir, "staged")}
+	n := &nodeServer{d: d, attacher: d.cfg.Attacher, host: d.cfg.Host, dir: filepath.Join(d.cfg.StateDir, "staged"), closing: make(chan struct{})}
 	if n.attacher == nil {
 		k := d.cfg.Kernel
 		if k == nil {
@@ -168,7 +173,17 @@ func (n *nodeServer) register(ctx context.Context) error {
 }
 
 // recover resumes every staged volume: the attacher reopens its engine at
-// a new epoch and reconnects the recorded kernel device.
+// a new epoch and reconnects the recorded kernel device. Each volume is
+// recovered under its lock, and only if it is still staged and not
+// served: node calls are served from the start, so the kubelet's retry of
+// a NodeUnstage (or a NodeStage) may get to a volume first, and a
+// recovery that raced it served a volume the kubelet had just been told
+// was unstaged. A volume that does not recover (its cluster or a replica
+// out of reach at the start) is retried in the background, at a wait
+// that doubles from recoverRetryWait up to recoverRetryMaxWait, until it
+// is served, unstaged, ctx ends or the node service closes: the kubelet
+// takes a staged volume for staged and would not stage it again, and its
+// pods' I/O would wait on a device with no server for ever.
 func (n *nodeServer) recover(ctx context.Context) error {
 	defer n.recovered.Store(true)
 	names, err := filepath.Glob(filepath.Join(n.dir, "*.json"))
@@ -176,31 +191,110 @@ func (n *nodeServer) recover(ctx context.Context) error {
 		return err
 	}
 	var errs []error
+	var failed []string
 	for _, name := range names {
 		id := strings.TrimSuffix(filepath.Base(name), ".json")
-		r, err := n.load(id)
-		if err != nil || r == nil {
-			errs = append(errs, err)
-			continue
-		}
-		dev, err := n.attacher.Attach(ctx, id, r.ReadOnly)
-		if err != nil {
+		if err := n.recoverVolume(ctx, id); err != nil {
 			errs = append(errs, fmt.Errorf("volume %s: %w", id, err))
-			continue
+			failed = append(failed, id)
 		}
-		if dev != r.Device {
-			n.d.log.Warn("a staged volume came back on another device; what was mounted from the old one is lost", "volume_id", id, "was", r.Device, "now", dev)
-			r.Device = dev
-			if err := n.save(r); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		n.d.log.Info("recovered a staged volume", "volume_id", id, "device", dev)
+	}
+	if len(failed) > 0 && ctx.Err() == nil {
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			n.retryRecovery(ctx, failed)
+		}()
 	}
 	return errors.Join(errs...)
 }
 
-func (n *nodeServer) close() { n.attacher.Close() }
+// A staged volume that did not recover is retried after recoverRetryWait,
+// the wait doubling up to recoverRetryMaxWait.
+var (
+	recoverRetryWait    = time.Second
+	recoverRetryMaxWait = 30 * time.Second
+)
+
+// retryRecovery recovers the volumes ids again until each is served or
+// no longer staged, ctx ends or the node service closes.
+func (n *nodeServer) retryRecovery(ctx context.Context, ids []string) {
+	wait := recoverRetryWait
+	for len(ids) > 0 {
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-n.closing:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		var left []string
+		for _, id := range ids {
+			if err := n.recoverVolume(ctx, id); err != nil {
+				n.d.log.Warn("a staged volume is still not served; retrying", "volume_id", id, "retry_in", min(2*wait, recoverRetryMaxWait), "err", err)
+				left = append(left, id)
+			}
+		}
+		ids, wait = left, min(2*wait, recoverRetryMaxWait)
+	}
+}
+
+// recoverVolume serves staged volume id again, under its lock, unless it
+// is no longer staged or is served already.
+func (n *nodeServer) recoverVolume(ctx context.Context, id string) error {
+	unlock, err := n.lockWait(ctx, "vol/"+id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r, err := n.load(id)
+	if err != nil || r == nil {
+		return err // unstaged meanwhile: nothing to recover
+	}
+	if _, _, ok := n.attacher.Served(id); ok {
+		return nil // staged again meanwhile
+	}
+	dev, err := n.attacher.Attach(ctx, id, r.ReadOnly)
+	if err != nil {
+		return err
+	}
+	if dev != r.Device {
+		n.d.log.Warn("a staged volume came back on another device; what was mounted from the old one is lost", "volume_id", id, "was", r.Device, "now", dev)
+		r.Device = dev
+		if err := n.save(r); err != nil {
+			return err
+		}
+	}
+	n.d.log.Info("recovered a staged volume", "volume_id", id, "device", dev)
+	return nil
+}
+
+// lockWait takes key's operation lock, waiting while a node call holds
+// it, until ctx ends or the node service closes.
+func (n *nodeServer) lockWait(ctx context.Context, key string) (func(), error) {
+	for {
+		unlock, err := n.d.locks.lock(key)
+		if err == nil {
+			return unlock, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for %s: %w", key, ctx.Err())
+		case <-n.closing:
+			return nil, fmt.Errorf("waiting for %s: the node service is closing", key)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+func (n *nodeServer) close() {
+	n.closeOnce.Do(func() { close(n.closing) })
+	n.wg.Wait()
+	n.attacher.Close()
+}
 
 var nodeCaps = []csipb.NodeServiceCapability_RPC_Type{
 	csipb.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
@@ -297,11 +391,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 			return nil, fmt.Errorf("%w: volume %q is staged at %s (block %v, fs %q, read-only %v)",
 				ErrAlreadyExists, id, rec.StagingPath, rec.Block, rec.FSType, rec.ReadOnly)
 		}
-		if d, _, ok := n.attacher.Served(id); ok {
-			dev = d
-		}
 		// Recorded but not served (recovery failed): attach again below.
 	}
+	if d, _, ok := n.attacher.Served(id); ok {
+		dev = d
+	}
+	attached := false // by this call
 	if dev == "" {
 		if _, err := n.getVolume(ctx, id); err != nil {
 			return nil, err
@@ -309,8 +404,18 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 		if dev, err = n.attacher.Attach(ctx, id, readOnly); err != nil {
 			return nil, err
 		}
+		attached = true
 	}
+	// A failure detaches only what this call attached: a repeated stage
+	// (the kubelet's, after its own restart) of a volume already served
+	// and perhaps published to a running pod must leave it served. It
+	// disconnected the pod's device, whose index another volume's stage
+	// could then take, and a block publish from the record's device
+	// gave the pod that other volume.
 	fail := func(err error) (*csipb.NodeStageVolumeResponse, error) {
+		if !attached {
+			return nil, err
+		}
 		if derr := n.attacher.Detach(context.WithoutCancel(ctx), id); derr != nil {
 			n.d.log.Error("detaching after a failed stage", "volume_id", id, "err", derr)
 		}
@@ -462,6 +567,12 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 	}
 	source := rec.StagingPath
 	if block {
+		// The same for a device: the recorded one must be this volume's,
+		// served now; a device that was disconnected may have been taken
+		// by another volume since.
+		if dev, _, ok := n.attacher.Served(id); !ok || dev != rec.Device {
+			return nil, preconditionf("volume %q is not served on %s, its staged device; stage it again", id, rec.Device)
+		}
 		source = rec.Device
 		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
 			return nil, fmt.Errorf("target path: %w", err)

@@ -266,16 +266,16 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 	}
 	resume := false
 	if rec != nil {
-		st, serr := k.Status(ctx, rec.Index)
-		backend, berr := cfg.Kernel.Backend(rec.Index)
-		switch {
-		case serr == nil && berr == nil && st.Connected && backend == rec.Backend:
+		ours, err := recordedDevice(ctx, k, cfg.Kernel, rec)
+		if err != nil {
+			return nil, err
+		}
+		if ours {
 			resume = true
 			log.Info("resuming a device whose server died: reconnecting it (RECONFIGURE)",
 				"device", rec.Device, "previous_pid", rec.PID, "connections", rec.Connections)
-		default:
-			log.Info("the recorded device is no longer connected to this volume; attaching a new one",
-				"device", rec.Device, "kernel_backend", backend, "status_err", serr, "backend_err", berr)
+		} else {
+			log.Info("the recorded device is no longer connected to this volume; attaching a new one", "device", rec.Device)
 			if err := RemoveRecord(cfg.StateDir, id); err != nil {
 				return nil, fmt.Errorf("attach: %w", err)
 			}
@@ -467,6 +467,35 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		"size", at.deviceSize.Load(), "epoch", eng.Epoch(), "io_timeout", cfg.IOTimeout,
 		"queue_timeout", queueTimeout, "dead_conn_timeout", cfg.DeadConnTimeout)
 	return at, nil
+}
+
+// recordedDevice reports whether the device rec names is still connected
+// for rec's volume (a resume takes it over), or is positively not (gone,
+// disconnected, or another backend's: the record is stale). Any other
+// answer is an error, and the record must be kept: taking a failed look
+// (a cancelled context, a netlink error) for "not connected" dropped the
+// record of a device still connected and mounted, whose volume was then
+// served on a new device while the old one, with the filesystem on it,
+// stayed connected with no server for ever.
+func recordedDevice(ctx context.Context, k KernelConn, kern *Kernel, rec *Record) (bool, error) {
+	st, err := k.Status(ctx, rec.Index)
+	if errors.Is(err, kernel.ErrNoDevice) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("attach: the status of %s, recorded for volume %q: %w", rec.Device, rec.Volume, err)
+	}
+	if !st.Connected {
+		return false, nil
+	}
+	backend, err := kern.Backend(rec.Index)
+	if errors.Is(err, kernel.ErrNoDevice) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("attach: the backend of %s, recorded for volume %q: %w", rec.Device, rec.Volume, err)
+	}
+	return backend == rec.Backend, nil
 }
 
 // Device is the kernel device's path, /dev/nbdN.
@@ -893,6 +922,75 @@ func (at *Attachment) detach() error {
 		at.log.Info("device disconnected; volume flushed and closed (still attached in the cluster)")
 	} else {
 		at.log.Info("device disconnected; volume flushed and detached")
+	}
+	return nil
+}
+
+// Release disconnects the device recorded for volumeID in stateDir and
+// removes the record, when no live process serves the volume: what an
+// attach that stopped without its clean stop left behind (fenced by a
+// newer attach, or the device in use at its stop). Requests still in
+// flight on the device fail: no server will answer them. It is for a
+// caller that has given the volume up on this node (a CSI NodeUnstage),
+// because a later Open of the volume would resume such a device, and the
+// kernel would resend those requests, written by an engine that was
+// fenced, over whatever the volume's new holders wrote since.
+//
+// It returns ErrAlreadyServed if a live process serves the volume, and
+// ErrInUse, keeping device and record, if the device is in use (mounted,
+// or open exclusively). A device that is gone, disconnected, or now
+// another backend's only has its record removed. A failed look at the
+// kernel is an error and removes nothing.
+func Release(ctx context.Context, stateDir string, kern *Kernel, volumeID string, log *slog.Logger) (err error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if rec, err := LoadRecord(stateDir, volumeID); err != nil || rec == nil {
+		return err // nothing recorded: nothing left here (and no lock file made)
+	}
+	lock, err := LockVolume(stateDir, volumeID)
+	if errors.Is(err, ErrLocked) {
+		return fmt.Errorf("%w: volume %s", ErrAlreadyServed, volumeID)
+	}
+	if err != nil {
+		return fmt.Errorf("attach: %w", err)
+	}
+	defer lock.Close()
+	rec, err := LoadRecord(stateDir, volumeID) // again, under the lock
+	if err != nil || rec == nil {
+		return err
+	}
+	k, err := kern.Dial()
+	if err != nil {
+		return fmt.Errorf("attach: %w", err)
+	}
+	defer k.Close()
+	ours, err := recordedDevice(ctx, k, kern, rec)
+	if err != nil {
+		return err
+	}
+	if ours {
+		f, err := kern.OpenExclusive(rec.Index)
+		if errors.Is(err, kernel.ErrBusy) {
+			return fmt.Errorf("%w: %s, left connected without a server for volume %q: unmount it (or close what holds it) and release it again",
+				ErrInUse, rec.Device, rec.Volume)
+		}
+		if err == nil {
+			f.Close() // not synced: nothing would answer its writes
+		}
+		if err := k.Disconnect(ctx, rec.Index); err != nil {
+			return fmt.Errorf("attach: disconnect %s, left connected for volume %q: %w", rec.Device, rec.Volume, err)
+		}
+		if kern.SetQueueTimeout != nil {
+			if err := kern.SetQueueTimeout(rec.Index, queueTimeoutDefault); err != nil {
+				log.Warn("could not restore the device's request timer", "device", rec.Device, "err", err)
+			}
+		}
+		log.Warn("disconnected a device left connected without a server; the requests it still held failed",
+			"device", rec.Device, "volume", rec.Volume, "volume_id", volumeID)
+	}
+	if err := RemoveRecord(stateDir, volumeID); err != nil {
+		return fmt.Errorf("attach: %w", err)
 	}
 	return nil
 }

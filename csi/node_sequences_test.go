@@ -1,0 +1,425 @@
+package csi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	csipb "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	mount "k8s.io/mount-utils"
+
+	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/attach"
+	"github.com/stor-io/stor/internal/attach/attachtest"
+	"github.com/stor-io/stor/internal/client"
+	"github.com/stor-io/stor/internal/servertest"
+	"github.com/stor-io/stor/nbd/kernel"
+)
+
+// The sequences a node plugin meets around a stage: a fence by the
+// controller while the volume is staged, a busy device at unstage, a stop
+// or a node call during start-up recovery, a failed repeated stage, a
+// recovery that fails. Each node "process" is a Driver with the real
+// kernel attacher on a fake kernel (attachtest) shared by all of them, as
+// the node's kernel is, and a 3-server cluster.
+
+type nodeEnv struct {
+	c    *servertest.Cluster
+	cl   *client.Client
+	kern *attachtest.Kernel
+	dir  string
+	node string
+}
+
+func newNodeEnv(t *testing.T) *nodeEnv {
+	t.Helper()
+	c := servertest.NewCluster(t, servertest.Options{Servers: 3})
+	return &nodeEnv{c: c, cl: clusterClient(t, c), kern: attachtest.NewKernel(), dir: t.TempDir(), node: c.Nodes[0].ID}
+}
+
+func (e *nodeEnv) attachDir() string { return filepath.Join(e.dir, "state", "nbd") }
+
+// driver starts a node plugin process on the node's state dir and kernel;
+// ops (nil: the kernel as it is) and volumes (nil: the cluster's) may be
+// wrapped by a test.
+func (e *nodeEnv) driver(t *testing.T, ops *attach.Kernel, volumes storpb.VolumeServiceClient) *Driver {
+	t.Helper()
+	if ops == nil {
+		ops = e.kern.Ops()
+	}
+	if volumes == nil {
+		volumes = e.cl.Volumes
+	}
+	cluster := Cluster{Cluster: e.cl.Cluster, Volumes: volumes, Snapshots: e.cl.Snapshots}
+	att := NewKernelAttacher(KernelAttacherConfig{StateDir: e.attachDir(), NodeID: e.node,
+		Cluster: cluster, Kernel: ops, Logger: testLogger(t)})
+	m := mount.NewFakeMounter(nil)
+	host := &Host{Mounter: m, FormatAndMount: m.Mount, ResizeFS: func(string, string) error { return nil },
+		DeviceSize: func(string) (int64, error) { return 0, nil }}
+	d, err := New(Config{Mode: ModeNode, NodeID: e.node, StateDir: filepath.Join(e.dir, "state"),
+		Cluster: cluster, Attacher: att, Host: host, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// volume creates a volume and attaches it to the node, as
+// ControllerPublishVolume does.
+func (e *nodeEnv) volume(t *testing.T, ctx context.Context, name string) string {
+	t.Helper()
+	v, err := e.cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: name, SizeBytes: 16 << 20, ReplicaCount: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := v.GetVolume().GetId()
+	e.controllerPublish(t, ctx, id)
+	return id
+}
+
+func (e *nodeEnv) controllerPublish(t *testing.T, ctx context.Context, id string) {
+	t.Helper()
+	if _, err := e.cl.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node,
+		Mode: storpb.AccessMode_ACCESS_MODE_READ_WRITE}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// connected is the backend the kernel has device dev connected for ("" if
+// none).
+func (e *nodeEnv) connected(dev string) string {
+	i, err := kernel.ParseDevice(dev)
+	if err != nil {
+		return ""
+	}
+	b, _ := e.kern.Ops().Backend(i)
+	return b
+}
+
+func stageRequest(id, staging string) *csipb.NodeStageVolumeRequest {
+	return &csipb.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: rwoCap(),
+		PublishContext: map[string]string{ctxReadOnly: "false"}}
+}
+
+func stage(t *testing.T, ctx context.Context, d *Driver, id, staging string) string {
+	t.Helper()
+	if _, err := d.node.NodeStageVolume(ctx, stageRequest(id, staging)); err != nil {
+		t.Fatal(err)
+	}
+	dev, _, ok := d.node.attacher.Served(id)
+	if !ok {
+		t.Fatalf("volume %s staged but not served", id)
+	}
+	return dev
+}
+
+// A volume the controller detaches while it is staged here (a force
+// detach after a node was NotReady) fences the engine here, which leaves
+// its device connected without a server, requests it had not answered
+// still in the kernel. NodeUnstage must take the device away: it used to
+// succeed and leave device and record, so that the volume's next stage on
+// this node resumed that device, and the kernel resent those requests,
+// written by the fenced engine, over what the volume's next holder wrote
+// meanwhile.
+func TestUnstageOfAFencedVolumeDisconnectsItsDevice(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "fenced")
+	d := e.driver(t, nil, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	dev := stage(t, ctx, d, id, staging)
+	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, _, ok := d.node.attacher.Served(id); !ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the engine was not fenced by the detach within 20 s")
+		}
+	}
+	if b := e.connected(dev); b != attach.BackendID(id) {
+		t.Fatalf("after the fence %s is connected for %q; the test expects the fenced stop to leave it", dev, b)
+	}
+	// Nor may a pod be given the device now: nothing serves it.
+	_, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: filepath.Join(e.dir, "pod", "dev"), VolumeCapability: rwoCap()})
+	if !errors.Is(err, ErrPrecondition) {
+		t.Fatalf("a block publish of the fenced volume from %s: %v, want ErrPrecondition", dev, err)
+	}
+	if _, err := d.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := attach.LoadRecord(e.attachDir(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b := e.connected(dev); b != "" || rec != nil {
+		t.Fatalf("NodeUnstage of a fenced volume succeeded and left %s connected for %q (attach record kept: %v)", dev, b, rec != nil)
+	}
+
+	// Back to this node: a new device, nothing resumed.
+	e.controllerPublish(t, ctx, id)
+	if _, err := d.node.NodeStageVolume(ctx, stageRequest(id, staging)); err != nil {
+		t.Fatal(err)
+	}
+	if at := d.node.attacher.(*kernelAttacher).served[id].at; at.Resumed() {
+		t.Fatal("the next stage resumed a device left by the fenced engine")
+	}
+}
+
+// A NodeUnstage that finds the device in use (a mount of it leaked into
+// another mount namespace, say) fails, and so must every retry of it while
+// the device stays in use: the second try used to succeed, the device
+// still connected and held, and ControllerUnpublish could then hand the
+// volume to another node.
+func TestUnstageRetriedWhileTheDeviceIsInUseFails(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "busy")
+	ops := e.kern.Ops()
+	var busy atomic.Bool
+	busy.Store(true)
+	open := ops.OpenExclusive
+	ops.OpenExclusive = func(i int) (attach.SyncCloser, error) {
+		if busy.Load() {
+			return nil, fmt.Errorf("/dev/nbd%d: %w", i, kernel.ErrBusy)
+		}
+		return open(i)
+	}
+	d := e.driver(t, ops, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	dev := stage(t, ctx, d, id, staging)
+	unstage := &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}
+	for try := 1; try <= 3; try++ {
+		_, err := d.node.NodeUnstageVolume(ctx, unstage)
+		if err == nil {
+			t.Fatalf("NodeUnstage try %d succeeded while %s is in use (connected for %q)", try, dev, e.connected(dev))
+		}
+		if !errors.Is(err, attach.ErrInUse) {
+			t.Fatalf("NodeUnstage try %d: %v, want ErrInUse", try, err)
+		}
+		if rec, _ := d.node.load(id); rec == nil {
+			t.Fatalf("NodeUnstage try %d failed but removed the staged record", try)
+		}
+	}
+	busy.Store(false) // the holder let go
+	if _, err := d.node.NodeUnstageVolume(ctx, unstage); err != nil {
+		t.Fatalf("NodeUnstage once the device is free: %v", err)
+	}
+	if b := e.connected(dev); b != "" {
+		t.Fatalf("NodeUnstage succeeded and left %s connected for %q", dev, b)
+	}
+}
+
+// ctxKernelConn fails Status on a done context, as the real netlink client
+// does (the fake kernel ignores contexts).
+type ctxKernelConn struct{ attach.KernelConn }
+
+func (c ctxKernelConn) Status(ctx context.Context, i int) (kernel.Device, error) {
+	if err := ctx.Err(); err != nil {
+		return kernel.Device{}, err
+	}
+	return c.KernelConn.Status(ctx, i)
+}
+
+// A plugin stopped (SIGTERM) while it recovers its staged volumes must
+// leave the devices it did not get to as they were. The attach took a
+// failed look at the kernel (the cancelled context) for "no longer
+// connected" and removed the device's record; the next start attached a
+// new device, while the old one, mounted, stayed connected with no
+// server.
+func TestACancelledRecoveryKeepsTheDevicesRecord(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "cancelled")
+	d1 := e.driver(t, nil, nil)
+	dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
+	d1.Close() // the process stops: device and record stay for the next
+
+	ops := e.kern.Ops()
+	dial := ops.Dial
+	ops.Dial = func() (attach.KernelConn, error) {
+		c, err := dial()
+		return ctxKernelConn{c}, err
+	}
+	d2 := e.driver(t, ops, nil)
+	stopped, stop := context.WithCancel(ctx)
+	stop() // SIGTERM during the recovery
+	if err := d2.node.recover(stopped); err == nil {
+		t.Fatal("a recovery with its context ended succeeded")
+	}
+	d2.Close()
+	if rec, err := attach.LoadRecord(e.attachDir(), id); err != nil || rec == nil {
+		t.Fatalf("the cancelled recovery removed the attach record of %s (%v)", dev, err)
+	}
+
+	d3 := e.driver(t, nil, nil)
+	defer d3.Close()
+	if err := d3.node.recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if now, _, _ := d3.node.attacher.Served(id); now != dev {
+		t.Fatalf("the next start serves the volume on %s, not on %s, which is still connected for %q", now, dev, e.connected(dev))
+	}
+}
+
+// A repeated NodeStage (the kubelet's, after its own restart) of a volume
+// staged and published to a running pod that fails must leave it served.
+// It used to detach it, under the pod, although this call had attached
+// nothing; the freed device then went to the next volume staged, and a
+// block publish from the staged record gave the pod that other volume.
+func TestAFailedRepeatedStageLeavesTheVolumeServed(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "restaged")
+	d := e.driver(t, nil, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	dev := stage(t, ctx, d, id, staging)
+	publish := func(target string) error {
+		_, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+			TargetPath: target, VolumeCapability: rwoCap()})
+		return err
+	}
+	if err := publish(filepath.Join(e.dir, "pod", "mnt")); err != nil {
+		t.Fatal(err)
+	}
+	// The staged record cannot be written (a full or read-only root
+	// disk): the node's record dir does not exist.
+	recordDir := d.node.dir
+	d.node.dir = filepath.Join(e.dir, "no-such-dir")
+	if _, err := d.node.NodeStageVolume(ctx, stageRequest(id, staging)); err == nil {
+		t.Fatal("a stage whose record cannot be written succeeded")
+	}
+	d.node.dir = recordDir
+	if now, _, ok := d.node.attacher.Served(id); !ok || now != dev || e.connected(dev) != attach.BackendID(id) {
+		t.Fatalf("a failed repeated stage stopped serving the published volume (served %v on %q; %s connected for %q)", ok, now, dev, e.connected(dev))
+	}
+	other := e.volume(t, ctx, "restaged-other")
+	if odev := stage(t, ctx, d, other, filepath.Join(e.dir, "staging-other")); odev == dev {
+		t.Fatalf("another volume was staged on %s, still the first volume's", dev)
+	}
+	if err := publish(filepath.Join(e.dir, "pod2", "mnt")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// gatedKernelConn holds every Status until gate is closed.
+type gatedKernelConn struct {
+	attach.KernelConn
+	gate chan struct{}
+}
+
+func (c gatedKernelConn) Status(ctx context.Context, i int) (kernel.Device, error) {
+	<-c.gate
+	return c.KernelConn.Status(ctx, i)
+}
+
+// The node service answers calls while it recovers: a NodeUnstage the
+// kubelet retries right after the restart must not be undone by the
+// recovery. The recovery took no lock: the unstage found the volume not
+// yet served and succeeded, then the recovery served it, staged nowhere.
+func TestAnUnstageDuringRecoveryIsNotUndone(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "unstaged-early")
+	d1 := e.driver(t, nil, nil)
+	staging := filepath.Join(e.dir, "staging")
+	stage(t, ctx, d1, id, staging)
+	d1.Close()
+
+	ops := e.kern.Ops()
+	gate := make(chan struct{})
+	dial := ops.Dial
+	ops.Dial = func() (attach.KernelConn, error) {
+		c, err := dial()
+		return gatedKernelConn{c, gate}, err
+	}
+	d2 := e.driver(t, ops, nil)
+	defer d2.Close()
+	recovered := make(chan error, 1)
+	go func() { recovered <- d2.node.recover(ctx) }()
+	time.Sleep(200 * time.Millisecond) // the recovery waits at its look at the kernel
+	unstaged := make(chan error, 1)
+	go func() {
+		_, err := d2.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		unstaged <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	close(gate)
+	rerr, uerr := <-recovered, <-unstaged
+	t.Logf("recovery: %v; unstage: %v", rerr, uerr)
+	rec, _ := d2.node.load(id)
+	_, _, served := d2.node.attacher.Served(id)
+	if uerr == nil && (served || rec != nil) {
+		t.Fatalf("NodeUnstage succeeded, yet the volume is served afterwards: %v (staged record kept: %v)", served, rec != nil)
+	}
+	if uerr != nil && (!served || rec == nil) {
+		t.Fatalf("NodeUnstage failed (%v), and the volume is not staged and served: served %v, record %v", uerr, served, rec != nil)
+	}
+}
+
+// refusingVolumes refuses the first refusals AttachVolume calls.
+type refusingVolumes struct {
+	storpb.VolumeServiceClient
+	refusals atomic.Int32
+}
+
+func (v *refusingVolumes) AttachVolume(ctx context.Context, in *storpb.AttachVolumeRequest, opts ...grpc.CallOption) (*storpb.AttachVolumeResponse, error) {
+	if v.refusals.Add(-1) >= 0 {
+		return nil, status.Error(codes.FailedPrecondition, "test: refused")
+	}
+	return v.VolumeServiceClient.AttachVolume(ctx, in, opts...)
+}
+
+// A staged volume that does not recover at the start (its cluster
+// refused, a replica out of reach) is retried until it is served: the
+// kubelet takes it for staged and does not stage it again, so a recovery
+// tried once left the pod's I/O waiting on a device with no server.
+func TestAStagedVolumeThatDoesNotRecoverIsRetried(t *testing.T) {
+	oldWait, oldMax := recoverRetryWait, recoverRetryMaxWait
+	recoverRetryWait, recoverRetryMaxWait = 50*time.Millisecond, 200*time.Millisecond
+	defer func() { recoverRetryWait, recoverRetryMaxWait = oldWait, oldMax }()
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "retried")
+	d1 := e.driver(t, nil, nil)
+	dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
+	d1.Close()
+
+	volumes := &refusingVolumes{VolumeServiceClient: e.cl.Volumes}
+	volumes.refusals.Store(3)
+	d2 := e.driver(t, nil, volumes)
+	defer d2.Close()
+	if err := d2.node.recover(ctx); err == nil {
+		t.Fatal("the first recovery succeeded; the test expects its attach refused")
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if now, _, ok := d2.node.attacher.Served(id); ok {
+			if now != dev {
+				t.Fatalf("recovered on %s, not on its device %s", now, dev)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the volume is not served 30 s after its recovery failed (%d refusals left)", volumes.refusals.Load())
+		}
+	}
+}
