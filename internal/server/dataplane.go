@@ -133,6 +133,7 @@ func (s *Server) startDataPlane() error {
 			return fmt.Errorf("server: --local-socket: %w", err)
 		}
 		d.local = localread.NewServer(store, cfg.ID, s.logger)
+		d.local.RequireHandles(d.wire.HasHandle)
 		d.wg.Add(1)
 		go func() {
 			defer d.wg.Done()

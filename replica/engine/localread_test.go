@@ -140,6 +140,44 @@ func TestShortCircuitReads(t *testing.T) {
 	}
 }
 
+// TestNoDirectReadsOfAServerProcessTheEngineDoesNotHold: an engine that
+// has no view of its local replica open (here: it has only written) when
+// the replica's server restarts must not open one of the restarted
+// process. The first read after the restart goes through the server,
+// whose connection died with the old process: the replica is recorded
+// faulty and the read served by another. A new view used to be opened at
+// once (same epoch, no rebuild: the replica store saw nothing wrong), and
+// after a crash, which loses the writes a replica acknowledged since its
+// last flush, it read holes where the engine had writes acknowledged.
+// servertest's restart is clean (the store is flushed), so the data reads
+// right either way; what must not happen is the direct read itself.
+func TestNoDirectReadsOfAServerProcessTheEngineDoesNotHold(t *testing.T) {
+	c := servertest.NewCluster(t, servertest.Options{LocalSockets: true})
+	createVol(t, c, "sc-restart", 4<<20, 3)
+	cfg := c.EngineConfig("sc-restart", "node-a")
+	cfg.LocalReaders = c.LocalReaders(0)
+	e := c.OpenEngine(cfg)
+	const blocks = 16
+	for b := int64(0); b < blocks; b++ {
+		if err := e.WriteAt(ctx10(t), blockData(uint64(700+b)), b*block, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.Restart(0)
+	got := make([]byte, block)
+	for b := int64(0); b < blocks; b++ {
+		if err := e.ReadAt(ctx10(t), got, b*block); err != nil {
+			t.Fatalf("read block %d after the local server restarted: %v", b, err)
+		}
+		if !bytes.Equal(got, blockData(uint64(700+b))) {
+			t.Fatalf("block %d after the local server restarted does not hold its acknowledged write", b)
+		}
+	}
+	if n := e.ShortCircuitReads(); n != 0 {
+		t.Fatalf("%d of %d reads after the restart went directly to the restarted server's replica, which this engine never opened", n, blocks)
+	}
+}
+
 func waitSnapshotReady(t *testing.T, cl *client.Client, id string) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)

@@ -21,7 +21,12 @@
 // The replica store decides (replica.Replica.OpenDirect): a replica not
 // being rebuilt, at the engine's epoch, with at most
 // replica.MaxDirectLayers layers; its rules for when the read generation
-// advances are in replica/shortcircuit.go.
+// advances are in replica/shortcircuit.go. A stor-server also requires
+// (Server.RequireHandles) that the engine hold the replica open at that
+// epoch through the server's own process (wire.Server.HasHandle): an
+// engine whose connection died with an earlier process of the server,
+// which may have lost acknowledged writes in a crash, must not open a
+// view of the restarted one.
 //
 // The client side (Client, View) reads each block as the server would:
 // from the head if the head's index held it or the engine told the View it

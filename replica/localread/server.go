@@ -62,6 +62,10 @@ type Server struct {
 	serverID string
 	log      *slog.Logger
 
+	// hasHandle, if set, reports whether an engine holds a replica open
+	// at an epoch through this server process (RequireHandles).
+	hasHandle func(replica string, epoch uint64) bool
+
 	mu     sync.Mutex
 	lns    map[net.Listener]bool
 	views  map[*net.UnixConn]bool // connections held open by Views
@@ -76,6 +80,18 @@ func NewServer(store *replica.Store, serverID string, log *slog.Logger) *Server 
 	}
 	return &Server{store: store, serverID: serverID, log: log, lns: map[net.Listener]bool{}, views: map[*net.UnixConn]bool{}}
 }
+
+// RequireHandles makes the server vouch for a replica's files only to an
+// engine that holds the replica open at the request's epoch through this
+// server process, as has reports (the replica data service's
+// wire.Server.HasHandle); others are refused with replica.ErrNotDirect
+// and read through the server. A server process that crashed loses the
+// writes its replicas acknowledged since their last flush, and comes back
+// at the same epoch: an engine whose connection died with it must find
+// that out by its next request through the server failing (and record the
+// replica faulty), not open a view of the restarted replica and read holes
+// where it had writes acknowledged. Call it before Serve.
+func (s *Server) RequireHandles(has func(replica string, epoch uint64) bool) { s.hasHandle = has }
 
 // Listen makes the unix socket at path with mode 0600, replacing a stale
 // socket left by a previous process but not one a live process listens
@@ -234,6 +250,10 @@ func (s *Server) open(req request) (*replica.DirectFiles, error) {
 	}
 	if r.VolumeID() != req.Volume {
 		return nil, fmt.Errorf("%w: replica %s belongs to volume %s, not %s", replica.ErrInvalid, req.Replica, r.VolumeID(), req.Volume)
+	}
+	if s.hasHandle != nil && !s.hasHandle(req.Replica, req.Epoch) {
+		return nil, fmt.Errorf("%w: no engine holds replica %s open at epoch %d through this server process (it restarted since the engine opened it?): read it through the server",
+			replica.ErrNotDirect, req.Replica, req.Epoch)
 	}
 	return r.OpenDirect(replica.Op{Epoch: req.Epoch})
 }

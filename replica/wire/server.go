@@ -280,6 +280,50 @@ func (s *Server) takeAttach(id string, inc incarnation) *attachGate {
 	return g
 }
 
+// HasHandle reports whether a connection this server serves now, its
+// client still there, holds a handle of replica id opened at epoch, and,
+// for an attach handle, one of the replica's newest incarnation: an
+// engine at that epoch is this server process's client for that replica.
+// The short-circuit read service vouches for a replica's files only to
+// such an engine (replica/localread): an engine whose connection died with
+// an earlier process of this server (a crash loses the writes acknowledged
+// since the replica's last flush) must learn of it through that
+// connection, by its next request failing, not read the restarted replica
+// directly.
+func (s *Server) HasHandle(id string, epoch uint64) bool {
+	s.mu.Lock()
+	conns := make([]*serverConn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	for _, c := range conns {
+		if c.readDone.Load() {
+			continue
+		}
+		c.hmu.Lock()
+		var found []handle
+		for _, hd := range c.handles {
+			if hd.open.Replica == id && hd.open.Epoch == epoch {
+				found = append(found, hd)
+			}
+		}
+		c.hmu.Unlock()
+		for _, hd := range found {
+			if hd.gate == nil {
+				return true
+			}
+			hd.gate.mu.RLock()
+			newest := !hd.inc.before(hd.gate.latest)
+			hd.gate.mu.RUnlock()
+			if newest {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // Forget drops the order of replica id's attach handles (attachGate):
 // the caller deleted the replica, and replica ids are never used again.
 // Without it the server would keep the order of every replica ever
