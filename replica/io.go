@@ -189,6 +189,7 @@ func (r *Replica) writeDataLocked(h *layer, p []byte, off int64) error {
 		if pos == bStart && end-pos >= BlockSize {
 			k := (end - pos) / BlockSize
 			if err := h.writeAt(p[pos-off:pos-off+k*BlockSize], pos); err != nil {
+				r.unwriteLocked(h, b, uint64(k))
 				return err
 			}
 			h.add(b, uint64(k))
@@ -216,10 +217,41 @@ func (r *Replica) writePartialLocked(h *layer, b uint64, data []byte, pos int64)
 	}
 	copy(buf[pos-int64(b)*BlockSize:], data)
 	if err := h.writeAt(buf[:], int64(b)*BlockSize); err != nil {
+		r.unwriteLocked(h, b, 1)
 		return err
 	}
 	h.add(b, 1)
 	return nil
+}
+
+// unwriteLocked restores, after a failed write of blocks [b, b+k) to the
+// head h, what h's index says of them: a block the index does not hold is
+// a hole in the head file (replica/shortcircuit.go), and the failed write
+// (a short write, then ENOSPC or EIO) may have put some of its bytes
+// there. A read through the server skips such a block, but a direct view
+// of a one-layer replica reads every block from the head file, and would
+// have read the failed write's bytes where the server reads zeroes (or,
+// with snapshot layers, the older data). A block the index holds was the
+// head's already: the failed write leaves it partly overwritten for every
+// reader alike, as a disk's failed write does. If even the punch fails,
+// the replica fails: nothing else restores the rule. The caller holds the
+// range lock.
+func (r *Replica) unwriteLocked(h *layer, b, k uint64) {
+	for i := b; i < b+k; {
+		if h.has(i) {
+			i++
+			continue
+		}
+		j := i + 1
+		for j < b+k && !h.has(j) {
+			j++
+		}
+		if err := h.punch(int64(i)*BlockSize, int64(j-i)*BlockSize); err != nil {
+			r.fail(fmt.Errorf("punching blocks %d-%d, which a failed write may have left in the head: %w", i, j-1, err))
+			return
+		}
+		i = j
+	}
 }
 
 // zeroLocked zeroes [off, off+n) in the head h. Whole blocks are punched

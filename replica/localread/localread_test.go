@@ -6,10 +6,12 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/errorfs"
 	"github.com/stor-io/stor/replica/localread"
 	"github.com/stor-io/stor/replica/replicatest"
 	"github.com/stor-io/stor/replica/wire"
@@ -22,9 +24,12 @@ type env struct {
 	sock   string
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t *testing.T) *env { return newEnvFS(t, nil) }
+
+// newEnvFS is newEnv with the store on fsys (nil: the OS's).
+func newEnvFS(t *testing.T, fsys replica.FS) *env {
 	t.Helper()
-	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), FS: fsys, Logger: replicatest.Logger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,6 +68,55 @@ func (e *env) open(t *testing.T, replicaID, volume string, epoch uint64) (*local
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	return e.client.Open(ctx, wire.OpenRequest{Replica: replicaID, Volume: volume, Epoch: epoch})
+}
+
+// TestAFailedWriteLeavesNothingADirectReadSees: a write to the head that
+// fails after some of its bytes reached the file (a short write, then
+// ENOSPC) leaves blocks the head's index does not hold. A read through the
+// server skips them (zeroes, or an older layer's data); a view of a
+// one-layer replica reads every block from the head file, and read the
+// failed write's bytes there, so the same replica answered a read two
+// ways. The failed write now punches them.
+func TestAFailedWriteLeavesNothingADirectReadSees(t *testing.T) {
+	efs := errorfs.New(replica.OS(), 1)
+	e := newEnvFS(t, efs)
+	r, err := e.store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := replica.Op{Epoch: 1}
+	if err := r.Fence(1); err != nil {
+		t.Fatal(err)
+	}
+	// A partial block first: it is copied up, and its write fails too.
+	for _, w := range []struct {
+		off, n int64
+	}{{0, 3 * 4096}, {5*4096 + 100, 200}} {
+		efs.Add(errorfs.Rule{Path: ".data", Ops: errorfs.OpWrite, Action: errorfs.TornFail, TornBytes: 4096, Times: 1, Err: syscall.ENOSPC})
+		if err := r.WriteAt(o, bytes.Repeat([]byte{0x5a}, int(w.n)), w.off); err == nil {
+			t.Fatalf("the write of %d bytes at %d did not fail", w.n, w.off)
+		}
+	}
+	if err := r.Failed(); err != nil {
+		t.Fatalf("the replica failed: %v", err)
+	}
+	v, err := e.open(t, "r1", "v1", 1)
+	if err != nil {
+		t.Fatalf("no view: %v", err)
+	}
+	defer v.Close()
+	for b := int64(0); b < 8; b++ {
+		viaServer, direct := make([]byte, 4096), make([]byte, 4096)
+		if err := r.ReadAt(o, viaServer, b*4096); err != nil {
+			t.Fatal(err)
+		}
+		if err := v.ReadAt(direct, b*4096); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(direct, viaServer) {
+			t.Fatalf("block %d after a failed write: the view reads %x..., the server %x...", b, direct[:4], viaServer[:4])
+		}
+	}
 }
 
 // TestViewReadsAndGoesStale: a View reads what the server's replica
