@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/internal/servertest"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/wire"
 )
 
 // TestShortCircuitReads runs an engine whose host also runs the first
@@ -150,10 +152,12 @@ func TestShortCircuitReads(t *testing.T) {
 // after a crash, which loses the writes a replica acknowledged since its
 // last flush, it read holes where the engine had writes acknowledged.
 // servertest's restart is clean (the store is flushed), so the data reads
-// right either way; what must not happen is the direct read itself.
+// right either way; what must not happen is the direct read itself. A
+// handle of the replica at the same epoch opened by anyone else (here an
+// inspection; a rebuild's copy source is another) vouches for nothing.
 func TestNoDirectReadsOfAServerProcessTheEngineDoesNotHold(t *testing.T) {
 	c := servertest.NewCluster(t, servertest.Options{LocalSockets: true})
-	createVol(t, c, "sc-restart", 4<<20, 3)
+	v := createVol(t, c, "sc-restart", 4<<20, 3)
 	cfg := c.EngineConfig("sc-restart", "node-a")
 	cfg.LocalReaders = c.LocalReaders(0)
 	e := c.OpenEngine(cfg)
@@ -164,6 +168,29 @@ func TestNoDirectReadsOfAServerProcessTheEngineDoesNotHold(t *testing.T) {
 		}
 	}
 	c.Restart(0)
+
+	// Someone else's handle of the restarted replica at the volume's epoch.
+	cl := c.Dial()
+	gv, err := cl.Volumes.GetVolume(ctx10(t), &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: v.Id}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rid string
+	for _, r := range gv.Volume.Replicas {
+		if r.ServerId == c.Nodes[0].ID {
+			rid = r.Id
+		}
+	}
+	var d net.Dialer
+	conn, err := wire.Dial(ctx10(t), "tcp", c.Nodes[0].DataAddr, wire.ClientConfig{Dial: d.DialContext})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.OpenFor(ctx10(t), wire.OpenRequest{Replica: rid, Volume: v.Id, Epoch: gv.Volume.Epoch, Purpose: wire.PurposeInspect}); err != nil {
+		t.Fatal(err)
+	}
+
 	got := make([]byte, block)
 	for b := int64(0); b < blocks; b++ {
 		if err := e.ReadAt(ctx10(t), got, b*block); err != nil {

@@ -281,9 +281,12 @@ func (s *Server) takeAttach(id string, inc incarnation) *attachGate {
 }
 
 // HasHandle reports whether a connection this server serves now, its
-// client still there, holds a handle of replica id opened at epoch, and,
-// for an attach handle, one of the replica's newest incarnation: an
-// engine at that epoch is this server process's client for that replica.
+// client still there, holds an attach handle (PurposeAttach) of replica
+// id opened at epoch, of the replica's newest incarnation: the engine
+// attached at that epoch is this server process's client for that
+// replica. Handles of other purposes do not count: a rebuild's copy
+// source or an inspection opened at the same epoch says nothing of the
+// engine's connection.
 // The short-circuit read service vouches for a replica's files only to
 // such an engine (replica/localread): an engine whose connection died with
 // an earlier process of this server (a crash loses the writes acknowledged
@@ -304,14 +307,14 @@ func (s *Server) HasHandle(id string, epoch uint64) bool {
 		c.hmu.Lock()
 		var found []handle
 		for _, hd := range c.handles {
-			if hd.open.Replica == id && hd.open.Epoch == epoch {
+			if hd.open.Replica == id && hd.open.Epoch == epoch && hd.open.Purpose == PurposeAttach {
 				found = append(found, hd)
 			}
 		}
 		c.hmu.Unlock()
 		for _, hd := range found {
 			if hd.gate == nil {
-				return true
+				return true // UnsafeStaleIncarnations: no order kept
 			}
 			hd.gate.mu.RLock()
 			newest := !hd.inc.before(hd.gate.latest)
