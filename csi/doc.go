@@ -113,13 +113,16 @@
 // ControllerUnpublishVolume removes it. After ControllerUnpublish from A
 // and ControllerPublish to B, B's epoch is higher: A's engine, if still
 // running, can no longer write to any replica. An engine so fenced stops
-// and leaves its device connected without a server; NodeUnstageVolume on
-// A then disconnects it (the requests still in it fail), and fails while
-// the device is in use (internal/attach.Release), so that no later stage
-// of the volume on A resumes a device holding a fenced engine's writes.
-// A repeated NodeStageVolume that fails detaches nothing it did not
-// attach, and a block NodePublishVolume requires the volume served on its
-// staged device.
+// and disconnects its device (the requests still in it fail), and a device
+// left by a plugin that died is resumed only while the volume is still at
+// the epoch its record names: no later stage of the volume on A resumes a
+// device holding requests of an engine the volume has left, which the
+// kernel would resend over what was written since. NodeUnstageVolume
+// releases whatever a stop left (internal/attach.Release) and fails while
+// the device is in use; it unmounts the staging path even without a
+// staged record. A repeated NodeStageVolume that fails detaches nothing it
+// did not attach, and a block NodePublishVolume requires the volume served
+// on its staged device.
 //
 // The node plugin checks at New (with the kernel's attacher) that it
 // reaches the kernel's nbd netlink family, and fails otherwise: a kernel
@@ -145,10 +148,13 @@
 // dead-connection timeout), rather than fencing the node that has it now.
 // Node calls are served during the recovery; each volume is recovered
 // under its operation lock and only while it is still staged and not
-// served. A volume that does not recover is retried in the background (1
-// s, doubling up to 30 s) until it is served or unstaged: the kubelet
-// would not stage it again. A failed look at the kernel (a stop during
-// the recovery) keeps the device's record for the next start.
+// served, and one whose lock a node call holds is left to that call (a
+// NodeUnstageVolume serves a staged volume first, so that its unmount's
+// writeback has a server). A volume that does not recover is retried in
+// the background (1 s, doubling up to 30 s) until it is served, unstaged
+// or deleted: the kubelet would not stage it again. A failed look at the
+// kernel (a stop during the recovery) keeps the device's record for the
+// next start.
 //
 // # Listings
 //

@@ -174,16 +174,22 @@ func (n *nodeServer) register(ctx context.Context) error {
 
 // recover resumes every staged volume: the attacher reopens its engine at
 // a new epoch and reconnects the recorded kernel device. Each volume is
-// recovered under its lock, and only if it is still staged and not
-// served: node calls are served from the start, so the kubelet's retry of
-// a NodeUnstage (or a NodeStage) may get to a volume first, and a
+// recovered under its operation lock, and only if it is still staged and
+// not served: node calls are served from the start, so the kubelet's
+// retry of a NodeUnstage (or a NodeStage) may get to a volume first, and a
 // recovery that raced it served a volume the kubelet had just been told
-// was unstaged. A volume that does not recover (its cluster or a replica
-// out of reach at the start) is retried in the background, at a wait
-// that doubles from recoverRetryWait up to recoverRetryMaxWait, until it
-// is served, unstaged, ctx ends or the node service closes: the kubelet
-// takes a staged volume for staged and would not stage it again, and its
-// pods' I/O would wait on a device with no server for ever.
+// was unstaged. A volume whose lock a node call holds is left to that call
+// and looked at again by the retries below: waiting for it could wait
+// for ever (a NodeUnstage's unmount waits for the device's server, which
+// is what this recovery would start), and would hold up every volume
+// after it.
+//
+// A volume that does not recover (its cluster or a replica out of reach
+// at the start) is retried in the background, at a wait that doubles from
+// recoverRetryWait up to recoverRetryMaxWait, until it is served or
+// unstaged, its volume is gone, ctx ends or the node service closes: the
+// kubelet takes a staged volume for staged and would not stage it again,
+// and its pods' I/O would wait on a device with no server for ever.
 func (n *nodeServer) recover(ctx context.Context) error {
 	defer n.recovered.Store(true)
 	names, err := filepath.Glob(filepath.Join(n.dir, "*.json"))
@@ -191,19 +197,26 @@ func (n *nodeServer) recover(ctx context.Context) error {
 		return err
 	}
 	var errs []error
-	var failed []string
+	var retry []string
 	for _, name := range names {
 		id := strings.TrimSuffix(filepath.Base(name), ".json")
-		if err := n.recoverVolume(ctx, id); err != nil {
+		err := n.recoverVolume(ctx, id)
+		switch {
+		case err == nil:
+		case errors.Is(err, ErrBusy):
+			retry = append(retry, id) // a node call has it: looked at again soon
+		case clusterCode(err) == codes.NotFound:
+			errs = append(errs, fmt.Errorf("volume %s: %w", id, err)) // deleted: nothing to retry
+		default:
 			errs = append(errs, fmt.Errorf("volume %s: %w", id, err))
-			failed = append(failed, id)
+			retry = append(retry, id)
 		}
 	}
-	if len(failed) > 0 && ctx.Err() == nil {
+	if len(retry) > 0 && ctx.Err() == nil {
 		n.wg.Add(1)
 		go func() {
 			defer n.wg.Done()
-			n.retryRecovery(ctx, failed)
+			n.retryRecovery(ctx, retry)
 		}()
 	}
 	return errors.Join(errs...)
@@ -216,8 +229,8 @@ var (
 	recoverRetryMaxWait = 30 * time.Second
 )
 
-// retryRecovery recovers the volumes ids again until each is served or
-// no longer staged, ctx ends or the node service closes.
+// retryRecovery recovers the volumes ids again until each is served, no
+// longer staged or gone, ctx ends or the node service closes.
 func (n *nodeServer) retryRecovery(ctx context.Context, ids []string) {
 	wait := recoverRetryWait
 	for len(ids) > 0 {
@@ -231,21 +244,38 @@ func (n *nodeServer) retryRecovery(ctx context.Context, ids []string) {
 			return
 		case <-t.C:
 		}
+		next := min(2*wait, recoverRetryMaxWait)
 		var left []string
 		for _, id := range ids {
-			if err := n.recoverVolume(ctx, id); err != nil {
-				n.d.log.Warn("a staged volume is still not served; retrying", "volume_id", id, "retry_in", min(2*wait, recoverRetryMaxWait), "err", err)
+			err := n.recoverVolume(ctx, id)
+			switch {
+			case err == nil:
+			case errors.Is(err, ErrBusy):
+				left = append(left, id)
+			case clusterCode(err) == codes.NotFound:
+				n.d.log.Warn("a staged volume's volume is gone; no longer retrying its recovery", "volume_id", id, "err", err)
+			default:
+				n.d.log.Warn("a staged volume is still not served; retrying", "volume_id", id, "retry_in", next, "err", err)
 				left = append(left, id)
 			}
 		}
-		ids, wait = left, min(2*wait, recoverRetryMaxWait)
+		ids, wait = left, next
 	}
 }
 
 // recoverVolume serves staged volume id again, under its lock, unless it
-// is no longer staged or is served already.
+// is no longer staged or is served already. If a node call holds the lock
+// it returns at once, with ErrBusy.
 func (n *nodeServer) recoverVolume(ctx context.Context, id string) error {
-	unlock, err := n.lockWait(ctx, "vol/"+id)
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	select {
+	case <-n.closing:
+		return errors.New("the node service is closing")
+	default:
+	}
+	unlock, err := n.d.locks.lock("vol/" + id)
 	if err != nil {
 		return err
 	}
@@ -270,24 +300,6 @@ func (n *nodeServer) recoverVolume(ctx context.Context, id string) error {
 	}
 	n.d.log.Info("recovered a staged volume", "volume_id", id, "device", dev)
 	return nil
-}
-
-// lockWait takes key's operation lock, waiting while a node call holds
-// it, until ctx ends or the node service closes.
-func (n *nodeServer) lockWait(ctx context.Context, key string) (func(), error) {
-	for {
-		unlock, err := n.d.locks.lock(key)
-		if err == nil {
-			return unlock, nil
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("waiting for %s: %w", key, ctx.Err())
-		case <-n.closing:
-			return nil, fmt.Errorf("waiting for %s: the node service is closing", key)
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
 }
 
 func (n *nodeServer) close() {
@@ -484,6 +496,22 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csipb.NodeUnsta
 		return nil, err
 	}
 	if rec != nil && !rec.Block {
+		// Staged here but not served (this process started and its
+		// recovery has not got to it, or failed): serve it first, so
+		// that what the unmount writes back has a server; the device
+		// waits for one, and the recovery leaves a volume alone while
+		// this call holds it. If it cannot be served, the unmount goes
+		// on: a device of a volume attached elsewhere fails its I/O.
+		if _, _, ok := n.attacher.Served(id); !ok {
+			if _, err := n.attacher.Attach(ctx, id, rec.ReadOnly); err != nil {
+				n.d.log.Warn("unstaging a volume that is not served, and could not be served again: what its filesystem still had to write is lost", "volume_id", id, "err", err)
+			}
+		}
+	}
+	// Without a record too: a stage killed between its mount and its
+	// record left the volume mounted here, and the device, held by the
+	// mount, could then never be released (attach.Release: in use).
+	if rec == nil || !rec.Block {
 		if mounted, err := n.host.Mounter.IsMountPoint(staging); err == nil && mounted {
 			if err := n.host.Mounter.Unmount(staging); err != nil {
 				return nil, fmt.Errorf("unmount %s: %w", staging, err)

@@ -121,14 +121,15 @@ func stage(t *testing.T, ctx context.Context, d *Driver, id, staging string) str
 }
 
 // A volume the controller detaches while it is staged here (a force
-// detach after a node was NotReady) fences the engine here, which leaves
-// its device connected without a server, requests it had not answered
-// still in the kernel. NodeUnstage must take the device away: it used to
-// succeed and leave device and record, so that the volume's next stage on
-// this node resumed that device, and the kernel resent those requests,
-// written by the fenced engine, over what the volume's next holder wrote
-// meanwhile.
-func TestUnstageOfAFencedVolumeDisconnectsItsDevice(t *testing.T) {
+// detach after a node was NotReady) fences the engine here, which stopped
+// and left its device connected without a server, requests it had not
+// answered still in the kernel, and NodeUnstage succeeded leaving device
+// and record: the volume's next stage on this node resumed that device,
+// and the kernel resent those requests, written by the fenced engine, over
+// what the volume's next holder wrote meanwhile. Now the fenced stop
+// disconnects the device and drops its record, a block publish of the
+// volume is refused meanwhile, and the next stage attaches a new device.
+func TestAFencedVolumesDeviceIsNeverResumed(t *testing.T) {
 	e := newNodeEnv(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
@@ -148,33 +149,138 @@ func TestUnstageOfAFencedVolumeDisconnectsItsDevice(t *testing.T) {
 			t.Fatal("the engine was not fenced by the detach within 20 s")
 		}
 	}
-	if b := e.connected(dev); b != attach.BackendID(id) {
-		t.Fatalf("after the fence %s is connected for %q; the test expects the fenced stop to leave it", dev, b)
-	}
-	// Nor may a pod be given the device now: nothing serves it.
-	_, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
-		TargetPath: filepath.Join(e.dir, "pod", "dev"), VolumeCapability: rwoCap()})
-	if !errors.Is(err, ErrPrecondition) {
-		t.Fatalf("a block publish of the fenced volume from %s: %v, want ErrPrecondition", dev, err)
-	}
-	if _, err := d.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
-		t.Fatal(err)
-	}
 	rec, err := attach.LoadRecord(e.attachDir(), id)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if b := e.connected(dev); b != "" || rec != nil {
-		t.Fatalf("NodeUnstage of a fenced volume succeeded and left %s connected for %q (attach record kept: %v)", dev, b, rec != nil)
+		t.Fatalf("the fenced stop left %s connected for %q (attach record kept: %v)", dev, b, rec != nil)
 	}
-
-	// Back to this node: a new device, nothing resumed.
+	// Nor may a pod be given the device now: nothing serves it.
+	_, err = d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: filepath.Join(e.dir, "pod", "dev"), VolumeCapability: rwoCap()})
+	if !errors.Is(err, ErrPrecondition) {
+		t.Fatalf("a block publish of the fenced volume from %s: %v, want ErrPrecondition", dev, err)
+	}
+	// Back to this node without an unstage between: a new device.
 	e.controllerPublish(t, ctx, id)
 	if _, err := d.node.NodeStageVolume(ctx, stageRequest(id, staging)); err != nil {
 		t.Fatal(err)
 	}
 	if at := d.node.attacher.(*kernelAttacher).served[id].at; at.Resumed() {
-		t.Fatal("the next stage resumed a device left by the fenced engine")
+		t.Fatal("the next stage resumed the device left by the fenced engine")
+	}
+	if _, err := d.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A plugin that died (its device and record left, requests perhaps still
+// in the device) while the controller detached its volume, which another
+// node then wrote, must not resume that device when the volume comes back
+// to this node: the kernel would resend the dead engine's requests over
+// the other node's writes. The record's epoch is the volume's no longer.
+func TestADeviceLeftAtAnOlderEpochIsNotResumed(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "moved")
+	d1 := e.driver(t, nil, nil)
+	staging := filepath.Join(e.dir, "staging")
+	dev := stage(t, ctx, d1, id, staging)
+	d1.Close() // the plugin dies: device and record stay
+	// ControllerUnpublish, another node, then back to this one.
+	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.cl.Volumes.AttachVolume(ctx, &storpb.AttachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: "other-node",
+		Mode: storpb.AccessMode_ACCESS_MODE_READ_WRITE}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: "other-node"}); err != nil {
+		t.Fatal(err)
+	}
+	e.controllerPublish(t, ctx, id)
+
+	d2 := e.driver(t, nil, nil)
+	defer d2.Close()
+	if err := d2.node.recover(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s := d2.node.attacher.(*kernelAttacher).served[id]
+	if s == nil {
+		t.Fatal("not recovered")
+	}
+	if s.at.Resumed() {
+		t.Fatalf("the recovery resumed %s, left at an epoch the volume has left", dev)
+	}
+}
+
+// A NodeUnstage that the kubelet retries right after a restart, before the
+// recovery got to the volume, must not wait for the recovery while the
+// recovery waits for it: its unmount writes the filesystem back to the
+// device, which nothing serves until the volume is recovered. The recovery
+// waited for the unstage's lock, so neither went on, nor did the recovery
+// of any volume after it.
+func TestAnUnstageDuringRecoveryServesTheVolumeForItsUnmount(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id1, id2 := e.volume(t, ctx, "first"), e.volume(t, ctx, "second")
+	if id1 > id2 {
+		id1, id2 = id2, id1 // recovery takes them in this order
+	}
+	d1 := e.driver(t, nil, nil)
+	st1, st2 := filepath.Join(e.dir, "staging1"), filepath.Join(e.dir, "staging2")
+	for _, v := range []struct{ id, staging string }{{id1, st1}, {id2, st2}} {
+		req := stageRequest(v.id, v.staging)
+		req.VolumeCapability = mountCap()
+		if _, err := d1.node.NodeStageVolume(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dev1, _, _ := d1.node.attacher.Served(id1)
+	dev2, _, _ := d1.node.attacher.Served(id2)
+	d1.Close()
+
+	d2 := e.driver(t, nil, nil)
+	defer d2.Close()
+	m := mount.NewFakeMounter([]mount.MountPoint{{Device: dev1, Path: st1}, {Device: dev2, Path: st2}})
+	// The unmount writes back: it ends once the device is served, or
+	// fails after 8 s (a real one waits the kernel's dead-connection
+	// timeout, or for ever for requests already in flight).
+	m.UnmountFunc = func(string) error {
+		for deadline := time.Now().Add(8 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			if _, _, ok := d2.node.attacher.Served(id1); ok {
+				return nil
+			}
+		}
+		return errors.New("umount: I/O error (nothing served the device)")
+	}
+	d2.node.host.Mounter = m
+	unstaged := make(chan error, 1)
+	go func() {
+		_, err := d2.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id1, StagingTargetPath: st1})
+		unstaged <- err
+	}()
+	time.Sleep(100 * time.Millisecond)
+	start := time.Now()
+	recovered := make(chan error, 1)
+	go func() { recovered <- d2.node.recover(ctx) }()
+	if err := <-unstaged; err != nil {
+		t.Fatalf("NodeUnstage during the recovery: %v", err)
+	}
+	if err := <-recovered; err != nil {
+		t.Fatalf("recovery: %v", err)
+	}
+	if took := time.Since(start); took > 4*time.Second {
+		t.Fatalf("the unstage and the recovery took %v: one waited for the other", took)
+	}
+	if _, _, ok := d2.node.attacher.Served(id2); !ok {
+		t.Fatal("the other volume was not recovered")
+	}
+	if _, _, ok := d2.node.attacher.Served(id1); ok {
+		t.Fatal("the unstaged volume is served after the recovery")
 	}
 }
 
@@ -221,6 +327,53 @@ func TestUnstageRetriedWhileTheDeviceIsInUseFails(t *testing.T) {
 	}
 	if b := e.connected(dev); b != "" {
 		t.Fatalf("NodeUnstage succeeded and left %s connected for %q", dev, b)
+	}
+}
+
+// A stage killed after its mount and before its record leaves the volume
+// mounted at the staging path with no staged record. A NodeUnstage must
+// still unmount it, and release the device: it skipped the unmount
+// without a record, and the device, held by the mount, could not be
+// released (every try failed, in use).
+func TestUnstageWithoutARecordUnmountsTheStagingPath(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	id := e.volume(t, ctx, "unrecorded")
+	m := mount.NewFakeMounter(nil)
+	ops := e.kern.Ops()
+	open := ops.OpenExclusive
+	ops.OpenExclusive = func(i int) (attach.SyncCloser, error) {
+		mps, _ := m.List()
+		for _, mp := range mps {
+			if mp.Device == kernel.Path(i) {
+				return nil, fmt.Errorf("%s: %w", kernel.Path(i), kernel.ErrBusy)
+			}
+		}
+		return open(i)
+	}
+	d := e.driver(t, ops, nil)
+	defer d.Close()
+	d.node.host = &Host{Mounter: m, FormatAndMount: m.Mount, ResizeFS: func(string, string) error { return nil },
+		DeviceSize: func(string) (int64, error) { return 0, nil }}
+	staging := filepath.Join(e.dir, "staging")
+	req := stageRequest(id, staging)
+	req.VolumeCapability = mountCap()
+	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	dev, _, _ := d.node.attacher.Served(id)
+	if err := d.node.remove(id); err != nil { // as if killed before the record was written
+		t.Fatal(err)
+	}
+	if _, err := d.node.NodeUnstageVolume(ctx, &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstage of a volume mounted without a staged record: %v", err)
+	}
+	if mounted, _ := m.IsMountPoint(staging); mounted {
+		t.Fatal("NodeUnstage left the staging path mounted")
+	}
+	if b := e.connected(dev); b != "" {
+		t.Fatalf("NodeUnstage left %s connected for %q", dev, b)
 	}
 }
 

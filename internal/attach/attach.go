@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/metrics"
 	"github.com/stor-io/stor/nbd"
 	"github.com/stor-io/stor/nbd/kernel"
@@ -62,7 +63,7 @@ var (
 	// volume from the same state dir.
 	ErrAlreadyServed = errors.New("attach: volume already served by a live process")
 	// ErrFenced: the volume was attached again at a newer epoch; this
-	// server stopped and left the device to the new holder.
+	// server stopped and disconnected the device.
 	ErrFenced = errors.New("attach: fenced by a newer attach")
 	// ErrGone: the device was disconnected outside this package.
 	ErrGone = errors.New("attach: device disconnected elsewhere")
@@ -271,6 +272,19 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 			return nil, err
 		}
 		if ours {
+			if err := checkResumable(ctx, cfg, rec); err != nil {
+				// The requests the kernel still holds in the device
+				// were written at an epoch the volume has left: resent
+				// now, they would land over what was written since.
+				log.Warn("the recorded device was left at an older epoch; disconnecting it (the requests still in it fail) and attaching a new one",
+					"device", rec.Device, "why", err)
+				if err := disconnectRecorded(ctx, k, cfg.Kernel, rec, log); err != nil {
+					return nil, err
+				}
+				ours = false
+			}
+		}
+		if ours {
 			resume = true
 			log.Info("resuming a device whose server died: reconnecting it (RECONFIGURE)",
 				"device", rec.Device, "previous_pid", rec.PID, "connections", rec.Connections)
@@ -467,6 +481,56 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		"size", at.deviceSize.Load(), "epoch", eng.Epoch(), "io_timeout", cfg.IOTimeout,
 		"queue_timeout", queueTimeout, "dead_conn_timeout", cfg.DeadConnTimeout)
 	return at, nil
+}
+
+// errResumeEpoch: a recorded device was left at an epoch the volume has
+// left (checkResumable).
+var errResumeEpoch = errors.New("attach: the volume was attached again since the recorded device's server stopped")
+
+// checkResumable refuses (errResumeEpoch) to resume the device rec names
+// when the volume has been attached again since rec's attach: its epoch
+// is past rec.Epoch, or it is attached to another node. The kernel resends
+// the requests it still holds in the device once a RECONFIGURE hands it
+// new sockets; they were written by the engine at rec.Epoch, and whoever
+// attached since (another node, after a ControllerUnpublish of a node
+// whose plugin was down, say) may have written over them. Only when
+// nothing attached since is the resend the same write again. A record of
+// no epoch (written by a version that did not record it) is resumed, as
+// before. The price: a process that died after its own engine attached
+// at a new epoch and before it recorded it leaves a device that is not
+// resumed, whose filesystem then sees I/O errors.
+func checkResumable(ctx context.Context, cfg Config, rec *Record) error {
+	if rec.Epoch == 0 || cfg.Control.Volumes == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	defer cancel()
+	resp, err := cfg.Control.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: rec.VolumeID}})
+	if err != nil {
+		return fmt.Errorf("attach: read volume %q to resume %s: %w", rec.Volume, rec.Device, err)
+	}
+	v := resp.GetVolume()
+	if v.GetEpoch() != rec.Epoch {
+		return fmt.Errorf("%w: volume %q is at epoch %d, the device at %d", errResumeEpoch, rec.Volume, v.GetEpoch(), rec.Epoch)
+	}
+	if at := v.GetAttachment(); at != nil && at.NodeId != cfg.NodeID {
+		return fmt.Errorf("%w: volume %q is attached to node %q", errResumeEpoch, rec.Volume, at.NodeId)
+	}
+	return nil
+}
+
+// disconnectRecorded disconnects the device rec names (the requests still
+// in it fail, whether or not it is in use) and restores its request timer.
+func disconnectRecorded(ctx context.Context, k KernelConn, kern *Kernel, rec *Record, log *slog.Logger) error {
+	if err := k.Disconnect(ctx, rec.Index); err != nil {
+		return fmt.Errorf("attach: disconnect %s, left connected for volume %q: %w", rec.Device, rec.Volume, err)
+	}
+	if kern.SetQueueTimeout != nil {
+		if err := kern.SetQueueTimeout(rec.Index, queueTimeoutDefault); err != nil {
+			log.Warn("could not restore the device's request timer", "device", rec.Device, "err", err)
+		}
+	}
+	return nil
 }
 
 // recordedDevice reports whether the device rec names is still connected
@@ -734,8 +798,9 @@ const (
 //     drain, flush the replicas, detach the volume in the cluster (unless
 //     KeepAttachment), remove the record. A device in use is left
 //     connected, without a server, for a later Open to resume (ErrInUse).
-//   - fenced: drain, close the engine, leave device and record to the new
-//     holder (ErrFenced).
+//   - fenced: drain, close the engine, disconnect the device (in use or
+//     not: the requests still in it fail) and remove the record
+//     (ErrFenced; dropFenced).
 //   - gone: drain, close and detach, remove the record (ErrGone).
 //
 // Run follows the volume's size: an expansion the engine learns of is
@@ -775,10 +840,9 @@ wait:
 	case stopFenced:
 		at.drain()
 		closeEngine(at.cfg, at.eng, false)
-		// The record now belongs to whoever attached at the newer epoch
-		// (often a restart): leave it.
-		return fmt.Errorf("%w: volume %q was attached again at a newer epoch: this server has stopped; %s is left to the new holder",
-			ErrFenced, at.export, kernel.Path(at.index))
+		err := at.dropFenced()
+		return errors.Join(fmt.Errorf("%w: volume %q was attached again at a newer epoch: this server has stopped and disconnected %s",
+			ErrFenced, at.export, kernel.Path(at.index)), err)
 	case stopGone:
 		at.drain()
 		err := closeEngine(at.cfg, at.eng, !at.cfg.KeepAttachment)
@@ -851,6 +915,37 @@ func (at *Attachment) followSize() {
 	}
 	at.log.Info("device resized", "from", at.deviceSize.Load(), "to", size)
 	at.deviceSize.Store(size)
+}
+
+// dropFenced disconnects the device of an engine that was fenced, and
+// removes its record. The requests the kernel still holds in it were
+// written by that engine: a later Open that resumed the device (a stage of
+// the volume on this node again, a restart's recovery) would have the
+// kernel resend them, at the new epoch, over whatever the volume's newer
+// holder wrote meanwhile. They fail instead, and so does what a
+// filesystem still mounted on the device writes: it lost the volume to the
+// newer holder either way. No newer holder on this node can be waiting
+// for the device: it would need this process's lock on the volume.
+func (at *Attachment) dropFenced() error {
+	at.stopping.Store(true)
+	ctx, cancel := context.WithTimeout(context.Background(), at.cfg.Timeout)
+	err := at.k.Disconnect(ctx, at.index)
+	cancel()
+	if err != nil {
+		// The record stays: a later Release (a NodeUnstage) or Open
+		// looks at the device again.
+		return fmt.Errorf("attach: disconnect %s of a fenced volume: %w", kernel.Path(at.index), err)
+	}
+	if at.queueTimerSet {
+		if err := at.cfg.Kernel.SetQueueTimeout(at.index, queueTimeoutDefault); err != nil {
+			at.log.Warn("could not restore the device's request timer", "err", err)
+		}
+	}
+	if err := RemoveRecord(at.cfg.StateDir, at.eng.ID()); err != nil {
+		return fmt.Errorf("attach: %w", err)
+	}
+	at.log.Warn("fenced by a newer attach: device disconnected; the requests still in it failed")
+	return nil
 }
 
 // drain stops replacing connections, stops reading requests, answers
@@ -978,13 +1073,8 @@ func Release(ctx context.Context, stateDir string, kern *Kernel, volumeID string
 		if err == nil {
 			f.Close() // not synced: nothing would answer its writes
 		}
-		if err := k.Disconnect(ctx, rec.Index); err != nil {
-			return fmt.Errorf("attach: disconnect %s, left connected for volume %q: %w", rec.Device, rec.Volume, err)
-		}
-		if kern.SetQueueTimeout != nil {
-			if err := kern.SetQueueTimeout(rec.Index, queueTimeoutDefault); err != nil {
-				log.Warn("could not restore the device's request timer", "device", rec.Device, "err", err)
-			}
+		if err := disconnectRecorded(ctx, k, kern, rec, log); err != nil {
+			return err
 		}
 		log.Warn("disconnected a device left connected without a server; the requests it still held failed",
 			"device", rec.Device, "volume", rec.Volume, "volume_id", volumeID)
