@@ -46,6 +46,13 @@ func newNodeEnv(t *testing.T) *nodeEnv {
 
 func (e *nodeEnv) attachDir() string { return filepath.Join(e.dir, "state", "nbd") }
 
+// testCtx is a test's context: 90 s.
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
 // driver starts a node plugin process on the node's state dir and kernel;
 // ops (nil: the kernel as it is) and volumes (nil: the cluster's) may be
 // wrapped by a test.
@@ -131,8 +138,7 @@ func stage(t *testing.T, ctx context.Context, d *Driver, id, staging string) str
 // volume is refused meanwhile, and the next stage attaches a new device.
 func TestAFencedVolumesDeviceIsNeverResumed(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "fenced")
 	d := e.driver(t, nil, nil)
 	defer d.Close()
@@ -182,8 +188,7 @@ func TestAFencedVolumesDeviceIsNeverResumed(t *testing.T) {
 // the other node's writes. The record's epoch is the volume's no longer.
 func TestADeviceLeftAtAnOlderEpochIsNotResumed(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "moved")
 	d1 := e.driver(t, nil, nil)
 	staging := filepath.Join(e.dir, "staging")
@@ -224,8 +229,7 @@ func TestADeviceLeftAtAnOlderEpochIsNotResumed(t *testing.T) {
 // of any volume after it.
 func TestAnUnstageDuringRecoveryServesTheVolumeForItsUnmount(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id1, id2 := e.volume(t, ctx, "first"), e.volume(t, ctx, "second")
 	if id1 > id2 {
 		id1, id2 = id2, id1 // recovery takes them in this order
@@ -291,8 +295,7 @@ func TestAnUnstageDuringRecoveryServesTheVolumeForItsUnmount(t *testing.T) {
 // volume to another node.
 func TestUnstageRetriedWhileTheDeviceIsInUseFails(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "busy")
 	ops := e.kern.Ops()
 	var busy atomic.Bool
@@ -337,8 +340,7 @@ func TestUnstageRetriedWhileTheDeviceIsInUseFails(t *testing.T) {
 // released (every try failed, in use).
 func TestUnstageWithoutARecordUnmountsTheStagingPath(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "unrecorded")
 	m := mount.NewFakeMounter(nil)
 	ops := e.kern.Ops()
@@ -377,15 +379,29 @@ func TestUnstageWithoutARecordUnmountsTheStagingPath(t *testing.T) {
 	}
 }
 
-// ctxKernelConn fails Status on a done context, as the real netlink client
-// does (the fake kernel ignores contexts).
-type ctxKernelConn struct{ attach.KernelConn }
+// statusHooked runs hook before every Status; an error it returns is
+// Status's.
+type statusHooked struct {
+	attach.KernelConn
+	hook func(context.Context) error
+}
 
-func (c ctxKernelConn) Status(ctx context.Context, i int) (kernel.Device, error) {
-	if err := ctx.Err(); err != nil {
+func (c statusHooked) Status(ctx context.Context, i int) (kernel.Device, error) {
+	if err := c.hook(ctx); err != nil {
 		return kernel.Device{}, err
 	}
 	return c.KernelConn.Status(ctx, i)
+}
+
+// hookStatus is the node's kernel with hook run before every Status.
+func (e *nodeEnv) hookStatus(hook func(context.Context) error) *attach.Kernel {
+	ops := e.kern.Ops()
+	dial := ops.Dial
+	ops.Dial = func() (attach.KernelConn, error) {
+		c, err := dial()
+		return statusHooked{c, hook}, err
+	}
+	return ops
 }
 
 // A plugin stopped (SIGTERM) while it recovers its staged volumes must
@@ -396,20 +412,15 @@ func (c ctxKernelConn) Status(ctx context.Context, i int) (kernel.Device, error)
 // server.
 func TestACancelledRecoveryKeepsTheDevicesRecord(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "cancelled")
 	d1 := e.driver(t, nil, nil)
 	dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
 	d1.Close() // the process stops: device and record stay for the next
 
-	ops := e.kern.Ops()
-	dial := ops.Dial
-	ops.Dial = func() (attach.KernelConn, error) {
-		c, err := dial()
-		return ctxKernelConn{c}, err
-	}
-	d2 := e.driver(t, ops, nil)
+	// The real netlink client fails every call on a done context (the
+	// fake kernel ignores contexts).
+	d2 := e.driver(t, e.hookStatus(func(ctx context.Context) error { return ctx.Err() }), nil)
 	stopped, stop := context.WithCancel(ctx)
 	stop() // SIGTERM during the recovery
 	if err := d2.node.recover(stopped); err == nil {
@@ -437,8 +448,7 @@ func TestACancelledRecoveryKeepsTheDevicesRecord(t *testing.T) {
 // block publish from the staged record gave the pod that other volume.
 func TestAFailedRepeatedStageLeavesTheVolumeServed(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "restaged")
 	d := e.driver(t, nil, nil)
 	defer d.Close()
@@ -472,39 +482,21 @@ func TestAFailedRepeatedStageLeavesTheVolumeServed(t *testing.T) {
 	}
 }
 
-// gatedKernelConn holds every Status until gate is closed.
-type gatedKernelConn struct {
-	attach.KernelConn
-	gate chan struct{}
-}
-
-func (c gatedKernelConn) Status(ctx context.Context, i int) (kernel.Device, error) {
-	<-c.gate
-	return c.KernelConn.Status(ctx, i)
-}
-
 // The node service answers calls while it recovers: a NodeUnstage the
 // kubelet retries right after the restart must not be undone by the
 // recovery. The recovery took no lock: the unstage found the volume not
 // yet served and succeeded, then the recovery served it, staged nowhere.
 func TestAnUnstageDuringRecoveryIsNotUndone(t *testing.T) {
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "unstaged-early")
 	d1 := e.driver(t, nil, nil)
 	staging := filepath.Join(e.dir, "staging")
 	stage(t, ctx, d1, id, staging)
 	d1.Close()
 
-	ops := e.kern.Ops()
-	gate := make(chan struct{})
-	dial := ops.Dial
-	ops.Dial = func() (attach.KernelConn, error) {
-		c, err := dial()
-		return gatedKernelConn{c, gate}, err
-	}
-	d2 := e.driver(t, ops, nil)
+	gate := make(chan struct{}) // every Status waits for it
+	d2 := e.driver(t, e.hookStatus(func(context.Context) error { <-gate; return nil }), nil)
 	defer d2.Close()
 	recovered := make(chan error, 1)
 	go func() { recovered <- d2.node.recover(ctx) }()
@@ -550,8 +542,7 @@ func TestAStagedVolumeThatDoesNotRecoverIsRetried(t *testing.T) {
 	recoverRetryWait, recoverRetryMaxWait = 50*time.Millisecond, 200*time.Millisecond
 	defer func() { recoverRetryWait, recoverRetryMaxWait = oldWait, oldMax }()
 	e := newNodeEnv(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	ctx := testCtx(t)
 	id := e.volume(t, ctx, "retried")
 	d1 := e.driver(t, nil, nil)
 	dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
