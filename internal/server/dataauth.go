@@ -39,7 +39,13 @@ import (
 //     rebuild-source: the replica is healthy, and Node is the server of one
 //     of the volume's rebuilding replicas, attached volume or not (its
 //     server reads the replica for the REBUILD_COPY requests its target
-//     serves; copysource.go).
+//     serves; copysource.go); for an attached volume, the engine must
+//     also hold the replica open through this server process
+//     (engineHolds): after a crash and restart of this server, which
+//     loses the writes a replica acknowledged since its last flush, the
+//     replica is still HEALTHY until the engine's next request fails on
+//     the connection that died, and a copy from it would give the target
+//     the holes;
 //
 // A handle may then do only what its purpose needs: a clone copy reads
 // that snapshot's layers (EXTENTS, SNAPSHOT_READ), an inspection reads
@@ -115,6 +121,10 @@ type dataAccess struct {
 	wait    time.Duration
 	// insecureInspect lets an unverified peer open for inspection.
 	insecureInspect bool
+	// engineHolds reports whether the engine attached at an epoch holds a
+	// replica open through this server process (wire.Server.HasHandle);
+	// nil: not checked.
+	engineHolds func(replica string, epoch uint64) bool
 }
 
 func newDataAccess(s *Server) *dataAccess {
@@ -263,6 +273,10 @@ func (a *dataAccess) checkOpen(m metaView, r wire.OpenRequest) (*dataGrant, erro
 	case wire.PurposeRebuildSource:
 		if err := checkRebuildSource(v, r.Replica, r.Node); err != nil {
 			return nil, err
+		}
+		if v.Attachment != nil && a.engineHolds != nil && !a.engineHolds(r.Replica, r.Epoch) {
+			return nil, denied("OPEN %s as a rebuild source at epoch %d: volume %s's engine does not hold the replica open through this server process (it restarted since?), which may have lost writes acknowledged since its last flush",
+				r.Replica, r.Epoch, v.Name)
 		}
 	case wire.PurposeInspect:
 	default:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -186,6 +187,7 @@ func TestDataAccessOpenRules(t *testing.T) {
 		{"clone copy of a snapshot not ready", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Snapshot: "snap-2", Epoch: 4, Purpose: wire.PurposeCloneCopy}, wire.ErrDenied},
 		{"inspect, unverified", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Epoch: 4, Purpose: wire.PurposeInspect}, wire.ErrDenied},
 		{"rebuild source, attached", attachedRebuilding, copySource("s2"), nil},
+		{"rebuild source, attached, the engine's handle not on this server process", attachedRebuilding, copySource("s2"), wire.ErrDenied},
 		{"rebuild source, detached", rebuilding, copySource("s2"), nil},
 		{"rebuild source for a server with no rebuilding replica", attachedRebuilding, copySource("s3"), wire.ErrDenied},
 		{"rebuild source with nothing rebuilding", testMeta(), copySource("s2"), wire.ErrDenied},
@@ -200,7 +202,12 @@ func TestDataAccessOpenRules(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			l := &laggingAccess{applied: tc.meta}
-			g, err := l.access().Open(context.Background(), wire.Peer{}, tc.open)
+			a := l.access()
+			// This server process holds the attached engine's handle
+			// of r1 at epoch 4, except where the case says not.
+			holds := !strings.Contains(tc.name, "not on this server process")
+			a.engineHolds = func(id string, epoch uint64) bool { return holds && id == "r1" && epoch == 4 }
+			g, err := a.Open(context.Background(), wire.Peer{}, tc.open)
 			if tc.want == nil {
 				if err != nil || g == nil {
 					t.Fatalf("Open = %v, %v; want a grant", g, err)

@@ -125,6 +125,7 @@ func (s *Server) startDataPlane() error {
 		store.Close()
 		return err
 	}
+	access.engineHolds = d.wire.HasHandle // before the service serves
 	if cfg.LocalSocket != "" {
 		ln, err := localread.Listen(cfg.LocalSocket)
 		if err != nil {
