@@ -441,6 +441,21 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 		if err != nil {
 			return fail(fmt.Errorf("staging path: %w", err))
 		}
+		if mounted {
+			// Mounted from another device than the one that serves the
+			// volume now (a device an engine fenced here disconnected,
+			// its filesystem still mounted): every I/O of that mount
+			// fails, and a pod published from it would get nothing
+			// else. Mount the volume again.
+			if from, _, err := mount.GetDeviceNameFromMount(n.host.Mounter, staging); err == nil && from != "" && from != dev {
+				n.d.log.Warn("the staging path is mounted from a device that no longer serves the volume; mounting it again",
+					"volume_id", id, "mounted_from", from, "device", dev)
+				if err := n.host.Mounter.Unmount(staging); err != nil {
+					return fail(fmt.Errorf("unmount %s, mounted from %s, which no longer serves the volume: %w", staging, from, err))
+				}
+				mounted = false
+			}
+		}
 		if !mounted {
 			opts := append([]string{}, req.GetVolumeCapability().GetMount().GetMountFlags()...)
 			if readOnly {

@@ -58,13 +58,18 @@ func testCtx(t *testing.T) context.Context {
 // wrapped by a test.
 func (e *nodeEnv) driver(t *testing.T, ops *attach.Kernel, volumes storpb.VolumeServiceClient) *Driver {
 	t.Helper()
-	if ops == nil {
-		ops = e.kern.Ops()
-	}
 	if volumes == nil {
 		volumes = e.cl.Volumes
 	}
-	cluster := Cluster{Cluster: e.cl.Cluster, Volumes: volumes, Snapshots: e.cl.Snapshots}
+	return e.driverOn(t, ops, Cluster{Cluster: e.cl.Cluster, Volumes: volumes, Snapshots: e.cl.Snapshots})
+}
+
+// driverOn is driver with the cluster's clients as given.
+func (e *nodeEnv) driverOn(t *testing.T, ops *attach.Kernel, cluster Cluster) *Driver {
+	t.Helper()
+	if ops == nil {
+		ops = e.kern.Ops()
+	}
 	att := NewKernelAttacher(KernelAttacherConfig{StateDir: e.attachDir(), NodeID: e.node,
 		Cluster: cluster, Kernel: ops, Logger: testLogger(t)})
 	m := mount.NewFakeMounter(nil)
@@ -565,5 +570,136 @@ func TestAStagedVolumeThatDoesNotRecoverIsRetried(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("the volume is not served 30 s after its recovery failed (%d refusals left)", volumes.refusals.Load())
 		}
+	}
+}
+
+// failingVolumes fails the first getFailures GetVolume calls with
+// Unavailable (a cluster out of reach when the plugin restarts).
+type failingVolumes struct {
+	storpb.VolumeServiceClient
+	getFailures atomic.Int32
+}
+
+func (v *failingVolumes) GetVolume(ctx context.Context, in *storpb.GetVolumeRequest, opts ...grpc.CallOption) (*storpb.GetVolumeResponse, error) {
+	if v.getFailures.Add(-1) >= 0 {
+		return nil, status.Error(codes.Unavailable, "test: no leader")
+	}
+	return v.VolumeServiceClient.GetVolume(ctx, in, opts...)
+}
+
+// failingCluster fails the first listFailures ListServers calls.
+type failingCluster struct {
+	storpb.ClusterServiceClient
+	listFailures atomic.Int32
+}
+
+func (c *failingCluster) ListServers(ctx context.Context, in *storpb.ListServersRequest, opts ...grpc.CallOption) (*storpb.ListServersResponse, error) {
+	if c.listFailures.Add(-1) >= 0 {
+		return nil, status.Error(codes.Unavailable, "test: no leader")
+	}
+	return c.ClusterServiceClient.ListServers(ctx, in, opts...)
+}
+
+// A plugin restart whose first look at the cluster fails, or whose resume
+// fails after its own attach raised the volume's epoch, must resume the
+// device at its next try, as long as nobody else attached the volume:
+// the check that a recorded device's epoch is still the volume's took the
+// first for a volume attached elsewhere, and the second for one attached
+// again since (its own failed attach), and disconnected the mounted device
+// both times.
+func TestAFailedResumeIsResumedByTheNextTry(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		setup func(e *nodeEnv, cluster *Cluster)
+	}{
+		{"the volume could not be read", func(e *nodeEnv, cluster *Cluster) {
+			v := &failingVolumes{VolumeServiceClient: e.cl.Volumes}
+			v.getFailures.Store(1)
+			cluster.Volumes = v
+		}},
+		{"the engine failed after its attach", func(e *nodeEnv, cluster *Cluster) {
+			c := &failingCluster{ClusterServiceClient: e.cl.Cluster}
+			c.listFailures.Store(1)
+			cluster.Cluster = c
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newNodeEnv(t)
+			ctx := testCtx(t)
+			id := e.volume(t, ctx, "resumed")
+			d1 := e.driver(t, nil, nil)
+			dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
+			d1.Close() // the plugin restarts: device and record stay
+
+			cluster := Cluster{Cluster: e.cl.Cluster, Volumes: e.cl.Volumes, Snapshots: e.cl.Snapshots}
+			tc.setup(e, &cluster)
+			d2 := e.driverOn(t, nil, cluster)
+			defer d2.Close()
+			if err := d2.node.recover(ctx); err == nil {
+				t.Fatal("the first recovery succeeded; the test expects it to fail")
+			}
+			if b := e.connected(dev); b != attach.BackendID(id) {
+				t.Fatalf("the failed recovery left %s connected for %q", dev, b)
+			}
+			if err := d2.node.recoverVolume(ctx, id); err != nil { // the retries' next look
+				t.Fatal(err)
+			}
+			s := d2.node.attacher.(*kernelAttacher).served[id]
+			if s == nil || !s.at.Resumed() || s.at.Device() != dev {
+				t.Fatalf("the next try did not resume %s (connected for %q): same node, nobody else attached", dev, e.connected(dev))
+			}
+		})
+	}
+}
+
+// A mount volume whose engine was fenced here keeps its staging mount on
+// the device the fenced stop disconnected; staged again without an
+// unstage between, the volume is served from a new device (on a real
+// kernel another index: the mount holds the old one), and the staging
+// path must be mounted from it: NodeStage saw the path mounted and
+// returned, leaving pods on a filesystem whose every I/O fails.
+func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "remount")
+	d := e.driver(t, nil, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	req := stageRequest(id, staging)
+	req.VolumeCapability = mountCap()
+	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, _, ok := d.node.attacher.Served(id); !ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the engine was not fenced by the detach within 20 s")
+		}
+	}
+	// The old mount stays on the old device, which the fake kernel would
+	// give out again: say it is another index, as a real kernel does.
+	m := d.node.host.Mounter.(*mount.FakeMounter)
+	if err := m.Unmount(staging); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
+		t.Fatal(err)
+	}
+	e.controllerPublish(t, ctx, id)
+	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	dev, _, _ := d.node.attacher.Served(id)
+	from, _, err := mount.GetDeviceNameFromMount(m, staging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if from != dev {
+		t.Fatalf("staged again: the staging path is mounted from %s, the volume served on %s", from, dev)
 	}
 }

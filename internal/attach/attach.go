@@ -272,7 +272,9 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 			return nil, err
 		}
 		if ours {
-			if err := checkResumable(ctx, cfg, rec); err != nil {
+			err := checkResumable(ctx, cfg, rec)
+			switch {
+			case errors.Is(err, errResumeEpoch):
 				// The requests the kernel still holds in the device
 				// were written at an epoch the volume has left: resent
 				// now, they would land over what was written since.
@@ -282,6 +284,8 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 					return nil, err
 				}
 				ours = false
+			case err != nil:
+				return nil, err // not known: device and record kept for a retry
 			}
 		}
 		if ours {
@@ -297,9 +301,21 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 		}
 	}
 
+	var onAttached func(uint64)
+	if rec != nil {
+		// Keep the record's epoch the volume's from the moment this
+		// resume's attach commits (checkResumable).
+		onAttached = func(epoch uint64) {
+			r := *rec
+			r.Epoch = epoch
+			if err := SaveRecord(cfg.StateDir, &r); err != nil {
+				log.Warn("could not record the new epoch of the resumed device", "epoch", epoch, "err", err)
+			}
+		}
+	}
 	openCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	eng, err := engine.Open(openCtx, engine.Config{
-		Volume: id, VolumeIsID: true, NodeID: cfg.NodeID,
+		Volume: id, VolumeIsID: true, NodeID: cfg.NodeID, OnAttached: onAttached,
 		// A resume attaches from the same node, which needs no takeover:
 		// the new epoch fences the dead instance. If the volume was
 		// attached to another node meanwhile, it is that node's now and
@@ -496,9 +512,13 @@ var errResumeEpoch = errors.New("attach: the volume was attached again since the
 // whose plugin was down, say) may have written over them. Only when
 // nothing attached since is the resend the same write again. A record of
 // no epoch (written by a version that did not record it) is resumed, as
-// before. The price: a process that died after its own engine attached
-// at a new epoch and before it recorded it leaves a device that is not
-// resumed, whose filesystem then sees I/O errors.
+// before. A resume records its engine's new epoch as soon as the attach
+// is committed (engine.Config.OnAttached), so that a resume that fails
+// after it is resumed by the next try. What is left: a process that dies,
+// or loses the attach's reply, between the commit and that record leaves
+// a device that is not resumed, whose filesystem then sees I/O errors.
+// Any other error (the cluster not answering) is returned, and the device
+// and its record are kept for a later try.
 func checkResumable(ctx context.Context, cfg Config, rec *Record) error {
 	if rec.Epoch == 0 || cfg.Control.Volumes == nil {
 		return nil

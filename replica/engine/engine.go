@@ -86,6 +86,11 @@ type Config struct {
 	// this host (replica/localread; localread.go): reads prefer those
 	// replicas and read them directly while they can.
 	LocalReaders []LocalReader
+	// OnAttached, if set, is called with the new epoch as soon as the
+	// control plane has committed Open's attach, before Open does anything
+	// else that may fail: a caller that records the epoch it attached at
+	// (internal/attach) then records it even when Open fails after it.
+	OnAttached func(epoch uint64)
 	// Control reaches the cluster; required.
 	Control ControlPlane
 	// Connect opens replicas; required (wire.Connector for the network).
@@ -247,6 +252,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("engine: attach %s: %w", cfg.Volume, err)
 	}
 	v := att.Volume
+	if cfg.OnAttached != nil {
+		cfg.OnAttached(v.Epoch)
+	}
 	e := newEngine(cfg, v)
 	if err := e.refreshServers(ctx); err != nil {
 		e.abort()
