@@ -23,12 +23,16 @@ type Attacher interface {
 	// Attach serves the volume on a kernel block device at a new epoch and
 	// returns the device path. A device recorded by an earlier instance of
 	// the plugin and still connected is resumed (RECONFIGURE), fencing
-	// that instance. Attaching a volume this Attacher serves returns its
-	// device.
+	// that instance, while the volume is still at the epoch the record
+	// names (internal/attach, checkResumable); else it is disconnected and
+	// a new one connected. Attaching a volume this Attacher serves returns
+	// its device.
 	Attach(ctx context.Context, volumeID string, readOnly bool) (device string, err error)
 	// Detach flushes the device, disconnects it and closes the engine
-	// (flushing every replica); the cluster attachment stays. A volume not
-	// served is success.
+	// (flushing every replica); the cluster attachment stays. Then it
+	// releases a device any stop left connected for the volume
+	// (attach.Release), and fails while that device is in use. A volume
+	// neither served nor recorded is success.
 	Detach(ctx context.Context, volumeID string) error
 	// Served reports the device of a served volume, its current size in
 	// bytes, and false if the volume is not served (never attached, or

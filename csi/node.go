@@ -516,10 +516,16 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csipb.NodeUnsta
 		// that what the unmount writes back has a server; the device
 		// waits for one, and the recovery leaves a volume alone while
 		// this call holds it. If it cannot be served, the unmount goes
-		// on: a device of a volume attached elsewhere fails its I/O.
+		// on only if it never can be (attached elsewhere, or deleted): a
+		// device of such a volume fails its I/O. Any other failure (the
+		// cluster out of reach) fails the call, for the kubelet to retry,
+		// rather than lose what the filesystem still has to write.
 		if _, _, ok := n.attacher.Served(id); !ok {
 			if _, err := n.attacher.Attach(ctx, id, rec.ReadOnly); err != nil {
-				n.d.log.Warn("unstaging a volume that is not served, and could not be served again: what its filesystem still had to write is lost", "volume_id", id, "err", err)
+				if code := clusterCode(err); code != codes.FailedPrecondition && code != codes.NotFound {
+					return nil, fmt.Errorf("volume %q is staged here but not served, and serving it again for its unmount failed (retry): %w", id, err)
+				}
+				n.d.log.Warn("unstaging a volume that is not served, and can no longer be served here: what its filesystem still had to write is lost", "volume_id", id, "err", err)
 			}
 		}
 	}

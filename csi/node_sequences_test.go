@@ -574,10 +574,21 @@ func TestAStagedVolumeThatDoesNotRecoverIsRetried(t *testing.T) {
 }
 
 // failingVolumes fails the first getFailures GetVolume calls with
-// Unavailable (a cluster out of reach when the plugin restarts).
+// Unavailable (a cluster out of reach when the plugin restarts), and
+// answers the first attachRepliesLost AttachVolume calls that succeed
+// with Unavailable (the reply lost after the commit).
 type failingVolumes struct {
 	storpb.VolumeServiceClient
-	getFailures atomic.Int32
+	getFailures       atomic.Int32
+	attachRepliesLost atomic.Int32
+}
+
+func (v *failingVolumes) AttachVolume(ctx context.Context, in *storpb.AttachVolumeRequest, opts ...grpc.CallOption) (*storpb.AttachVolumeResponse, error) {
+	r, err := v.VolumeServiceClient.AttachVolume(ctx, in, opts...)
+	if err == nil && v.attachRepliesLost.Add(-1) >= 0 {
+		return nil, status.Error(codes.Unavailable, "test: the reply was lost")
+	}
+	return r, err
 }
 
 func (v *failingVolumes) GetVolume(ctx context.Context, in *storpb.GetVolumeRequest, opts ...grpc.CallOption) (*storpb.GetVolumeResponse, error) {
@@ -621,6 +632,11 @@ func TestAFailedResumeIsResumedByTheNextTry(t *testing.T) {
 			c := &failingCluster{ClusterServiceClient: e.cl.Cluster}
 			c.listFailures.Store(1)
 			cluster.Cluster = c
+		}},
+		{"the attach's reply was lost", func(e *nodeEnv, cluster *Cluster) {
+			v := &failingVolumes{VolumeServiceClient: e.cl.Volumes}
+			v.attachRepliesLost.Store(1)
+			cluster.Volumes = v
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -701,5 +717,46 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 	}
 	if from != dev {
 		t.Fatalf("staged again: the staging path is mounted from %s, the volume served on %s", from, dev)
+	}
+}
+
+// A NodeUnstage of a mount volume staged here but not served (the plugin
+// restarted) serves it first so that its unmount's writeback has a
+// server; if that fails for a reason that may pass (the cluster out of
+// reach), the unstage must fail, for the kubelet to retry: it unmounted
+// anyway, and what the filesystem still had to write was lost while the
+// kubelet went on to detach the volume.
+func TestAnUnstageThatCannotServeItsVolumeForNowFails(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "unstage-later")
+	d1 := e.driver(t, nil, nil)
+	staging := filepath.Join(e.dir, "staging")
+	req := stageRequest(id, staging)
+	req.VolumeCapability = mountCap()
+	if _, err := d1.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	dev, _, _ := d1.node.attacher.Served(id)
+	d1.Close()
+
+	v := &failingVolumes{VolumeServiceClient: e.cl.Volumes}
+	v.getFailures.Store(1)
+	d2 := e.driverOn(t, nil, Cluster{Cluster: e.cl.Cluster, Volumes: v, Snapshots: e.cl.Snapshots})
+	defer d2.Close()
+	m := mount.NewFakeMounter([]mount.MountPoint{{Device: dev, Path: staging}})
+	d2.node.host.Mounter = m
+	unstage := &csipb.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}
+	if _, err := d2.node.NodeUnstageVolume(ctx, unstage); err == nil {
+		t.Fatal("NodeUnstage succeeded although its volume could not be served for the unmount")
+	}
+	if mounted, _ := m.IsMountPoint(staging); !mounted {
+		t.Fatal("the failed NodeUnstage unmounted the staging path with nothing serving its device")
+	}
+	if _, err := d2.node.NodeUnstageVolume(ctx, unstage); err != nil {
+		t.Fatalf("the retried NodeUnstage: %v", err)
+	}
+	if b := e.connected(dev); b != "" {
+		t.Fatalf("the retried NodeUnstage left %s connected for %q", dev, b)
 	}
 }

@@ -280,8 +280,14 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 				// now, they would land over what was written since.
 				log.Warn("the recorded device was left at an older epoch; disconnecting it (the requests still in it fail) and attaching a new one",
 					"device", rec.Device, "why", err)
-				if err := disconnectRecorded(ctx, k, cfg.Kernel, rec, log); err != nil {
+				// Looked at again: the volume's read may have taken a
+				// while, and the index may be another volume's now.
+				if still, err := recordedDevice(ctx, k, cfg.Kernel, rec); err != nil {
 					return nil, err
+				} else if still {
+					if err := disconnectRecorded(ctx, k, cfg.Kernel, rec, log); err != nil {
+						return nil, err
+					}
 				}
 				ours = false
 			case err != nil:
@@ -303,11 +309,16 @@ func Open(ctx context.Context, cfg Config) (_ *Attachment, err error) {
 
 	var onAttached func(uint64)
 	if rec != nil {
-		// Keep the record's epoch the volume's from the moment this
-		// resume's attach commits (checkResumable).
+		// Keep the record's epoch the volume's (checkResumable): marked
+		// resuming before the attach, and its new epoch from the moment
+		// the attach commits.
+		r := *rec
+		r.Resuming = true
+		if err := SaveRecord(cfg.StateDir, &r); err != nil {
+			return nil, fmt.Errorf("attach: record the resume of %s: %w", rec.Device, err)
+		}
 		onAttached = func(epoch uint64) {
-			r := *rec
-			r.Epoch = epoch
+			r.Epoch, r.Resuming = epoch, false
 			if err := SaveRecord(cfg.StateDir, &r); err != nil {
 				log.Warn("could not record the new epoch of the resumed device", "epoch", epoch, "err", err)
 			}
@@ -512,13 +523,12 @@ var errResumeEpoch = errors.New("attach: the volume was attached again since the
 // whose plugin was down, say) may have written over them. Only when
 // nothing attached since is the resend the same write again. A record of
 // no epoch (written by a version that did not record it) is resumed, as
-// before. A resume records its engine's new epoch as soon as the attach
-// is committed (engine.Config.OnAttached), so that a resume that fails
-// after it is resumed by the next try. What is left: a process that dies,
-// or loses the attach's reply, between the commit and that record leaves
-// a device that is not resumed, whose filesystem then sees I/O errors.
-// Any other error (the cluster not answering) is returned, and the device
-// and its record are kept for a later try.
+// before. A resume marks the record (Resuming) before it attaches and
+// records its engine's new epoch as soon as the attach is committed
+// (engine.Config.OnAttached), so that a resume that fails after its
+// attach, or loses the attach's reply, is resumed by the next try. Any
+// other error (the cluster not answering) is returned, and the device and
+// its record are kept for a later try.
 func checkResumable(ctx context.Context, cfg Config, rec *Record) error {
 	if rec.Epoch == 0 || cfg.Control.Volumes == nil {
 		return nil
@@ -530,13 +540,20 @@ func checkResumable(ctx context.Context, cfg Config, rec *Record) error {
 		return fmt.Errorf("attach: read volume %q to resume %s: %w", rec.Volume, rec.Device, err)
 	}
 	v := resp.GetVolume()
-	if v.GetEpoch() != rec.Epoch {
-		return fmt.Errorf("%w: volume %q is at epoch %d, the device at %d", errResumeEpoch, rec.Volume, v.GetEpoch(), rec.Epoch)
-	}
 	if at := v.GetAttachment(); at != nil && at.NodeId != cfg.NodeID {
 		return fmt.Errorf("%w: volume %q is attached to node %q", errResumeEpoch, rec.Volume, at.NodeId)
 	}
-	return nil
+	switch e := v.GetEpoch(); {
+	case e == rec.Epoch:
+		return nil
+	case rec.Resuming && e == rec.Epoch+1 && v.GetAttachment().GetNodeId() == cfg.NodeID:
+		// The resume before this one attached and lost the reply: one
+		// attach since, this node's own; any other history (a detach,
+		// another node's attach, and back) is two epochs or more.
+		return nil
+	default:
+		return fmt.Errorf("%w: volume %q is at epoch %d, the device at %d", errResumeEpoch, rec.Volume, e, rec.Epoch)
+	}
 }
 
 // disconnectRecorded disconnects the device rec names (the requests still
@@ -860,9 +877,11 @@ wait:
 	case stopFenced:
 		at.drain()
 		closeEngine(at.cfg, at.eng, false)
-		err := at.dropFenced()
-		return errors.Join(fmt.Errorf("%w: volume %q was attached again at a newer epoch: this server has stopped and disconnected %s",
-			ErrFenced, at.export, kernel.Path(at.index)), err)
+		if err := at.dropFenced(); err != nil {
+			return errors.Join(fmt.Errorf("%w: volume %q was attached again at a newer epoch: this server has stopped", ErrFenced, at.export), err)
+		}
+		return fmt.Errorf("%w: volume %q was attached again at a newer epoch: this server has stopped and disconnected %s",
+			ErrFenced, at.export, kernel.Path(at.index))
 	case stopGone:
 		at.drain()
 		err := closeEngine(at.cfg, at.eng, !at.cfg.KeepAttachment)
@@ -948,6 +967,11 @@ func (at *Attachment) followSize() {
 // for the device: it would need this process's lock on the volume.
 func (at *Attachment) dropFenced() error {
 	at.stopping.Store(true)
+	if b, err := at.cfg.Kernel.Backend(at.index); err == nil && b != at.backend {
+		// Disconnected elsewhere, and the index taken by another volume
+		// since: not ours to disconnect.
+		return RemoveRecord(at.cfg.StateDir, at.eng.ID())
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), at.cfg.Timeout)
 	err := at.k.Disconnect(ctx, at.index)
 	cancel()

@@ -17,11 +17,18 @@
 // long as it serves; the kernel drops the lock when the process dies,
 // however it dies, so the lock (not the pid) says whether a server lives.
 // An Open that finds a record whose device the kernel still has
-// connected for the same backend id resumes it: it reopens the engine at
-// a new epoch (fencing the dead instance, whose replicas then refuse its
-// writes), makes new socket pairs and hands them to the existing device
-// (RECONFIGURE). I/O on the device pauses and resumes without errors if
-// the new server comes within the kernel's dead-connection timeout.
+// connected for the same backend id resumes it, if the volume is still at
+// the record's epoch and not attached to another node (checkResumable): it
+// reopens the engine at a new epoch (fencing the dead instance, whose
+// replicas then refuse its writes), makes new socket pairs and hands them
+// to the existing device (RECONFIGURE). I/O on the device pauses and
+// resumes without errors if the new server comes within the kernel's
+// dead-connection timeout. A device left at an epoch the volume has left
+// (attached again since, elsewhere or after a detach) is disconnected
+// instead: the kernel would resend the requests still in it over what was
+// written since. So is the device of an engine fenced while it runs
+// (Run), and Release disconnects what a stop left, for a caller that gives
+// the volume up on this node.
 //
 // # Restart without a stall
 //
@@ -45,7 +52,9 @@
 //     RECONFIGURE or a DISCONNECT ("stor-ctl nbd detach", which fails
 //     them with EIO).
 //  2. A new process takes the lock and finds the record; the kernel still
-//     has the device connected for the same backend id: resume. A death
+//     has the device connected for the same backend id, and the volume is
+//     at the record's epoch: resume. The record is marked resuming, and
+//     takes the new epoch as soon as the attach of step 3 commits. A death
 //     here is step 1 again.
 //  3. engine.Open at a new epoch fences the dead process's engine (its
 //     replicas refuse its writes) and reconciles the regions the kill

@@ -36,7 +36,13 @@ type Record struct {
 	Node        string `json:"node"`
 	PID         int    `json:"pid"`
 	// Epoch is the volume's epoch when this process attached it.
-	Epoch      uint64    `json:"epoch"`
+	Epoch uint64 `json:"epoch"`
+	// Resuming is set while a resume of the device attaches the volume
+	// anew (before its attach is committed and the new epoch recorded):
+	// a resume that lost its attach's reply leaves the volume one epoch
+	// past Epoch, attached to this node, which the next try may resume
+	// (checkResumable).
+	Resuming   bool      `json:"resuming,omitempty"`
 	AttachedAt time.Time `json:"attached_at"`
 }
 
