@@ -120,6 +120,45 @@ func stageRequest(id, staging string) *csipb.NodeStageVolumeRequest {
 		PublishContext: map[string]string{ctxReadOnly: "false"}}
 }
 
+// stagedByADeadPlugin makes a volume, stages it (block, or mount with
+// mountCap when mounted) with a plugin process that then dies, leaving
+// device and record for the next: the volume's id, device and staging
+// path.
+func (e *nodeEnv) stagedByADeadPlugin(t *testing.T, ctx context.Context, name string, mounted bool) (id, dev, staging string) {
+	t.Helper()
+	id = e.volume(t, ctx, name)
+	d := e.driver(t, nil, nil)
+	staging = filepath.Join(e.dir, "staging-"+name)
+	req := stageRequest(id, staging)
+	if mounted {
+		req.VolumeCapability = mountCap()
+	}
+	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	dev, _, _ = d.node.attacher.Served(id)
+	d.Close()
+	return id, dev, staging
+}
+
+// forceDetach detaches volume id from the node, as ControllerUnpublish
+// does once a node was NotReady long enough, and waits until d's engine
+// of it is fenced and stopped.
+func (e *nodeEnv) forceDetach(t *testing.T, ctx context.Context, d *Driver, id string) {
+	t.Helper()
+	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, _, ok := d.node.attacher.Served(id); !ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the engine was not fenced by the detach within 20 s")
+		}
+	}
+}
+
 func stage(t *testing.T, ctx context.Context, d *Driver, id, staging string) string {
 	t.Helper()
 	if _, err := d.node.NodeStageVolume(ctx, stageRequest(id, staging)); err != nil {
@@ -149,17 +188,7 @@ func TestAFencedVolumesDeviceIsNeverResumed(t *testing.T) {
 	defer d.Close()
 	staging := filepath.Join(e.dir, "staging")
 	dev := stage(t, ctx, d, id, staging)
-	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
-		t.Fatal(err)
-	}
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if _, _, ok := d.node.attacher.Served(id); !ok {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the engine was not fenced by the detach within 20 s")
-		}
-	}
+	e.forceDetach(t, ctx, d, id)
 	rec, err := attach.LoadRecord(e.attachDir(), id)
 	if err != nil {
 		t.Fatal(err)
@@ -194,11 +223,7 @@ func TestAFencedVolumesDeviceIsNeverResumed(t *testing.T) {
 func TestADeviceLeftAtAnOlderEpochIsNotResumed(t *testing.T) {
 	e := newNodeEnv(t)
 	ctx := testCtx(t)
-	id := e.volume(t, ctx, "moved")
-	d1 := e.driver(t, nil, nil)
-	staging := filepath.Join(e.dir, "staging")
-	dev := stage(t, ctx, d1, id, staging)
-	d1.Close() // the plugin dies: device and record stay
+	id, dev, _ := e.stagedByADeadPlugin(t, ctx, "moved", false)
 	// ControllerUnpublish, another node, then back to this one.
 	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
 		t.Fatal(err)
@@ -418,10 +443,7 @@ func (e *nodeEnv) hookStatus(hook func(context.Context) error) *attach.Kernel {
 func TestACancelledRecoveryKeepsTheDevicesRecord(t *testing.T) {
 	e := newNodeEnv(t)
 	ctx := testCtx(t)
-	id := e.volume(t, ctx, "cancelled")
-	d1 := e.driver(t, nil, nil)
-	dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
-	d1.Close() // the process stops: device and record stay for the next
+	id, dev, _ := e.stagedByADeadPlugin(t, ctx, "cancelled", false)
 
 	// The real netlink client fails every call on a done context (the
 	// fake kernel ignores contexts).
@@ -494,11 +516,7 @@ func TestAFailedRepeatedStageLeavesTheVolumeServed(t *testing.T) {
 func TestAnUnstageDuringRecoveryIsNotUndone(t *testing.T) {
 	e := newNodeEnv(t)
 	ctx := testCtx(t)
-	id := e.volume(t, ctx, "unstaged-early")
-	d1 := e.driver(t, nil, nil)
-	staging := filepath.Join(e.dir, "staging")
-	stage(t, ctx, d1, id, staging)
-	d1.Close()
+	id, _, staging := e.stagedByADeadPlugin(t, ctx, "unstaged-early", false)
 
 	gate := make(chan struct{}) // every Status waits for it
 	d2 := e.driver(t, e.hookStatus(func(context.Context) error { <-gate; return nil }), nil)
@@ -525,19 +543,6 @@ func TestAnUnstageDuringRecoveryIsNotUndone(t *testing.T) {
 	}
 }
 
-// refusingVolumes refuses the first refusals AttachVolume calls.
-type refusingVolumes struct {
-	storpb.VolumeServiceClient
-	refusals atomic.Int32
-}
-
-func (v *refusingVolumes) AttachVolume(ctx context.Context, in *storpb.AttachVolumeRequest, opts ...grpc.CallOption) (*storpb.AttachVolumeResponse, error) {
-	if v.refusals.Add(-1) >= 0 {
-		return nil, status.Error(codes.FailedPrecondition, "test: refused")
-	}
-	return v.VolumeServiceClient.AttachVolume(ctx, in, opts...)
-}
-
 // A staged volume that does not recover at the start (its cluster
 // refused, a replica out of reach) is retried until it is served: the
 // kubelet takes it for staged and does not stage it again, so a recovery
@@ -548,13 +553,10 @@ func TestAStagedVolumeThatDoesNotRecoverIsRetried(t *testing.T) {
 	defer func() { recoverRetryWait, recoverRetryMaxWait = oldWait, oldMax }()
 	e := newNodeEnv(t)
 	ctx := testCtx(t)
-	id := e.volume(t, ctx, "retried")
-	d1 := e.driver(t, nil, nil)
-	dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
-	d1.Close()
+	id, dev, _ := e.stagedByADeadPlugin(t, ctx, "retried", false)
 
-	volumes := &refusingVolumes{VolumeServiceClient: e.cl.Volumes}
-	volumes.refusals.Store(3)
+	volumes := &failingVolumes{VolumeServiceClient: e.cl.Volumes}
+	volumes.attachRefusals.Store(3)
 	d2 := e.driver(t, nil, volumes)
 	defer d2.Close()
 	if err := d2.node.recover(ctx); err == nil {
@@ -568,22 +570,27 @@ func TestAStagedVolumeThatDoesNotRecoverIsRetried(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the volume is not served 30 s after its recovery failed (%d refusals left)", volumes.refusals.Load())
+			t.Fatalf("the volume is not served 30 s after its recovery failed (%d refusals left)", volumes.attachRefusals.Load())
 		}
 	}
 }
 
 // failingVolumes fails the first getFailures GetVolume calls with
-// Unavailable (a cluster out of reach when the plugin restarts), and
+// Unavailable (a cluster out of reach when the plugin restarts), refuses
+// the first attachRefusals AttachVolume calls (FailedPrecondition), and
 // answers the first attachRepliesLost AttachVolume calls that succeed
 // with Unavailable (the reply lost after the commit).
 type failingVolumes struct {
 	storpb.VolumeServiceClient
 	getFailures       atomic.Int32
+	attachRefusals    atomic.Int32
 	attachRepliesLost atomic.Int32
 }
 
 func (v *failingVolumes) AttachVolume(ctx context.Context, in *storpb.AttachVolumeRequest, opts ...grpc.CallOption) (*storpb.AttachVolumeResponse, error) {
+	if v.attachRefusals.Add(-1) >= 0 {
+		return nil, status.Error(codes.FailedPrecondition, "test: refused")
+	}
 	r, err := v.VolumeServiceClient.AttachVolume(ctx, in, opts...)
 	if err == nil && v.attachRepliesLost.Add(-1) >= 0 {
 		return nil, status.Error(codes.Unavailable, "test: the reply was lost")
@@ -642,10 +649,7 @@ func TestAFailedResumeIsResumedByTheNextTry(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newNodeEnv(t)
 			ctx := testCtx(t)
-			id := e.volume(t, ctx, "resumed")
-			d1 := e.driver(t, nil, nil)
-			dev := stage(t, ctx, d1, id, filepath.Join(e.dir, "staging"))
-			d1.Close() // the plugin restarts: device and record stay
+			id, dev, _ := e.stagedByADeadPlugin(t, ctx, "resumed", false)
 
 			cluster := Cluster{Cluster: e.cl.Cluster, Volumes: e.cl.Volumes, Snapshots: e.cl.Snapshots}
 			tc.setup(e, &cluster)
@@ -686,17 +690,7 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
-		t.Fatal(err)
-	}
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if _, _, ok := d.node.attacher.Served(id); !ok {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the engine was not fenced by the detach within 20 s")
-		}
-	}
+	e.forceDetach(t, ctx, d, id)
 	// The old mount stays on the old device, which the fake kernel would
 	// give out again: say it is another index, as a real kernel does.
 	m := d.node.host.Mounter.(*mount.FakeMounter)
@@ -729,16 +723,7 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 func TestAnUnstageThatCannotServeItsVolumeForNowFails(t *testing.T) {
 	e := newNodeEnv(t)
 	ctx := testCtx(t)
-	id := e.volume(t, ctx, "unstage-later")
-	d1 := e.driver(t, nil, nil)
-	staging := filepath.Join(e.dir, "staging")
-	req := stageRequest(id, staging)
-	req.VolumeCapability = mountCap()
-	if _, err := d1.node.NodeStageVolume(ctx, req); err != nil {
-		t.Fatal(err)
-	}
-	dev, _, _ := d1.node.attacher.Served(id)
-	d1.Close()
+	id, dev, staging := e.stagedByADeadPlugin(t, ctx, "unstage-later", true)
 
 	v := &failingVolumes{VolumeServiceClient: e.cl.Volumes}
 	v.getFailures.Store(1)
