@@ -284,12 +284,11 @@ func (n *nodeServer) recoverVolume(ctx context.Context, id string) error {
 	if err != nil || r == nil {
 		return err // unstaged meanwhile: nothing to recover
 	}
-	if _, _, ok := n.attacher.Served(id); ok {
-		return nil // staged again meanwhile
-	}
-	dev, err := n.attacher.Attach(ctx, id, r.ReadOnly)
-	if err != nil {
-		return err
+	dev, _, served := n.attacher.Served(id)
+	if !served { // else staged again meanwhile, or served by an earlier try
+		if dev, err = n.attacher.Attach(ctx, id, r.ReadOnly); err != nil {
+			return err
+		}
 	}
 	if dev != r.Device {
 		n.d.log.Warn("a staged volume came back on another device; what was mounted from the old one is lost", "volume_id", id, "was", r.Device, "now", dev)
@@ -408,7 +407,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 	if d, _, ok := n.attacher.Served(id); ok {
 		dev = d
 	}
-	attached := false // by this call
+	attached, mountedHere := false, false // by this call
 	if dev == "" {
 		if _, err := n.getVolume(ctx, id); err != nil {
 			return nil, err
@@ -470,6 +469,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 			if err := n.host.FormatAndMount(dev, staging, fs, opts); err != nil {
 				return fail(fmt.Errorf("format and mount %s on %s: %w", dev, staging, err))
 			}
+			mountedHere = true
 			if !readOnly {
 				// A volume restored or cloned into a larger claim holds
 				// its source's smaller filesystem: grow it to the device
@@ -481,9 +481,15 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 			}
 		}
 	}
-	if err := n.save(&stagedRecord{VolumeID: id, StagingPath: staging, Device: dev, Block: block, FSType: fs, ReadOnly: readOnly}); err != nil {
-		if !block {
-			n.host.Mounter.Unmount(staging)
+	staged := &stagedRecord{VolumeID: id, StagingPath: staging, Device: dev, Block: block, FSType: fs, ReadOnly: readOnly}
+	if rec != nil {
+		// A repeated stage: the volume's publications stay recorded (the
+		// single-writer rule and the read-only targets read them).
+		staged.Targets, staged.ReadOnlyTargets = rec.Targets, rec.ReadOnlyTargets
+	}
+	if err := n.save(staged); err != nil {
+		if mountedHere {
+			n.host.Mounter.Unmount(staging) // only what this call mounted
 		}
 		return fail(fmt.Errorf("record the staged volume: %w", err))
 	}

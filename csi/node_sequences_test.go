@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -159,6 +160,18 @@ func (e *nodeEnv) forceDetach(t *testing.T, ctx context.Context, d *Driver, id s
 	}
 }
 
+// stageMount stages volume id with d as a mount volume at staging, and
+// returns the request.
+func stageMount(t *testing.T, ctx context.Context, d *Driver, id, staging string) *csipb.NodeStageVolumeRequest {
+	t.Helper()
+	req := stageRequest(id, staging)
+	req.VolumeCapability = mountCap()
+	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	return req
+}
+
 func stage(t *testing.T, ctx context.Context, d *Driver, id, staging string) string {
 	t.Helper()
 	if _, err := d.node.NodeStageVolume(ctx, stageRequest(id, staging)); err != nil {
@@ -266,13 +279,8 @@ func TestAnUnstageDuringRecoveryServesTheVolumeForItsUnmount(t *testing.T) {
 	}
 	d1 := e.driver(t, nil, nil)
 	st1, st2 := filepath.Join(e.dir, "staging1"), filepath.Join(e.dir, "staging2")
-	for _, v := range []struct{ id, staging string }{{id1, st1}, {id2, st2}} {
-		req := stageRequest(v.id, v.staging)
-		req.VolumeCapability = mountCap()
-		if _, err := d1.node.NodeStageVolume(ctx, req); err != nil {
-			t.Fatal(err)
-		}
-	}
+	stageMount(t, ctx, d1, id1, st1)
+	stageMount(t, ctx, d1, id2, st2)
 	dev1, _, _ := d1.node.attacher.Served(id1)
 	dev2, _, _ := d1.node.attacher.Served(id2)
 	d1.Close()
@@ -389,11 +397,7 @@ func TestUnstageWithoutARecordUnmountsTheStagingPath(t *testing.T) {
 	d.node.host = &Host{Mounter: m, FormatAndMount: m.Mount, ResizeFS: func(string, string) error { return nil },
 		DeviceSize: func(string) (int64, error) { return 0, nil }}
 	staging := filepath.Join(e.dir, "staging")
-	req := stageRequest(id, staging)
-	req.VolumeCapability = mountCap()
-	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
-		t.Fatal(err)
-	}
+	stageMount(t, ctx, d, id, staging)
 	dev, _, _ := d.node.attacher.Served(id)
 	if err := d.node.remove(id); err != nil { // as if killed before the record was written
 		t.Fatal(err)
@@ -685,11 +689,7 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 	d := e.driver(t, nil, nil)
 	defer d.Close()
 	staging := filepath.Join(e.dir, "staging")
-	req := stageRequest(id, staging)
-	req.VolumeCapability = mountCap()
-	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
-		t.Fatal(err)
-	}
+	req := stageMount(t, ctx, d, id, staging)
 	e.forceDetach(t, ctx, d, id)
 	// The old mount stays on the old device, which the fake kernel would
 	// give out again: say it is another index, as a real kernel does.
@@ -743,5 +743,72 @@ func TestAnUnstageThatCannotServeItsVolumeForNowFails(t *testing.T) {
 	}
 	if b := e.connected(dev); b != "" {
 		t.Fatalf("the retried NodeUnstage left %s connected for %q", dev, b)
+	}
+}
+
+// A repeated NodeStage of a mount volume already staged and published
+// keeps what it did not make: the record of the volume's publications
+// (it wrote a record without them, losing the single-writer rule's and
+// the read-only targets' memory) and, when its record cannot be written,
+// the staging mount (it unmounted it under the running pods).
+func TestARepeatedStageKeepsWhatItDidNotMake(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "restage-mount")
+	d := e.driver(t, nil, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	req := stageMount(t, ctx, d, id, staging)
+	target := filepath.Join(e.dir, "pod", "mnt")
+	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: target, VolumeCapability: mountCap()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if rec, err := d.node.load(id); err != nil || rec == nil || !slices.Contains(rec.Targets, target) {
+		t.Fatalf("after a repeated stage the record of the volume's publications is %+v (%v), want it to name %s", rec, err, target)
+	}
+	recordDir := d.node.dir
+	d.node.dir = filepath.Join(e.dir, "no-such-dir") // the record cannot be written
+	if _, err := d.node.NodeStageVolume(ctx, req); err == nil {
+		t.Fatal("a stage whose record cannot be written succeeded")
+	}
+	d.node.dir = recordDir
+	if mounted, _ := d.node.host.Mounter.IsMountPoint(staging); !mounted {
+		t.Fatal("a failed repeated stage unmounted the staging path it had not mounted")
+	}
+}
+
+// A recovery whose record of the volume's new device could not be written
+// repairs it at its next look: it found the volume served and returned,
+// leaving the record on the old device, which a block publish then
+// refused for good ("stage it again", which the kubelet does not do).
+func TestARecoveryRepairsTheRecordOfTheDevice(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "repair")
+	d := e.driver(t, nil, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	dev := stage(t, ctx, d, id, staging)
+	rec, err := d.node.load(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec.Device = "/dev/nbd9" // what a recovery that served it anew failed to update
+	if err := d.node.save(rec); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.node.recoverVolume(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if rec, _ := d.node.load(id); rec == nil || rec.Device != dev {
+		t.Fatalf("the record names %v, the volume is served on %s", rec, dev)
+	}
+	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: filepath.Join(e.dir, "pod", "dev"), VolumeCapability: rwoCap()}); err != nil {
+		t.Fatal(err)
 	}
 }
