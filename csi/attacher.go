@@ -137,15 +137,11 @@ func (k *kernelAttacher) Attach(ctx context.Context, volumeID string, readOnly b
 }
 
 // Detach stops serving the volume (the clean stop: flush, disconnect,
-// close) and then releases what any stop left on this node: a device that
-// an engine fenced by a newer attach, or a stop that found the device in
-// use, left connected without a server, with its record
-// (attach.Release). A detach succeeds only once no device is connected
-// for the volume here: a later attach of the volume to this node would
-// resume such a device, and the kernel would resend the requests still
-// held in it, written by the fenced engine, over what the volume's next
-// holders wrote meanwhile. A device still in use fails it (ErrInUse), as
-// often as it is retried.
+// close) and then releases what any stop left on this node (attach.Release):
+// a device a stop that found it in use left connected without a server,
+// or one a fenced stop failed to disconnect, with its record. A device
+// still in use fails the detach (ErrInUse), as often as it is retried:
+// the volume is given up here only once nothing on this node holds it.
 func (k *kernelAttacher) Detach(ctx context.Context, volumeID string) error {
 	k.mu.Lock()
 	s := k.served[volumeID]

@@ -1067,13 +1067,11 @@ func (at *Attachment) detach() error {
 
 // Release disconnects the device recorded for volumeID in stateDir and
 // removes the record, when no live process serves the volume: what an
-// attach that stopped without its clean stop left behind (fenced by a
-// newer attach, or the device in use at its stop). Requests still in
-// flight on the device fail: no server will answer them. It is for a
-// caller that has given the volume up on this node (a CSI NodeUnstage),
-// because a later Open of the volume would resume such a device, and the
-// kernel would resend those requests, written by an engine that was
-// fenced, over whatever the volume's new holders wrote since.
+// attach that stopped without its clean stop left behind (the device in
+// use at its stop, or a fenced stop whose disconnect failed). Requests
+// still in flight on the device fail: no server will answer them. It is
+// for a caller that has given the volume up on this node (a CSI
+// NodeUnstage), so that nothing of the volume stays connected here.
 //
 // It returns ErrAlreadyServed if a live process serves the volume, and
 // ErrInUse, keeping device and record, if the device is in use (mounted,
