@@ -58,8 +58,9 @@ type Replica struct {
 
 	snapMu sync.Mutex // serialises DeleteSnapshot
 
-	directMu sync.Mutex // serialises the read generation file (shortcircuit.go)
-	noDirect bool       // the head could not be scrubbed at open: no direct reads (shortcircuit.go)
+	directMu sync.Mutex              // serialises the read generation file (shortcircuit.go)
+	views    map[*DirectFiles]func() // guarded by directMu: open views and how to end each (shortcircuit.go)
+	noDirect bool                    // the head could not be scrubbed at open: no direct reads (shortcircuit.go)
 
 	cache   *fileCache    // the store's; nil: the files stay open until Close
 	lastUse atomic.Uint64 // cache.clock at the latest request

@@ -59,6 +59,13 @@ import (
 // through the server (the page cache is shared), its view reads the
 // blocks they touch from the head, and it never reads a block while its
 // write is in flight.
+//
+// Advancing the counter is a file write, and can fail (EMFILE; EROFS once
+// ext4 has remounted read-only). A change that can wait is then refused.
+// A failure, or a close, cannot be refused: so whoever opens a view
+// also gives OpenDirect a way to end it (the localread server closes the
+// connection the engine checks after every read), and a failed advance
+// calls every open view's before it returns. A view ends either way.
 const readGenName = "readgen"
 
 // Limits of a direct open: the descriptors one message carries, and the
@@ -82,9 +89,24 @@ type DirectFiles struct {
 	// Generation is the counter's value when they were opened: a read is
 	// valid while the file still holds it.
 	Generation uint64
+
+	r *Replica // whose views hold this one's revoke until Done
 }
 
-// Close closes the files.
+// Done tells the replica the view opened with d has ended (its engine
+// closed it): the replica forgets the revoke OpenDirect was given. It may
+// be called before or after Close, and more than once.
+func (d *DirectFiles) Done() {
+	if d.r == nil {
+		return
+	}
+	d.r.directMu.Lock()
+	delete(d.r.views, d)
+	d.r.directMu.Unlock()
+}
+
+// Close closes the files. The view they were sent for lives on until
+// Done.
 func (d *DirectFiles) Close() error {
 	errs := []error{d.Gen.Close()}
 	for _, f := range d.Layers {
@@ -97,7 +119,12 @@ func (d *DirectFiles) Close() error {
 // fails with ErrStaleEpoch for an old epoch and with ErrNotDirect when the
 // replica cannot be read that way now (snapshots, a rebuild, a store not
 // on the OS filesystem).
-func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
+//
+// revoke must end the view the files are sent for, so that no read
+// through it is taken as valid once revoke has returned; the replica
+// calls it, at most once, when it cannot advance its read generation
+// (see above). It is held until the caller calls Done.
+func (r *Replica) OpenDirect(o Op, revoke func()) (*DirectFiles, error) {
 	r.mu.RLock()
 	for !r.closed && !r.filesOpen {
 		// The indexes handed out are those of loaded layers: open it as a
@@ -169,6 +196,12 @@ func (r *Replica) OpenDirect(o Op) (*DirectFiles, error) {
 		}
 		d.Layers = append(d.Layers, f)
 	}
+	// Held under directMu from the read of the counter on: a failure
+	// recorded after the check above revokes this view too.
+	if r.views == nil {
+		r.views = map[*DirectFiles]func(){}
+	}
+	r.views[d], d.r = revoke, r
 	return d, nil
 }
 
@@ -208,12 +241,27 @@ func (r *Replica) readGenLocked(create bool) (uint64, error) {
 
 // invalidateDirect advances the read generation, so that every
 // short-circuit read opened before fails its check. It is called before
-// the change it announces takes effect; when it fails, the change must not
-// be made (a reader could not be told). Without a readgen file (no
-// short-circuit read was ever opened) it does nothing.
+// the change it announces takes effect. When it fails, every open view is
+// revoked before it returns, and a change that can be refused is not made
+// (its caller returns the error). Without a readgen file (no short-circuit
+// read was ever opened) it does nothing.
 func (r *Replica) invalidateDirect(why string) error {
 	r.directMu.Lock()
 	defer r.directMu.Unlock()
+	err := r.advanceReadGenLocked(why)
+	if err != nil && len(r.views) > 0 {
+		r.log.Warn("short-circuit reads could not be invalidated: ending their views", "why", why, "views", len(r.views), "err", err)
+		for d, revoke := range r.views {
+			if revoke != nil {
+				revoke()
+			}
+			delete(r.views, d)
+		}
+	}
+	return err
+}
+
+func (r *Replica) advanceReadGenLocked(why string) error {
 	f, err := r.fs.OpenFile(filepath.Join(r.dir, readGenName), os.O_RDWR, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil

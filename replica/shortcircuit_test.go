@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"maps"
 	"testing"
 
 	"github.com/stor-io/stor/replica"
@@ -39,10 +40,10 @@ func TestOpenDirect(t *testing.T) {
 	if err := r.WriteAt(o, data, 4096); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.OpenDirect(replica.Op{Epoch: 2}); !errors.Is(err, replica.ErrStaleEpoch) {
+	if _, err := r.OpenDirect(replica.Op{Epoch: 2}, nil); !errors.Is(err, replica.ErrStaleEpoch) {
 		t.Fatalf("OpenDirect at an old epoch: %v, want ErrStaleEpoch", err)
 	}
-	d, err := r.OpenDirect(o)
+	d, err := r.OpenDirect(o, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +102,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("rebuild begun")
-	if _, err := r.OpenDirect(o); !errors.Is(err, replica.ErrNotDirect) {
+	if _, err := r.OpenDirect(o, nil); !errors.Is(err, replica.ErrNotDirect) {
 		t.Fatalf("OpenDirect during a rebuild: %v, want ErrNotDirect", err)
 	}
 	if err := r.EndRebuild(o); err != nil {
@@ -111,7 +112,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("snapshot cut")
-	ds, err := r.OpenDirect(o)
+	ds, err := r.OpenDirect(o, nil)
 	if err != nil {
 		t.Fatalf("OpenDirect with a snapshot layer: %v", err)
 	}
@@ -125,7 +126,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("snapshot layer dropped")
-	d2, err := r.OpenDirect(o)
+	d2, err := r.OpenDirect(o, nil)
 	if err != nil {
 		t.Fatalf("OpenDirect after the snapshot was merged: %v", err)
 	}
@@ -148,8 +149,9 @@ func TestOpenDirect(t *testing.T) {
 }
 
 // TestDirectInvalidationFailureStopsTheChange: when the counter cannot be
-// advanced, the change it announces is not made (a reader could not be
-// told of it).
+// advanced, the change it announces is not made, and every view still
+// open is ended by the revoke it was opened with (once; not one whose
+// opener said it was done).
 func TestDirectInvalidationFailureStopsTheChange(t *testing.T) {
 	dir := t.TempDir()
 	efs := errorfs.New(replica.OS(), 1)
@@ -162,17 +164,28 @@ func TestDirectInvalidationFailureStopsTheChange(t *testing.T) {
 	if err := r.Fence(1); err != nil {
 		t.Fatal(err)
 	}
-	d, err := r.OpenDirect(replica.Op{Epoch: 1})
-	if err != nil {
-		t.Fatal(err)
+	revoked := map[string]int{}
+	open := func(name string) *replica.DirectFiles {
+		d, err := r.OpenDirect(replica.Op{Epoch: 1}, func() { revoked[name]++ })
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		return d
 	}
-	defer d.Close()
+	open("open")
+	open("ended").Done()
 	efs.Add(errorfs.Rule{Path: "readgen", Ops: errorfs.OpWrite})
-	if err := r.Fence(2); err == nil {
-		t.Fatal("the epoch was raised although readgen could not be advanced")
+	for range 2 {
+		if err := r.Fence(2); err == nil {
+			t.Fatal("the epoch was raised although readgen could not be advanced")
+		}
 	}
 	if r.Epoch() != 1 {
 		t.Fatalf("epoch %d after the failed raise, want 1", r.Epoch())
+	}
+	if want := map[string]int{"open": 1}; !maps.Equal(revoked, want) {
+		t.Fatalf("views revoked %v, want %v", revoked, want)
 	}
 }
 
@@ -213,7 +226,7 @@ func TestOpenDirectAfterACrash(t *testing.T) {
 	if !bytes.Equal(want[:4096], bytes.Repeat([]byte{0xa5}, 4096)) {
 		t.Fatal("the flushed write is gone")
 	}
-	d, err := r2.OpenDirect(o)
+	d, err := r2.OpenDirect(o, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -240,7 +253,7 @@ func TestOpenDirectNeverRaisesTheEpoch(t *testing.T) {
 	if err := r.Fence(3); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.OpenDirect(replica.Op{Epoch: 1 << 62}); !errors.Is(err, replica.ErrNotDirect) {
+	if _, err := r.OpenDirect(replica.Op{Epoch: 1 << 62}, nil); !errors.Is(err, replica.ErrNotDirect) {
 		t.Fatalf("OpenDirect at a higher epoch: %v, want ErrNotDirect", err)
 	}
 	if e := r.Epoch(); e != 3 {
@@ -263,7 +276,7 @@ func TestFailedReplicaEndsDirectReads(t *testing.T) {
 	if err := r.WriteAt(o, make([]byte, 4096), 0); err != nil {
 		t.Fatal(err)
 	}
-	d, err := r.OpenDirect(o)
+	d, err := r.OpenDirect(o, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -275,7 +288,7 @@ func TestFailedReplicaEndsDirectReads(t *testing.T) {
 	if g := readGen(t, d); g == d.Generation {
 		t.Fatal("the replica failed but readgen did not move")
 	}
-	if _, err := r.OpenDirect(o); err == nil {
+	if _, err := r.OpenDirect(o, nil); err == nil {
 		t.Fatal("a failed replica opened for direct reads")
 	}
 }
@@ -308,7 +321,7 @@ func TestOpenDirectAfterARestartWithSnapshots(t *testing.T) {
 	s = openStore(t, cfg)
 	defer s.Close()
 	r = get(t, s, "r1")
-	d, err := r.OpenDirect(o)
+	d, err := r.OpenDirect(o, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

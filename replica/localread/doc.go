@@ -41,5 +41,7 @@
 // holds healthy, and only for reads that no write in flight overlaps, the
 // same conditions as a read through the server. The connection that
 // carried the descriptors stays open while the View lives; the server's
-// end closing (the process died) makes the View stale too.
+// end closing makes the View stale too: the process died, or the replica
+// could not advance its read generation when it failed or closed (the
+// server closes the connections of its views then).
 package localread

@@ -310,3 +310,62 @@ func TestViewEndsWithTheServer(t *testing.T) {
 		t.Fatalf("read after the server closed: %v, want ErrStale", err)
 	}
 }
+
+// TestAViewEndsWhenItsReplicaCannotAdvanceItsReadGeneration: a replica
+// that fails, or closes, advances its read generation so that open views
+// go stale. When that cannot be done (the readgen file cannot be opened
+// or written: EMFILE, or EROFS after ext4 remounted read-only), the
+// server ends the views by closing their connections instead. Before,
+// such a view stayed valid and went on reading a failed replica's files,
+// or a deleted replica's.
+func TestAViewEndsWhenItsReplicaCannotAdvanceItsReadGeneration(t *testing.T) {
+	failFlush := func(e *env, efs *errorfs.FS, r *replica.Replica) {
+		efs.Add(errorfs.Rule{Path: ".data", Ops: errorfs.OpSync})
+		if err := r.Flush(replica.Op{Epoch: 1}); err == nil {
+			t.Fatal("the flush did not fail")
+		}
+		if r.Failed() == nil {
+			t.Fatal("the replica did not fail")
+		}
+	}
+	for _, tc := range []struct {
+		name   string
+		ops    errorfs.Op
+		err    error
+		change func(e *env, efs *errorfs.FS, r *replica.Replica)
+	}{
+		{"failed, readgen not writable", errorfs.OpWrite, syscall.EROFS, failFlush},
+		{"failed, readgen not openable", errorfs.OpOpen, syscall.EMFILE, failFlush},
+		{"deleted, readgen not writable", errorfs.OpWrite, syscall.EROFS, func(e *env, efs *errorfs.FS, r *replica.Replica) {
+			if err := e.store.Delete("r1"); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			efs := errorfs.New(replica.OS(), 1)
+			e := newEnvFS(t, efs)
+			r, err := e.store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := replica.Op{Epoch: 1}
+			if err := r.WriteAt(o, bytes.Repeat([]byte{7}, 4096), 0); err != nil {
+				t.Fatal(err)
+			}
+			v, err := e.open(t, "r1", "v1", 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer v.Close()
+			if err := v.ReadAt(make([]byte, 4096), 0); err != nil {
+				t.Fatalf("read before the change: %v", err)
+			}
+			efs.Add(errorfs.Rule{Path: "readgen", Ops: tc.ops, Err: tc.err})
+			tc.change(e, efs, r)
+			if err := v.ReadAt(make([]byte, 4096), 0); !errors.Is(err, localread.ErrStale) {
+				t.Fatalf("read after the change, the read generation not advanced: %v, want ErrStale", err)
+			}
+		})
+	}
+}

@@ -202,7 +202,9 @@ func (s *Server) serveConn(c *net.UnixConn) {
 		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID}, nil)
 		return
 	}
-	files, err := s.open(req)
+	// The view ends with c: the replica closes it when it cannot
+	// advance its read generation (replica.Replica.OpenDirect).
+	files, err := s.open(req, func() { c.Close() })
 	if err != nil {
 		s.send(c, reply{Version: protocolVersion, ServerID: s.serverID, Code: codeOf(err), Error: err.Error()}, nil)
 		return
@@ -211,6 +213,7 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	for _, runs := range files.Index {
 		rep.Runs = append(rep.Runs, len(runs))
 	}
+	defer files.Done()
 	err = s.send(c, rep, files)
 	files.Close()
 	if err != nil {
@@ -243,7 +246,7 @@ func (s *Server) holdOpen(c *net.UnixConn) {
 	c.Read(b[:]) // returns at EOF, on any byte, or when Close closes c
 }
 
-func (s *Server) open(req request) (*replica.DirectFiles, error) {
+func (s *Server) open(req request, revoke func()) (*replica.DirectFiles, error) {
 	r, err := s.store.Get(req.Replica)
 	if err != nil {
 		return nil, err
@@ -255,7 +258,7 @@ func (s *Server) open(req request) (*replica.DirectFiles, error) {
 		return nil, fmt.Errorf("%w: no engine holds replica %s open at epoch %d through this server process (it restarted since the engine opened it?): read it through the server",
 			replica.ErrNotDirect, req.Replica, req.Epoch)
 	}
-	return r.OpenDirect(replica.Op{Epoch: req.Epoch})
+	return r.OpenDirect(replica.Op{Epoch: req.Epoch}, revoke)
 }
 
 // checkPeer admits root and this process's user at the other end of c
