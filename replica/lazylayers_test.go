@@ -166,7 +166,7 @@ func TestFirstRequestsRaceAfterARestart(t *testing.T) {
 						}
 					case 3:
 						var d *replica.DirectFiles
-						d, err = r.OpenDirect(op, nil)
+						d, err = r.OpenDirect(op, noRevoke)
 						if err == nil {
 							err = d.Close()
 						} else if errors.Is(err, replica.ErrNotDirect) {

@@ -58,9 +58,9 @@ type Replica struct {
 
 	snapMu sync.Mutex // serialises DeleteSnapshot
 
-	directMu sync.Mutex              // serialises the read generation file (shortcircuit.go)
-	views    map[*DirectFiles]func() // guarded by directMu: open views and how to end each (shortcircuit.go)
-	noDirect bool                    // the head could not be scrubbed at open: no direct reads (shortcircuit.go)
+	directMu sync.Mutex           // serialises the read generation file (shortcircuit.go)
+	views    map[*directView]bool // guarded by directMu: the open views (shortcircuit.go)
+	noDirect bool                 // the head could not be scrubbed at open: no direct reads (shortcircuit.go)
 
 	cache   *fileCache    // the store's; nil: the files stay open until Close
 	lastUse atomic.Uint64 // cache.clock at the latest request
@@ -76,7 +76,7 @@ func (r *Replica) fail(err error) error {
 	if r.failure.CompareAndSwap(nil, &failure{err}) {
 		r.log.Error("replica failed: refusing all further requests until reopened", "err", err)
 		if ierr := r.invalidateDirect("replica failed"); ierr != nil {
-			r.log.Error("short-circuit reads of the failed replica could not be invalidated", "err", ierr)
+			r.log.Error("short-circuit reads of the failed replica could not be invalidated: their views were ended", "err", ierr)
 		}
 	}
 	return err

@@ -76,7 +76,8 @@ const (
 )
 
 // DirectFiles are the descriptors of a short-circuit read (see above). The
-// caller owns and closes them.
+// caller owns and closes them, and calls Done when the view they were sent
+// for ends.
 type DirectFiles struct {
 	// Layers are the chain's data files, oldest first, the head last,
 	// opened read-only. A block past a file's end reads as zeroes.
@@ -90,8 +91,13 @@ type DirectFiles struct {
 	// valid while the file still holds it.
 	Generation uint64
 
-	r *Replica // whose views hold this one's revoke until Done
+	r    *Replica    // whose views hold view until Done
+	view *directView // this open's registration
 }
+
+// directView is an open view's registration with its replica: how to end
+// it (OpenDirect's revoke).
+type directView struct{ revoke func() }
 
 // Done tells the replica the view opened with d has ended (its engine
 // closed it): the replica forgets the revoke OpenDirect was given. It may
@@ -101,13 +107,14 @@ func (d *DirectFiles) Done() {
 		return
 	}
 	d.r.directMu.Lock()
-	delete(d.r.views, d)
+	delete(d.r.views, d.view)
 	d.r.directMu.Unlock()
 }
 
-// Close closes the files. The view they were sent for lives on until
-// Done.
+// Close closes the files and drops the index (an open copies up to
+// MaxDirectRuns runs). The view they were sent for lives on until Done.
 func (d *DirectFiles) Close() error {
+	d.Index = nil
 	errs := []error{d.Gen.Close()}
 	for _, f := range d.Layers {
 		errs = append(errs, f.Close())
@@ -125,6 +132,9 @@ func (d *DirectFiles) Close() error {
 // calls it, at most once, when it cannot advance its read generation
 // (see above). It is held until the caller calls Done.
 func (r *Replica) OpenDirect(o Op, revoke func()) (*DirectFiles, error) {
+	if revoke == nil {
+		return nil, fmt.Errorf("%w: a direct open needs a way to end its view", ErrInvalid)
+	}
 	r.mu.RLock()
 	for !r.closed && !r.filesOpen {
 		// The indexes handed out are those of loaded layers: open it as a
@@ -199,9 +209,10 @@ func (r *Replica) OpenDirect(o Op, revoke func()) (*DirectFiles, error) {
 	// Held under directMu from the read of the counter on: a failure
 	// recorded after the check above revokes this view too.
 	if r.views == nil {
-		r.views = map[*DirectFiles]func(){}
+		r.views = map[*directView]bool{}
 	}
-	r.views[d], d.r = revoke, r
+	d.r, d.view = r, &directView{revoke: revoke}
+	r.views[d.view] = true
 	return d, nil
 }
 
@@ -251,11 +262,9 @@ func (r *Replica) invalidateDirect(why string) error {
 	err := r.advanceReadGenLocked(why)
 	if err != nil && len(r.views) > 0 {
 		r.log.Warn("short-circuit reads could not be invalidated: ending their views", "why", why, "views", len(r.views), "err", err)
-		for d, revoke := range r.views {
-			if revoke != nil {
-				revoke()
-			}
-			delete(r.views, d)
+		for v := range r.views {
+			v.revoke()
+			delete(r.views, v)
 		}
 	}
 	return err

@@ -14,6 +14,10 @@ import (
 )
 
 // readGen reads the counter a short-circuit reader compares.
+// noRevoke is the revoke of a view these tests end by hand: they check
+// the read generation, not a connection.
+func noRevoke() {}
+
 func readGen(t *testing.T, d *replica.DirectFiles) uint64 {
 	t.Helper()
 	var b [8]byte
@@ -40,10 +44,13 @@ func TestOpenDirect(t *testing.T) {
 	if err := r.WriteAt(o, data, 4096); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.OpenDirect(replica.Op{Epoch: 2}, nil); !errors.Is(err, replica.ErrStaleEpoch) {
+	if _, err := r.OpenDirect(replica.Op{Epoch: 2}, noRevoke); !errors.Is(err, replica.ErrStaleEpoch) {
 		t.Fatalf("OpenDirect at an old epoch: %v, want ErrStaleEpoch", err)
 	}
-	d, err := r.OpenDirect(o, nil)
+	if _, err := r.OpenDirect(o, nil); !errors.Is(err, replica.ErrInvalid) {
+		t.Fatalf("OpenDirect without a revoke: %v, want ErrInvalid", err)
+	}
+	d, err := r.OpenDirect(o, noRevoke)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,7 +109,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("rebuild begun")
-	if _, err := r.OpenDirect(o, nil); !errors.Is(err, replica.ErrNotDirect) {
+	if _, err := r.OpenDirect(o, noRevoke); !errors.Is(err, replica.ErrNotDirect) {
 		t.Fatalf("OpenDirect during a rebuild: %v, want ErrNotDirect", err)
 	}
 	if err := r.EndRebuild(o); err != nil {
@@ -112,7 +119,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("snapshot cut")
-	ds, err := r.OpenDirect(o, nil)
+	ds, err := r.OpenDirect(o, noRevoke)
 	if err != nil {
 		t.Fatalf("OpenDirect with a snapshot layer: %v", err)
 	}
@@ -126,7 +133,7 @@ func TestOpenDirect(t *testing.T) {
 		t.Fatal(err)
 	}
 	advanced("snapshot layer dropped")
-	d2, err := r.OpenDirect(o, nil)
+	d2, err := r.OpenDirect(o, noRevoke)
 	if err != nil {
 		t.Fatalf("OpenDirect after the snapshot was merged: %v", err)
 	}
@@ -226,7 +233,7 @@ func TestOpenDirectAfterACrash(t *testing.T) {
 	if !bytes.Equal(want[:4096], bytes.Repeat([]byte{0xa5}, 4096)) {
 		t.Fatal("the flushed write is gone")
 	}
-	d, err := r2.OpenDirect(o, nil)
+	d, err := r2.OpenDirect(o, noRevoke)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -253,7 +260,7 @@ func TestOpenDirectNeverRaisesTheEpoch(t *testing.T) {
 	if err := r.Fence(3); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.OpenDirect(replica.Op{Epoch: 1 << 62}, nil); !errors.Is(err, replica.ErrNotDirect) {
+	if _, err := r.OpenDirect(replica.Op{Epoch: 1 << 62}, noRevoke); !errors.Is(err, replica.ErrNotDirect) {
 		t.Fatalf("OpenDirect at a higher epoch: %v, want ErrNotDirect", err)
 	}
 	if e := r.Epoch(); e != 3 {
@@ -276,7 +283,7 @@ func TestFailedReplicaEndsDirectReads(t *testing.T) {
 	if err := r.WriteAt(o, make([]byte, 4096), 0); err != nil {
 		t.Fatal(err)
 	}
-	d, err := r.OpenDirect(o, nil)
+	d, err := r.OpenDirect(o, noRevoke)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,7 +295,7 @@ func TestFailedReplicaEndsDirectReads(t *testing.T) {
 	if g := readGen(t, d); g == d.Generation {
 		t.Fatal("the replica failed but readgen did not move")
 	}
-	if _, err := r.OpenDirect(o, nil); err == nil {
+	if _, err := r.OpenDirect(o, noRevoke); err == nil {
 		t.Fatal("a failed replica opened for direct reads")
 	}
 }
@@ -321,7 +328,7 @@ func TestOpenDirectAfterARestartWithSnapshots(t *testing.T) {
 	s = openStore(t, cfg)
 	defer s.Close()
 	r = get(t, s, "r1")
-	d, err := r.OpenDirect(o, nil)
+	d, err := r.OpenDirect(o, noRevoke)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -213,14 +213,16 @@ func (s *Server) serveConn(c *net.UnixConn) {
 	for _, runs := range files.Index {
 		rep.Runs = append(rep.Runs, len(runs))
 	}
-	defer files.Done()
 	err = s.send(c, rep, files)
 	files.Close()
-	if err != nil {
-		return
+	if err == nil {
+		s.log.Debug("short-circuit read opened", "replica", req.Replica, "volume_id", req.Volume, "epoch", req.Epoch, "read_generation", files.Generation)
+		s.holdOpen(c)
 	}
-	s.log.Debug("short-circuit read opened", "replica", req.Replica, "volume_id", req.Volume, "epoch", req.Epoch, "read_generation", files.Generation)
-	s.holdOpen(c)
+	// The view has ended only once c is closed: until then a revoke
+	// must still be able to end it.
+	c.Close()
+	files.Done()
 }
 
 // holdOpen keeps a View's connection open until the client closes it (or
