@@ -279,12 +279,19 @@ func (d *dataPlane) reconcile() {
 			continue
 		}
 		r, err := d.store.Create(replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes, VolumeName: p.vol.Name})
+		grown := err == nil
 		if err != nil {
 			d.s.logger.Warn("create replica", "replica", id, "volume", p.vol.Name, "volume_id", p.vol.Id, "err", err)
 			if diskFailure(err) {
 				d.reportFailed(p, err)
 			}
-			continue
+			// A replica that exists but could not be grown (its new
+			// meta.json could not be written) is still fenced below: the
+			// fence rewrites a slot of a file it has, and an engine of an
+			// older epoch must not go on writing to it.
+			if r, err = d.store.Get(id); err != nil || r.VolumeID() != p.vol.Id {
+				continue
+			}
 		}
 		if err := r.Failed(); err != nil {
 			d.reportFailed(p, err)
@@ -298,6 +305,9 @@ func (d *dataPlane) reconcile() {
 				}
 				continue
 			}
+		}
+		if !grown {
+			continue
 		}
 		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
 			d.forgetFailures(id) // it works (again): its next failure is reported at once

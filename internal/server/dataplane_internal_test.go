@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"github.com/hashicorp/raft"
@@ -249,5 +250,55 @@ func testDeletedReplicaForgotten(t *testing.T, syncFails bool) {
 	}
 	if n := ws.Stats().AttachOrders; n != 0 {
 		t.Errorf("after the reconcile deleted r1 the data port still orders %d replicas' attach handles; want 0", n)
+	}
+}
+
+// TestAReplicaThatCannotGrowIsFenced: a reconcile grows a local replica to
+// its volume's size, then fences it at the volume's epoch. A grow that
+// failed (it writes a new meta.json: a full disk, a quota, a permission)
+// skipped the fence, which only rewrites a slot of an existing file and
+// would have worked: a volume expanded and then detached (force, from a
+// node cut off from the control plane) kept its replica at the old epoch,
+// and the old node's engine went on writing to it, acknowledged.
+func TestAReplicaThatCannotGrowIsFenced(t *testing.T) {
+	b, err := proto.Marshal(&storpb.Volume{Id: "v1", Name: "name-v1", SizeBytes: 2 << 20, Epoch: 6,
+		State:    storpb.VolumeState_VOLUME_STATE_AVAILABLE,
+		Replicas: []*storpb.Replica{{Id: "r1", ServerId: "s1", State: storpb.ReplicaState_REPLICA_STATE_HEALTHY}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := raftstore.OpenFSM(stateFile(t, map[string][]byte{"v1": b}, nil), replicatest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	efs := errorfs.New(replica.OS(), 1)
+	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), FS: efs, Logger: replicatest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	r1, err := store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r1.Fence(5); err != nil { // attached at epoch 5 before the expansion and the detach
+		t.Fatal(err)
+	}
+	efs.Add(errorfs.Rule{Path: "meta.json.tmp", Err: syscall.EACCES})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
+	d := &dataPlane{s: s, store: store, wire: storeWire(t, store), rebuilding: map[string]bool{}, tasks: map[string]bool{},
+		view: f.View, catchUp: func(context.Context) error { return nil }}
+	d.reconcile()
+	if got := r1.Size(); got != 1<<20 {
+		t.Fatalf("replica r1 grew to %d although meta.json could not be written", got)
+	}
+	if got := r1.Epoch(); got != 6 {
+		t.Errorf("replica r1, whose grow failed, is at epoch %d after the reconcile; want the volume's 6", got)
+	}
+	if err := r1.WriteAt(replica.Op{Epoch: 5}, make([]byte, 4096), 0); !errors.Is(err, replica.ErrStaleEpoch) {
+		t.Errorf("a write at the old epoch 5: %v, want ErrStaleEpoch", err)
 	}
 }
