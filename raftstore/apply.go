@@ -441,6 +441,19 @@ func (w *writer) attachVolume(at int64, req *storpb.AttachVolumeRequest) (proto.
 	if mode == storpb.AccessMode_ACCESS_MODE_UNSPECIFIED {
 		mode = storpb.AccessMode_ACCESS_MODE_READ_WRITE
 	}
+	if req.RequireAttached {
+		// A re-attach (a node's, at its plugin's restart or a restage)
+		// keeps the publication's mode: only a publish sets it, and a
+		// node may not make a volume published to it read-only writable.
+		pub := v.Attachment.Mode
+		if pub == storpb.AccessMode_ACCESS_MODE_READ_ONLY && mode != pub {
+			return nil, fmt.Errorf("%w: volume %q is published to node %q read-only; a re-attach cannot make it writable",
+				ErrFailedPrecondition, v.Name, req.NodeId)
+		}
+		if pub != storpb.AccessMode_ACCESS_MODE_UNSPECIFIED {
+			mode = pub
+		}
+	}
 	v.Epoch++
 	v.Attachment = &storpb.Attachment{NodeId: req.NodeId, Mode: mode, AttachedUnixNano: at}
 	w.put(bucketVolumes, v.Id, v)

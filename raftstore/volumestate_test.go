@@ -326,3 +326,40 @@ func TestFSMDeletedVolumeSurvivesRestore(t *testing.T) {
 		}
 	}
 }
+
+// TestAReattachKeepsThePublicationsMode: a node re-attaches (require
+// attached: its plugin restarted, or restaged) only in the mode the
+// volume was published to it in. It used to set whatever mode it asked
+// for, so a node's certificate turned a read-only publication into a
+// read-write attachment, and a later publish in the published mode was
+// then refused as a conflict.
+func TestAReattachKeepsThePublicationsMode(t *testing.T) {
+	f := openTestFSM(t, "")
+	mustApply(t, f, cmdInitCluster("c"))
+	for _, id := range []string{"s1", "s2", "s3"} {
+		mustApply(t, f, cmdRegisterServer(id, "", 0, nil), cmdSetServerState(id, storpb.ServerState_SERVER_STATE_UP))
+	}
+	attach := func(id string, mode storpb.AccessMode, requireAttached bool) command {
+		return command{Op: opAttachVolume, Body: &storpb.AttachVolumeRequest{
+			Volume: &storpb.VolumeRef{Id: id}, NodeId: "node-a", Mode: mode, RequireAttached: requireAttached}}
+	}
+	ro, rw := storpb.AccessMode_ACCESS_MODE_READ_ONLY, storpb.AccessMode_ACCESS_MODE_READ_WRITE
+	mustApply(t, f, cmdCreateVolume("v1", "ro", mib, 3), attach("v1", ro, false))
+	epoch := readVolume(t, f, "v1").Epoch
+	if r := applyCommands(t, f, attach("v1", rw, true))[0]; !errors.Is(r.err, ErrFailedPrecondition) {
+		t.Fatalf("a read-write re-attach of a volume published read-only: %v, want ErrFailedPrecondition", r.err)
+	}
+	if v := readVolume(t, f, "v1"); v.Attachment.GetMode() != ro || v.Epoch != epoch {
+		t.Fatalf("after the refused re-attach: mode %v at epoch %d, want %v at %d", v.Attachment.GetMode(), v.Epoch, ro, epoch)
+	}
+	mustApply(t, f, attach("v1", ro, true))
+	if v := readVolume(t, f, "v1"); v.Attachment.GetMode() != ro || v.Epoch != epoch+1 {
+		t.Fatalf("after a read-only re-attach: mode %v at epoch %d, want %v at %d", v.Attachment.GetMode(), v.Epoch, ro, epoch+1)
+	}
+	// A read-only re-attach of a read-write publication opens it
+	// read-only on the node; the publication stays read-write.
+	mustApply(t, f, cmdCreateVolume("v2", "rw", mib, 3), attach("v2", rw, false), attach("v2", ro, true))
+	if v := readVolume(t, f, "v2"); v.Attachment.GetMode() != rw {
+		t.Fatalf("a read-write publication re-attached read-only: mode %v, want %v", v.Attachment.GetMode(), rw)
+	}
+}
