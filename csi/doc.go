@@ -122,7 +122,11 @@
 // the device is in use; it unmounts the staging path even without a
 // staged record. A repeated NodeStageVolume that fails detaches nothing it
 // did not attach, and a block NodePublishVolume requires the volume served
-// on its staged device.
+// on its staged device. A mount NodePublishVolume serves its volume if it
+// is not served, and mounts the staging path again when it is mounted
+// from a device that no longer serves the volume (fenced here, then
+// published here again: the kubelet, which takes it for staged, does not
+// stage it again).
 //
 // The node plugin checks at New (with the kernel's attacher) that it
 // reaches the kernel's nbd netlink family, and fails otherwise: a kernel

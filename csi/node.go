@@ -441,44 +441,15 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 			return fail(fmt.Errorf("staging path: %w", err))
 		}
 		if mounted {
-			// Mounted from another device than the one that serves the
-			// volume now (a device an engine fenced here disconnected,
-			// its filesystem still mounted): every I/O of that mount
-			// fails, and a pod published from it would get nothing
-			// else. Mount the volume again.
-			if from, _, err := mount.GetDeviceNameFromMount(n.host.Mounter, staging); err == nil && from != "" && from != dev {
-				n.d.log.Warn("the staging path is mounted from a device that no longer serves the volume; mounting it again",
-					"volume_id", id, "mounted_from", from, "device", dev)
-				if err := n.host.Mounter.Unmount(staging); err != nil {
-					return fail(fmt.Errorf("unmount %s, mounted from %s, which no longer serves the volume: %w", staging, from, err))
-				}
-				mounted = false
+			if mounted, err = n.unmountStale(id, staging, dev); err != nil {
+				return fail(err)
 			}
 		}
 		if !mounted {
-			opts := append([]string{}, req.GetVolumeCapability().GetMount().GetMountFlags()...)
-			if readOnly {
-				opts = append(opts, "ro")
-			}
-			if fs == "xfs" && !slices.Contains(opts, "nouuid") {
-				// A clone or restored snapshot carries its source's XFS
-				// UUID; without nouuid it cannot be mounted on the node
-				// where its source is.
-				opts = append(opts, "nouuid")
-			}
-			if err := n.host.FormatAndMount(dev, staging, fs, opts); err != nil {
-				return fail(fmt.Errorf("format and mount %s on %s: %w", dev, staging, err))
+			if err := n.mountStaging(dev, staging, fs, req.GetVolumeCapability().GetMount().GetMountFlags(), readOnly); err != nil {
+				return fail(err)
 			}
 			mountedHere = true
-			if !readOnly {
-				// A volume restored or cloned into a larger claim holds
-				// its source's smaller filesystem: grow it to the device
-				// (a no-op for a filesystem that already fills it).
-				if err := n.host.ResizeFS(dev, staging); err != nil {
-					n.host.Mounter.Unmount(staging)
-					return fail(fmt.Errorf("grow the filesystem on %s to the volume's size: %w", dev, err))
-				}
-			}
 		}
 	}
 	staged := &stagedRecord{VolumeID: id, StagingPath: staging, Device: dev, Block: block, FSType: fs, ReadOnly: readOnly}
@@ -494,6 +465,84 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 		return fail(fmt.Errorf("record the staged volume: %w", err))
 	}
 	return &csipb.NodeStageVolumeResponse{}, nil
+}
+
+// restage makes the mounted staging path of mount volume rec a mount of
+// the device that serves the volume now, serving the volume first if it
+// is not served (a resume gives back the device the path is mounted
+// from), and records that device.
+func (n *nodeServer) restage(ctx context.Context, rec *stagedRecord, flags []string) error {
+	id := rec.VolumeID
+	dev, _, ok := n.attacher.Served(id)
+	if !ok {
+		var err error
+		if dev, err = n.attacher.Attach(ctx, id, rec.ReadOnly); err != nil {
+			return fmt.Errorf("volume %q is staged here but not served, and serving it again failed: %w", id, err)
+		}
+	}
+	mounted, err := n.unmountStale(id, rec.StagingPath, dev)
+	if err != nil {
+		return err
+	}
+	if !mounted {
+		if err := n.mountStaging(dev, rec.StagingPath, rec.FSType, flags, rec.ReadOnly); err != nil {
+			return err
+		}
+	}
+	if rec.Device != dev {
+		rec.Device = dev
+		if err := n.save(rec); err != nil {
+			return fmt.Errorf("record the staged volume's device: %w", err)
+		}
+	}
+	return nil
+}
+
+// unmountStale unmounts the staging path of volume id, which is mounted,
+// when it is mounted from another device than dev, the one that serves
+// the volume now (a device an engine fenced here disconnected, its
+// filesystem still mounted): every I/O of that mount fails, and a pod
+// published from it would get nothing else. It reports whether the path
+// is still mounted (from dev).
+func (n *nodeServer) unmountStale(id, staging, dev string) (bool, error) {
+	from, _, err := mount.GetDeviceNameFromMount(n.host.Mounter, staging)
+	if err != nil || from == "" || from == dev {
+		return true, nil
+	}
+	n.d.log.Warn("the staging path is mounted from a device that no longer serves the volume; mounting it again",
+		"volume_id", id, "mounted_from", from, "device", dev)
+	if err := n.host.Mounter.Unmount(staging); err != nil {
+		return true, fmt.Errorf("unmount %s, mounted from %s, which no longer serves the volume: %w", staging, from, err)
+	}
+	return false, nil
+}
+
+// mountStaging formats dev if it holds no filesystem, mounts it at the
+// staging path and grows the filesystem to the device.
+func (n *nodeServer) mountStaging(dev, staging, fs string, flags []string, readOnly bool) error {
+	opts := append([]string{}, flags...)
+	if readOnly {
+		opts = append(opts, "ro")
+	}
+	if fs == "xfs" && !slices.Contains(opts, "nouuid") {
+		// A clone or restored snapshot carries its source's XFS UUID;
+		// without nouuid it cannot be mounted on the node where its
+		// source is.
+		opts = append(opts, "nouuid")
+	}
+	if err := n.host.FormatAndMount(dev, staging, fs, opts); err != nil {
+		return fmt.Errorf("format and mount %s on %s: %w", dev, staging, err)
+	}
+	if !readOnly {
+		// A volume restored or cloned into a larger claim holds its
+		// source's smaller filesystem: grow it to the device (a no-op
+		// for a filesystem that already fills it).
+		if err := n.host.ResizeFS(dev, staging); err != nil {
+			n.host.Mounter.Unmount(staging)
+			return fmt.Errorf("grow the filesystem on %s to the volume's size: %w", dev, err)
+		}
+	}
+	return nil
 }
 
 // NodeUnstageVolume unmounts the staging path, flushes and disconnects
@@ -614,6 +663,16 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 		}
 		if !mounted {
 			return nil, preconditionf("volume %q: nothing is mounted at its staging path %s; stage it again", id, rec.StagingPath)
+		}
+		// Mounted, but perhaps from a device that no longer serves the
+		// volume: its engine was fenced here (a force detach) and the
+		// volume published here again, and the kubelet, which still
+		// takes it for staged, does not stage it again. Serve it and
+		// mount it again from the serving device, as NodeStage does:
+		// bind-mounting the stale mount gave the pod I/O errors for
+		// good.
+		if err := n.restage(ctx, rec, req.GetVolumeCapability().GetMount().GetMountFlags()); err != nil {
+			return nil, err
 		}
 	}
 	opts := []string{"bind"}

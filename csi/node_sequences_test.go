@@ -714,6 +714,53 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 	}
 }
 
+// A mount volume whose engine was fenced here (a force detach) and which
+// was then published to this node again, without an unstage between: the
+// kubelet still takes it for staged and calls only NodePublish for the
+// next pod. The publish bind-mounted the staging path, still mounted from
+// the disconnected device, and the pod got I/O errors for good. Now it
+// serves the volume and mounts it again from the serving device.
+func TestAPublishAfterAFenceMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "republish")
+	d := e.driver(t, nil, nil)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	stageMount(t, ctx, d, id, staging)
+	e.forceDetach(t, ctx, d, id)
+	// The old mount stays on the old device, whose index a real kernel
+	// does not give out while it is mounted (the fake one would).
+	m := d.node.host.Mounter.(*mount.FakeMounter)
+	if err := m.Unmount(staging); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
+		t.Fatal(err)
+	}
+	e.controllerPublish(t, ctx, id)
+	target := filepath.Join(e.dir, "pod", "mount")
+	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: target, VolumeCapability: mountCap()}); err != nil {
+		t.Fatalf("publish after the volume came back to this node: %v", err)
+	}
+	dev, _, ok := d.node.attacher.Served(id)
+	if !ok {
+		t.Fatal("published, but the volume is not served")
+	}
+	from, _, err := mount.GetDeviceNameFromMount(m, staging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if from != dev {
+		t.Fatalf("published from a staging path mounted from %s; the volume is served on %s", from, dev)
+	}
+	rec, err := d.node.load(id)
+	if err != nil || rec == nil || rec.Device != dev {
+		t.Fatalf("the staged record after the publish: %+v, %v; want device %s", rec, err, dev)
+	}
+}
+
 // A NodeUnstage of a mount volume staged here but not served (the plugin
 // restarted) serves it first so that its unmount's writeback has a
 // server; if that fails for a reason that may pass (the cluster out of
