@@ -574,7 +574,14 @@ func csiSnapshot(s *storpb.Snapshot) *csipb.Snapshot {
 
 // CreateSnapshot asks the cluster for a snapshot; of an attached volume
 // the cluster has the engine cut every replica at one point
-// (crash-consistent). ready_to_use is the cluster's word.
+// (crash-consistent). It returns once the snapshot is cut (ready_to_use:
+// every replica has cut it or is recorded as having missed it), as the CSI
+// spec requires: the CO thaws the application when it returns, and a
+// write acknowledged after that must not be in the snapshot. The cluster
+// records the snapshot first and the replicas cut it after (the engine
+// when it learns of it; the servers for a detached volume), so the call
+// waits; a snapshot still not cut when the call's time is nearly up is
+// UNAVAILABLE (the CO retries by name), and one that failed is INTERNAL.
 func (c *controllerServer) CreateSnapshot(ctx context.Context, req *csipb.CreateSnapshotRequest) (*csipb.CreateSnapshotResponse, error) {
 	switch {
 	case req.GetName() == "":
@@ -596,7 +603,7 @@ func (c *controllerServer) CreateSnapshot(ctx context.Context, req *csipb.Create
 	case err == nil && got.GetSnapshot().GetVolumeId() != req.GetSourceVolumeId():
 		return nil, fmt.Errorf("%w: snapshot %q exists for volume %q", ErrAlreadyExists, req.GetName(), got.GetSnapshot().GetVolumeId())
 	case err == nil:
-		return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(got.GetSnapshot())}, nil
+		return c.snapshotCut(ctx, got.GetSnapshot())
 	case clusterCode(err) != codes.NotFound:
 		return nil, err
 	}
@@ -611,7 +618,46 @@ func (c *controllerServer) CreateSnapshot(ctx context.Context, req *csipb.Create
 	if err != nil {
 		return nil, err
 	}
-	return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(resp.GetSnapshot())}, nil
+	return c.snapshotCut(ctx, resp.GetSnapshot())
+}
+
+// snapshotCutPoll is how often CreateSnapshot looks whether its snapshot
+// is cut; snapshotCutMargin is the part of the call's time it keeps for
+// its answer.
+const (
+	snapshotCutPoll   = 50 * time.Millisecond
+	snapshotCutMargin = 2 * time.Second
+)
+
+// snapshotCut waits until snapshot s is cut (ready) or failed, and
+// answers CreateSnapshot with it (see CreateSnapshot).
+func (c *controllerServer) snapshotCut(ctx context.Context, s *storpb.Snapshot) (*csipb.CreateSnapshotResponse, error) {
+	deadline := time.Now().Add(c.d.cfg.CallTimeout)
+	if d, ok := ctx.Deadline(); ok {
+		deadline = d.Add(-snapshotCutMargin)
+	}
+	for {
+		switch {
+		case s.GetFailed():
+			return nil, fmt.Errorf("snapshot %q of volume %q failed: %s; delete it and take another", s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
+		case s.GetReadyToUse():
+			return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+		case time.Now().After(deadline):
+			return nil, fmt.Errorf("%w: snapshot %q of volume %q is not cut yet (%s); call again", ErrNotReady, s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(snapshotCutPoll):
+		}
+		cctx, cancel := c.d.call(ctx)
+		got, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: s.GetId()}})
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		s = got.GetSnapshot()
+	}
 }
 
 func (c *controllerServer) DeleteSnapshot(ctx context.Context, req *csipb.DeleteSnapshotRequest) (*csipb.DeleteSnapshotResponse, error) {
