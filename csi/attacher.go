@@ -38,6 +38,10 @@ type Attacher interface {
 	// bytes, and false if the volume is not served (never attached, or
 	// its engine was fenced and stopped).
 	Served(volumeID string) (device string, size uint64, ok bool)
+	// Epoch reports the epoch of the engine that serves the volume, and
+	// false if none does or the Attacher does not know it. An engine whose
+	// epoch is below the volume's was fenced and has not seen it yet.
+	Epoch(volumeID string) (uint64, bool)
 	// Close stops serving every volume without detaching anything: the
 	// devices stay connected for the next instance to resume.
 	Close()
@@ -178,6 +182,21 @@ func (k *kernelAttacher) Served(volumeID string) (string, uint64, bool) {
 	default:
 	}
 	return s.at.Device(), s.at.DeviceSize(), true
+}
+
+func (k *kernelAttacher) Epoch(volumeID string) (uint64, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	s := k.served[volumeID]
+	if s == nil {
+		return 0, false
+	}
+	select {
+	case <-s.done:
+		return 0, false
+	default:
+	}
+	return s.at.Epoch(), true
 }
 
 func (k *kernelAttacher) Close() {

@@ -122,11 +122,14 @@
 // the device is in use; it unmounts the staging path even without a
 // staged record. A repeated NodeStageVolume that fails detaches nothing it
 // did not attach, and a block NodePublishVolume requires the volume served
-// on its staged device. A mount NodePublishVolume serves its volume if it
-// is not served, and mounts the staging path again when it is mounted
-// from a device that no longer serves the volume (fenced here, then
-// published here again: the kubelet, which takes it for staged, does not
-// stage it again).
+// on its staged device. A mount NodePublishVolume publishes only a
+// staging path mounted from the device that serves the volume now: it
+// waits (up to 5 s) for an engine the volume has left to stop, serves the
+// volume if it is not served, and mounts the staging path again when it
+// is mounted from another device (fenced here, then published here again:
+// the kubelet, which takes it for staged, does not stage it again) or not
+// mounted at all (after a reboot; never the bare directory, which is the
+// node's root disk).
 //
 // The node plugin checks at New (with the kernel's attacher) that it
 // reaches the kernel's nbd netlink family, and fails otherwise: a kernel

@@ -467,24 +467,56 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 	return &csipb.NodeStageVolumeResponse{}, nil
 }
 
-// restage makes the mounted staging path of mount volume rec a mount of
-// the device that serves the volume now, serving the volume first if it
-// is not served (a resume gives back the device the path is mounted
-// from), and records that device.
+// fencedStopWait bounds how long restage waits for an engine that was
+// fenced, and has not seen it yet, to stop.
+var fencedStopWait = 5 * time.Second
+
+// restage makes the staging path of mount volume rec a mount of the
+// device that serves the volume now, and records that device: it waits
+// for an engine the volume has left (a lower epoch than the volume's) to
+// stop, serves the volume if it is not served (a resume gives back the
+// device the path is mounted from), unmounts a mount of another device
+// and mounts the serving one where nothing is mounted.
 func (n *nodeServer) restage(ctx context.Context, rec *stagedRecord, flags []string) error {
 	id := rec.VolumeID
+	v, err := n.getVolume(ctx, id)
+	if err != nil {
+		return err
+	}
+	for deadline := time.Now().Add(fencedStopWait); ; {
+		e, ok := n.attacher.Epoch(id)
+		if !ok || e >= v.GetEpoch() {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: the engine serving volume %q here is at epoch %d and the volume at %d: it was fenced and has not stopped yet; retry",
+				ErrNotReady, id, e, v.GetEpoch())
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 	dev, _, ok := n.attacher.Served(id)
 	if !ok {
-		var err error
 		if dev, err = n.attacher.Attach(ctx, id, rec.ReadOnly); err != nil {
 			return fmt.Errorf("volume %q is staged here but not served, and serving it again failed: %w", id, err)
 		}
 	}
-	mounted, err := n.unmountStale(id, rec.StagingPath, dev)
-	if err != nil {
-		return err
+	mounted, err := n.host.Mounter.IsMountPoint(rec.StagingPath)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("staging path: %w", err)
+	}
+	if mounted {
+		if mounted, err = n.unmountStale(id, rec.StagingPath, dev); err != nil {
+			return err
+		}
 	}
 	if !mounted {
+		if err := os.MkdirAll(rec.StagingPath, 0o750); err != nil {
+			return fmt.Errorf("staging path: %w", err)
+		}
 		if err := n.mountStaging(dev, rec.StagingPath, rec.FSType, flags, rec.ReadOnly); err != nil {
 			return err
 		}
@@ -654,23 +686,12 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csipb.NodePubli
 		return nil, invalidf("volume %q is staged with block access %v, published with %v", id, rec.Block, block)
 	}
 	if !block {
-		// Bind-mounting a staging directory with nothing mounted on it
-		// would give the pod the node's root disk (after a reboot, before
-		// the volume is staged again).
-		mounted, err := n.host.Mounter.IsMountPoint(rec.StagingPath)
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("staging path: %w", err)
-		}
-		if !mounted {
-			return nil, preconditionf("volume %q: nothing is mounted at its staging path %s; stage it again", id, rec.StagingPath)
-		}
-		// Mounted, but perhaps from a device that no longer serves the
-		// volume: its engine was fenced here (a force detach) and the
-		// volume published here again, and the kubelet, which still
-		// takes it for staged, does not stage it again. Serve it and
-		// mount it again from the serving device, as NodeStage does:
-		// bind-mounting the stale mount gave the pod I/O errors for
-		// good.
+		// The staging path must be a mount of the device that serves the
+		// volume now. Bind-mounting it with nothing mounted gave the pod
+		// the node's root disk (after a reboot); with the filesystem of a
+		// device an engine fenced here disconnected (a force detach, and
+		// the volume published here again: the kubelet, which still takes
+		// it for staged, does not stage it again), I/O errors for good.
 		if err := n.restage(ctx, rec, req.GetVolumeCapability().GetMount().GetMountFlags()); err != nil {
 			return nil, err
 		}

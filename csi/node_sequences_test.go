@@ -761,6 +761,88 @@ func TestAPublishAfterAFenceMountsFromTheDeviceThatServesTheVolume(t *testing.T)
 	}
 }
 
+// heldWatch holds every volume watch event, once held is set, until
+// release is closed: an engine that has not yet seen that the volume left
+// it.
+type heldWatch struct {
+	storpb.VolumeServiceClient
+	held    *atomic.Bool
+	release chan struct{}
+}
+
+func (w heldWatch) WatchVolume(ctx context.Context, in *storpb.WatchVolumeRequest, opts ...grpc.CallOption) (storpb.VolumeService_WatchVolumeClient, error) {
+	st, err := w.VolumeServiceClient.WatchVolume(ctx, in, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return heldStream{st, w}, nil
+}
+
+type heldStream struct {
+	storpb.VolumeService_WatchVolumeClient
+	w heldWatch
+}
+
+func (s heldStream) Recv() (*storpb.VolumeEvent, error) {
+	ev, err := s.VolumeService_WatchVolumeClient.Recv()
+	if s.w.held.Load() {
+		select {
+		case <-s.w.release:
+		case <-s.Context().Done():
+		}
+	}
+	return ev, err
+}
+
+// The same, but the publish comes before the fenced engine has seen the
+// fence (a node cut off from the control plane reconnects: its engine's
+// watch and the kubelet catch up together). The engine still served its
+// device, so the publish took the staging mount for current and gave
+// the pod a filesystem whose device the engine disconnected a moment
+// later. The publish now waits for an engine below the volume's epoch to
+// stop.
+func TestAPublishBeforeTheEngineSeesItsFenceWaitsForIt(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "republish-early")
+	w := heldWatch{VolumeServiceClient: e.cl.Volumes, held: new(atomic.Bool), release: make(chan struct{})}
+	d := e.driver(t, nil, w)
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	stageMount(t, ctx, d, id, staging)
+	w.held.Store(true)
+	if _, err := e.cl.Volumes.DetachVolume(ctx, &storpb.DetachVolumeRequest{Volume: &storpb.VolumeRef{Id: id}, NodeId: e.node}); err != nil {
+		t.Fatal(err)
+	}
+	e.controllerPublish(t, ctx, id)
+	// As in the test above: the old mount on an index a real kernel does
+	// not give out again while it is mounted.
+	m := d.node.host.Mounter.(*mount.FakeMounter)
+	if err := m.Unmount(staging); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(time.Second, func() { close(w.release) })
+	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: filepath.Join(e.dir, "pod", "mount"), VolumeCapability: mountCap()}); err != nil {
+		t.Fatalf("publish after the volume came back to this node: %v", err)
+	}
+	v, err := e.cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	epoch, ok := d.node.attacher.Epoch(id)
+	if !ok || epoch != v.GetVolume().GetEpoch() {
+		t.Fatalf("published while the volume was served at epoch %d (served %v); the volume is at epoch %d", epoch, ok, v.GetVolume().GetEpoch())
+	}
+	dev, _, _ := d.node.attacher.Served(id)
+	if from, _, _ := mount.GetDeviceNameFromMount(m, staging); from != dev {
+		t.Fatalf("published from a staging path mounted from %s; the volume is served on %s", from, dev)
+	}
+}
+
 // A NodeUnstage of a mount volume staged here but not served (the plugin
 // restarted) serves it first so that its unmount's writeback has a
 // server; if that fails for a reason that may pass (the cluster out of

@@ -82,6 +82,9 @@ func (f *fakeAttacher) Served(id string) (string, uint64, bool) {
 	return d, v.GetVolume().GetSizeBytes(), true
 }
 
+// Epoch: the fake kernel's engines have none.
+func (f *fakeAttacher) Epoch(string) (uint64, bool) { return 0, false }
+
 func (f *fakeAttacher) Close() {}
 
 func (f *fakeAttacher) deviceSize(dev string) (int64, error) {
