@@ -38,6 +38,14 @@ type dirtyLog struct {
 	bits  blockSet                // dirty regions: their bit is set on disk
 	touch runMap                  // per dirty region: 1 + Replica.syncStarted when a write last started or finished there (0: none since open)
 	spans map[*[2]uint64]struct{} // regions [r0, r1] of the writes in flight
+	// owed are the regions that were dirty when the log was opened (by
+	// this process: what a crash, or the stop before it, left). A flush
+	// does not clear them: they are the only record of writes this
+	// replica may have acknowledged and then lost in a crash, which a
+	// rebuild or a reconcile must copy from another replica, and the
+	// engine's flushes reach a replica rejoining the volume before its
+	// rebuild reads them. settle releases them to the usual rule.
+	owed blockSet
 	// prevFlush is the sync number of the previous completed Flush: a
 	// region whose last write finished before it may be cleared.
 	prevFlush uint64
@@ -86,6 +94,7 @@ func openDirtyLog(fsys FS, path string, regionSize int64, nregions uint64) (*dir
 		for bit := range 8 {
 			if r := uint64(i)*8 + uint64(bit); b&(1<<bit) != 0 && r < nregions {
 				d.bits.add(r, 1)
+				d.owed.add(r, 1)
 			}
 		}
 	}
@@ -240,13 +249,22 @@ func (d *dirtyLog) flushed(syncNum uint64) error {
 }
 
 // appendIdleLocked appends to runs the parts of regions [a, b) that no
-// write in flight covers, coalescing with the last run.
+// write in flight covers and that are not owed, coalescing with the last
+// run.
 func (d *dirtyLog) appendIdleLocked(runs [][2]uint64, a, b uint64) [][2]uint64 {
 	var busy [][2]uint64
 	for span := range d.spans {
 		if s, e := max(span[0], a), min(span[1]+1, b); s < e {
 			busy = append(busy, [2]uint64{s, e})
 		}
+	}
+	for from := a; ; {
+		s, e, ok := d.owed.nextRun(from)
+		if !ok || s >= b {
+			break
+		}
+		busy = append(busy, [2]uint64{s, min(e, b)})
+		from = e
 	}
 	slices.SortFunc(busy, func(x, y [2]uint64) int { return cmp.Compare(x[0], y[0]) })
 	add := func(s, e uint64) {
@@ -267,6 +285,16 @@ func (d *dirtyLog) appendIdleLocked(runs [][2]uint64, a, b uint64) [][2]uint64 {
 		add(pos, b)
 	}
 	return runs
+}
+
+// settle releases the owed regions (see dirtyLog.owed) to the usual
+// clearing rule, and returns how many there were.
+func (d *dirtyLog) settle() uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := d.owed.len()
+	d.owed = blockSet{}
+	return n
 }
 
 // list returns the dirty regions as runs [start, end).

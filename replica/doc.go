@@ -147,6 +147,18 @@
 // The engine reads DirtyRegions when it attaches, before serving I/O, and
 // reconciles those regions; the bits are then cleared by the rule above.
 //
+// Except the regions that were dirty when this process opened the replica
+// (owed): they may hold writes the replica acknowledged and lost in a
+// crash, and nothing else records them. A replica that crashed while its
+// volume was attached is faulty and rejoins the volume to be rebuilt; the
+// engine's flushes reach it from its rejoining on, before its rebuild
+// reads its dirty regions, and used to clear them, so a delta rebuild
+// (the writes since it left, by the other replicas' histories) left the
+// lost writes out and the replica was recorded healthy without them. Owed
+// regions therefore stay dirty until an EndRebuild with Op.FUA says they
+// were copied: the engine sends it when a rebuild completes and, to the
+// healthy replicas it reconciled, after its reconcile.
+//
 // In memory, the times a region's writes last started or finished are
 // kept as runs of regions (runMap), not per region: marking a write, or a
 // WriteZeroes of a million regions, costs the runs it meets.

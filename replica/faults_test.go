@@ -2,6 +2,7 @@ package replica_test
 
 import (
 	"bytes"
+	"slices"
 	"errors"
 	"fmt"
 	"math/rand"
@@ -635,5 +636,74 @@ func TestCreateAdoptsWhatAFailedUndoLeft(t *testing.T) {
 	}
 	if got := readBlock(t, r, 1<<20); !bytes.Equal(got, pattern(3)) {
 		t.Errorf("read back %x..., want 03...", got[:4])
+	}
+}
+
+// TestRegionsDirtyAtACrashStayDirtyUntilSettled: a write the replica
+// acknowledged but had not flushed is lost in a crash; its region, dirty
+// in the log, is the only record of that. The replica comes back faulty
+// (its volume's engine lost its connection) and rejoins to be rebuilt,
+// and the engine's flushes reach it before the rebuild reads its dirty
+// regions. Two flushes used to clear the region, so a delta rebuild left
+// the lost write out and the replica was recorded healthy without it.
+// Such a region now stays dirty, whatever the flushes, until an
+// EndRebuild with FUA (a rebuild or a reconcile that copied it); then
+// the usual rule clears it.
+func TestRegionsDirtyAtACrashStayDirtyUntilSettled(t *testing.T) {
+	e := newMemEnv(t)
+	s := e.open()
+	r := create(t, s, "r1", 4*testRegionSize)
+	if err := r.Flush(op); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.WriteAt(op, pattern(7), testRegionSize); err != nil { // acknowledged, not flushed
+		t.Fatal(err)
+	}
+	s = e.crash()
+	defer s.Close()
+	r = get(t, s, "r1")
+	if got := readBlock(t, r, testRegionSize); !bytes.Equal(got, make([]byte, replica.BlockSize)) {
+		t.Fatal("the crash kept the unflushed write: this test needs it lost")
+	}
+	want := []replica.Extent{{Off: testRegionSize, Len: testRegionSize}}
+	dirty := func() []replica.Extent {
+		t.Helper()
+		d, err := r.DirtyRegions(op)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	for i := range 3 { // the engine's flushes, the replica rejoining
+		if err := r.Flush(op); err != nil {
+			t.Fatal(err)
+		}
+		if d := dirty(); !slices.Equal(d, want) {
+			t.Fatalf("after flush %d the dirty regions are %v; want %v, the region of the write the crash lost", i+1, d, want)
+		}
+	}
+	if err := r.EndRebuild(op); err != nil { // a reset, or a rebuild given up: not settled
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := r.Flush(op); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d := dirty(); !slices.Equal(d, want) {
+		t.Fatalf("after an EndRebuild without FUA and two flushes the dirty regions are %v; want %v", d, want)
+	}
+	settled := op
+	settled.FUA = true
+	if err := r.EndRebuild(settled); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := r.Flush(op); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d := dirty(); len(d) != 0 {
+		t.Fatalf("after the settling EndRebuild and two flushes the dirty regions are %v; want none", d)
 	}
 }

@@ -65,7 +65,9 @@ func (r *Replica) BeginRebuildSession(o Op) (uint64, error) {
 }
 
 // EndRebuild stops the tracking. Without a rebuild in progress it is a
-// no-op.
+// no-op. With o.FUA it also settles the regions the replica owes since it
+// was opened (doc.go, "Dirty regions"): the caller says it copied them
+// (its rebuild completed, or its reconcile did), not that it gave up.
 func (r *Replica) EndRebuild(o Op) error {
 	if err := r.enterExclusive(o); err != nil {
 		return err
@@ -74,6 +76,13 @@ func (r *Replica) EndRebuild(o Op) error {
 	if r.rebuild != nil {
 		r.rebuild = nil
 		r.log.Info("rebuild ended")
+	}
+	if o.FUA {
+		// The caller copied every region this replica owes: a rebuild
+		// that completed, or a reconcile (doc.go, "Dirty regions").
+		if n := r.dirty.settle(); n > 0 {
+			r.log.Info("regions dirty since the replica was opened are settled", "regions", n)
+		}
 	}
 	return nil
 }

@@ -444,6 +444,7 @@ func (c *openConn) RebuildCopy(ctx context.Context, o replica.Op, source string,
 type gates struct {
 	mu   sync.Mutex
 	held map[string]*gate // request kind ("Flush", "WriteAt", ...) -> its gate
+	lost bool             // the connection is lost: every request fails
 }
 
 type gate struct {
@@ -477,8 +478,11 @@ func (g *gates) open(op string) {
 // pass waits at op's gate while it is shut.
 func (g *gates) pass(ctx context.Context, op string) error {
 	g.mu.Lock()
-	x := g.held[op]
+	x, lost := g.held[op], g.lost
 	g.mu.Unlock()
+	if lost {
+		return fmt.Errorf("%s: %w: the connection was lost", op, replica.ErrIO)
+	}
 	if x == nil {
 		return nil
 	}

@@ -223,7 +223,12 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 	if err := cp.run(ctx, ranges); err != nil {
 		return st, err
 	}
-	if err := dst.EndRebuild(ctx, o); err != nil {
+	// FUA: the copy is complete, so the regions the target owes since
+	// its server opened it (its dirty regions then, part of the plan)
+	// are settled (replica/doc.go, "Dirty regions").
+	end := o
+	end.FUA = true
+	if err := dst.EndRebuild(ctx, end); err != nil {
 		return st, fmt.Errorf("rebuild: end: %w", err)
 	}
 	if err := flushTarget(ctx, o, dst, plan.Order); err != nil {

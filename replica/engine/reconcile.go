@@ -71,7 +71,20 @@ func (e *Engine) reconcile(ctx context.Context) error {
 		}
 	}
 	e.logger.Info("dirty regions reconciled", "bytes", total, "copied", copied, "took", time.Since(start).Round(time.Millisecond))
-	return e.flush(ctx)
+	if err := e.flush(ctx); err != nil {
+		return err
+	}
+	// The healthy replicas owe nothing now: settle the regions they kept
+	// dirty from before their servers opened them (EndRebuild with FUA;
+	// replica/doc.go, "Dirty regions"). A rebuilding one settles when its
+	// rebuild completes. A failure leaves them owed, which only costs the
+	// next reconcile a look at them.
+	for _, m := range e.readSet() {
+		if err := e.call(ctx, func(ctx context.Context) error { return m.conn.EndRebuild(ctx, e.op(true)) }); err != nil {
+			e.logger.Warn("settling a reconciled replica's dirty regions", "replica", m.info.Id, "err", err)
+		}
+	}
+	return nil
 }
 
 // Digester is a replica whose server digests a range of its head where

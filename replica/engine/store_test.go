@@ -10,6 +10,7 @@ import (
 
 	"github.com/stor-io/stor/replica"
 	"github.com/stor-io/stor/replica/engine"
+	"github.com/stor-io/stor/replica/errorfs"
 	"github.com/stor-io/stor/replica/wire"
 )
 
@@ -25,10 +26,20 @@ type storeReplicas struct {
 	mu    sync.Mutex
 	byID  map[string]*replica.Replica // guarded by mu
 	gates map[string]*gates           // guarded by mu
+	mems  map[string]*errorfs.MemFS   // guarded by mu: the disks of the replicas a test may crash
 }
 
 func newStoreReplicas(t *testing.T, volumeID string, size uint64) *storeReplicas {
-	return &storeReplicas{t: t, volumeID: volumeID, size: size, byID: map[string]*replica.Replica{}, gates: map[string]*gates{}}
+	return &storeReplicas{t: t, volumeID: volumeID, size: size, byID: map[string]*replica.Replica{}, gates: map[string]*gates{},
+		mems: map[string]*errorfs.MemFS{}}
+}
+
+// onMemFS puts replica id's store, not yet made, on a disk in memory that
+// crash can crash.
+func (s *storeReplicas) onMemFS(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.mems[id] = errorfs.NewMemFS()
 }
 
 // get returns replica id, creating its store on first use, and its gates.
@@ -38,17 +49,44 @@ func (s *storeReplicas) get(id string) (*replica.Replica, *gates) {
 	if r := s.byID[id]; r != nil {
 		return r, s.gates[id]
 	}
-	st, err := replica.OpenStore(replica.Config{Dir: filepath.Join(s.t.TempDir(), id), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	s.t.Cleanup(func() { st.Close() })
+	st := s.openStoreLocked(id)
 	r, err := st.Create(replica.Spec{ID: id, VolumeID: s.volumeID, Size: s.size})
 	if err != nil {
 		s.t.Fatal(err)
 	}
 	s.byID[id], s.gates[id] = r, &gates{}
 	return r, s.gates[id]
+}
+
+func (s *storeReplicas) openStoreLocked(id string) *replica.Store {
+	cfg := replica.Config{Dir: filepath.Join(s.t.TempDir(), id), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	if mem := s.mems[id]; mem != nil {
+		cfg.Dir, cfg.FS = "/"+id, mem
+	}
+	st, err := replica.OpenStore(cfg)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.t.Cleanup(func() { st.Close() })
+	return st
+}
+
+// crash crashes the machine of replica id (on onMemFS's disk): what it
+// had not synced is lost, its connections are lost, and its server comes
+// back with the replica as the disk kept it.
+func (s *storeReplicas) crash(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	g := s.gates[id]
+	g.mu.Lock()
+	g.lost = true
+	g.mu.Unlock()
+	s.mems[id] = s.mems[id].CrashLoseAll()
+	r, err := s.openStoreLocked(id).Get(id)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	s.byID[id], s.gates[id] = r, &gates{}
 }
 
 // read reads a replica directly, at an epoch that fences nobody.

@@ -100,7 +100,10 @@
 // left). A rebuilder gives up on them only by leaving the connection, so
 // one the server comes to after the connection's client closed it, or
 // lost it, is refused with replica.ErrClosed: begun or ended this late, it
-// could be a later rebuilder's rebuild.
+// could be a later rebuilder's rebuild. A REBUILD_END with FUA also says
+// the sender copied every region the replica owes since its server opened
+// it (a rebuild that completed, or a reconcile): replica.Replica.EndRebuild
+// settles them. A server that predates this ignores the flag.
 //
 // An extent list is a sequence of 16-byte entries, each offset u64 then
 // length u64, at most MaxExtents (524288, 8 MiB) of them. EXTENTS takes a
