@@ -2,12 +2,12 @@ package replica_test
 
 import (
 	"bytes"
-	"slices"
 	"errors"
 	"fmt"
 	"math/rand"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"testing"
 
