@@ -302,3 +302,76 @@ func TestAReplicaThatCannotGrowIsFenced(t *testing.T) {
 		t.Errorf("a write at the old epoch 5: %v, want ErrStaleEpoch", err)
 	}
 }
+
+// TestAMissingReplicaOfAUsedVolumeIsNotMadeEmpty: a reconcile creates
+// the replicas placed on its server that its store lacks. One that held
+// data (its volume attached or fenced before, epoch > 0) and whose
+// directory is gone (a data dir wiped or replaced without removing the
+// server) was made empty and kept its state: a healthy replica holding
+// nothing, read from, and copied from at a reconcile. Now it is not made
+// (reported faulty, to be rebuilt whole) while healthy, and made owing
+// every region once it is being rebuilt by a delta, so the rebuild copies
+// all of it. New volumes, clones not yet filled and replicas added for a
+// full rebuild are made empty as before.
+func TestAMissingReplicaOfAUsedVolumeIsNotMadeEmpty(t *testing.T) {
+	const size = 4 << 20
+	vol := func(id string, epoch uint64, rep *storpb.Replica) []byte {
+		rep.ServerId = "s1"
+		v := &storpb.Volume{Id: id, Name: "name-" + id, SizeBytes: size, Epoch: epoch,
+			State: storpb.VolumeState_VOLUME_STATE_AVAILABLE, Replicas: []*storpb.Replica{rep}}
+		if epoch > 0 {
+			v.Attachment = &storpb.Attachment{NodeId: "n1", Mode: storpb.AccessMode_ACCESS_MODE_READ_WRITE}
+		}
+		b, err := proto.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	healthy, rebuilding := storpb.ReplicaState_REPLICA_STATE_HEALTHY, storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	f, err := raftstore.OpenFSM(stateFile(t, map[string][]byte{
+		"v-used":  vol("v-used", 3, &storpb.Replica{Id: "r-used", State: healthy}),
+		"v-delta": vol("v-delta", 3, &storpb.Replica{Id: "r-delta", State: rebuilding, RebuildFromGeneration: 5}),
+		"v-full":  vol("v-full", 3, &storpb.Replica{Id: "r-full", State: rebuilding}),
+		"v-new":   vol("v-new", 0, &storpb.Replica{Id: "r-new", State: healthy}),
+	}, nil), replicatest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
+	d := &dataPlane{s: s, store: store, wire: storeWire(t, store), rebuilding: map[string]bool{}, tasks: map[string]bool{},
+		view: f.View, catchUp: func(context.Context) error { return nil }}
+	d.reconcile()
+	if _, err := store.Get("r-used"); !errors.Is(err, replica.ErrNotFound) {
+		t.Errorf("the healthy replica of a used volume, its directory gone, after the reconcile: %v; want it not made (ErrNotFound)", err)
+	}
+	for _, tc := range []struct {
+		id    string
+		dirty int64 // bytes
+	}{{"r-delta", size}, {"r-full", 0}, {"r-new", 0}} {
+		r, err := store.Get(tc.id)
+		if err != nil {
+			t.Errorf("replica %s after the reconcile: %v; want it made", tc.id, err)
+			continue
+		}
+		d, err := r.DirtyRegions(replica.Op{Epoch: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int64
+		for _, x := range d {
+			n += x.Len
+		}
+		if n != tc.dirty {
+			t.Errorf("replica %s was made with %d bytes of dirty regions; want %d", tc.id, n, tc.dirty)
+		}
+	}
+}
