@@ -72,22 +72,6 @@ func createDirtyLog(fsys FS, path string, regionSize int64) error {
 	return ioErr("sync dirty log", f.Sync())
 }
 
-// markAllDirty sets the bits of regions [0, nregions) of the dirty log
-// at path, made by createDirtyLog, and syncs it.
-func markAllDirty(fsys FS, path string, nregions uint64) error {
-	f, err := fsys.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		return ioErr("open dirty log", err)
-	}
-	defer f.Close()
-	buf := make([]byte, (nregions+7)/8)
-	setBits(buf, 0, nregions)
-	if _, err := f.WriteAt(buf, dirtyHeaderSize); err != nil {
-		return ioErr("write dirty log", err)
-	}
-	return ioErr("sync dirty log", f.Sync())
-}
-
 func openDirtyLog(fsys FS, path string, regionSize int64, nregions uint64) (*dirtyLog, error) {
 	f, err := fsys.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {

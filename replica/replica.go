@@ -115,12 +115,6 @@ func createReplicaFiles(fsys FS, dir string, spec Spec, regionSize int64) error 
 	if err := createDirtyLog(fsys, filepath.Join(dir, dirtyName), regionSize); err != nil {
 		return err
 	}
-	if spec.OwesAll {
-		nregions := (spec.Size + uint64(regionSize) - 1) / uint64(regionSize)
-		if err := markAllDirty(fsys, filepath.Join(dir, dirtyName), nregions); err != nil {
-			return err
-		}
-	}
 	if err := writeHistoryFile(fsys, historyPath(dir), 0); err != nil {
 		return err
 	}

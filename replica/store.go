@@ -24,12 +24,6 @@ type Spec struct {
 	// VolumeName is the volume's name, for this store's logs only (a
 	// replica is not told its volume's name otherwise).
 	VolumeName string
-	// OwesAll makes a new replica whose every region is dirty and owed
-	// (doc.go, "Dirty regions"): one made again for a replica of the
-	// volume whose directory was lost, which a rebuild must fill whole
-	// even where it plans a delta. It changes nothing for a replica
-	// that exists.
-	OwesAll bool
 }
 
 // Store is the set of replicas in one directory of one server.

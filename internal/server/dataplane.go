@@ -278,21 +278,7 @@ func (d *dataPlane) reconcile() {
 			}
 			continue
 		}
-		spec := replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes, VolumeName: p.vol.Name}
-		if _, err := d.store.Get(id); errors.Is(err, replica.ErrNotFound) {
-			switch missingReplica(p) {
-			case missingLost:
-				d.s.logger.Error("a replica placed on this server has no directory here although its volume has been used: what it held is lost; it is reported faulty, to be rebuilt whole (or replaced)",
-					"replica", id, "volume", p.vol.Name, "volume_id", p.vol.Id, "state", p.rep.State)
-				d.reportFailed(p, fmt.Errorf("%w: replica %s has no directory on server %s: the data it held is lost", replica.ErrCorrupt, id, d.s.cfg.ID))
-				continue
-			case missingRefill:
-				d.s.logger.Warn("re-creating a rebuilding replica whose directory is missing: every region is owed, so its rebuild copies all of it",
-					"replica", id, "volume", p.vol.Name, "volume_id", p.vol.Id)
-				spec.OwesAll = true
-			}
-		}
-		r, err := d.store.Create(spec)
+		r, err := d.store.Create(replica.Spec{ID: id, VolumeID: p.vol.Id, Size: p.vol.SizeBytes, VolumeName: p.vol.Name})
 		grown := err == nil
 		if err != nil {
 			d.s.logger.Warn("create replica", "replica", id, "volume", p.vol.Name, "volume_id", p.vol.Id, "err", err)
@@ -482,38 +468,6 @@ func (d *dataPlane) reportFailed(p placed, cause error) {
 		}
 		log.Warn("a replica failed here; recorded it faulty, to be replaced")
 	}()
-}
-
-// What a reconcile does with a replica placed here that the store does
-// not have (missingReplica).
-const (
-	missingNew    = iota // a replica of a volume never used: create it, empty
-	missingRefill        // rebuilding: create it owing every region (replica.Spec.OwesAll)
-	missingLost          // it held data that is gone: report it faulty, create nothing
-)
-
-// missingReplica says what the replica of p, which this server's store
-// does not have, is. A volume never attached nor fenced (epoch 0: no
-// write, no snapshot) has empty replicas, a clone's replica not yet
-// filled is filled by its copy, and a replica added to a volume is filled
-// by a full rebuild: those are made now, empty. Any other replica held
-// data the directory no longer has (a data dir wiped or replaced without
-// removing the server, a disk that did not mount): made empty, it would
-// be taken for a replica holding the volume (read from, copied from at a
-// reconcile, rebuilt only by a delta). One being rebuilt by a delta is
-// made owing every region, so its rebuild copies it whole; any other is
-// reported faulty, and made so once the leader sets it rebuilding.
-func missingReplica(p placed) int {
-	v, rep := p.vol, p.rep
-	switch {
-	case rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && rep.RebuildFromGeneration == 0:
-		return missingNew
-	case rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING:
-		return missingRefill
-	case v.Epoch == 0 && !slices.Contains(v.CloneDoneReplicaIds, rep.Id):
-		return missingNew
-	}
-	return missingLost
 }
 
 // diskFailure reports whether err is a disk's failure of a replica
