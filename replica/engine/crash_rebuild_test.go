@@ -7,6 +7,7 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/errorfs"
 )
 
 // A replica whose machine crashes loses the writes it acknowledged and had
@@ -124,4 +125,44 @@ func TestAnOpenSettlesTheRegionsItReconciled(t *testing.T) {
 			t.Fatalf("replica %s is %v after the open", x.Id, x.State)
 		}
 	}
+}
+
+// A replica whose disk failed (a failed fsync: it refuses every request
+// until its server reopens it) is recorded faulty; its server is up, so
+// the leader sets it rebuilding again, and the engine's open of it for
+// its rebuild fails the same way. The engine only logged "will retry":
+// the replica stayed rebuilding for good, and a rebuilding replica is
+// never replaced, so the volume stayed a copy short. The engine now
+// records it faulty again (paced), and it is replaced once it has been
+// unhealthy for the cluster's replacement wait.
+func TestARebuildingReplicaWhoseDiskFailedIsRecordedFaulty(t *testing.T) {
+	f := newFixture(t)
+	stores := newStoreReplicas(t, f.vol.Id, volSize)
+	id := f.vol.Replicas[2].Id
+	stores.onMemFS(id)
+	cfg := f.config("n1")
+	cfg.Connect = stores.connect
+	cfg.IOTimeout = 5 * time.Second
+	e := f.open(cfg)
+	if err := e.WriteAt(ctx10(t), randomBytes(10, 4096), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	stores.fault(id, errorfs.Rule{Path: ".data", Ops: errorfs.OpSync})
+	if err := e.Flush(ctx10(t)); err != nil { // fails replica 2; the others acknowledge
+		t.Fatal(err)
+	}
+	state := func() storpb.ReplicaState {
+		for _, r := range f.volume().Replicas {
+			if r.Id == id {
+				return r.State
+			}
+		}
+		return storpb.ReplicaState_REPLICA_STATE_UNSPECIFIED
+	}
+	waitFor(t, "the failed replica set rebuilding by the leader", func() bool {
+		return state() == storpb.ReplicaState_REPLICA_STATE_REBUILDING
+	})
+	waitFor(t, "the rebuilding replica that cannot be opened recorded faulty again", func() bool {
+		return state() == storpb.ReplicaState_REPLICA_STATE_FAULTY
+	})
 }

@@ -219,6 +219,9 @@ type Engine struct {
 	// incarnation again, which its server does not order after what the
 	// old connection still carries (wire's doc, "Incarnations").
 	leftAt map[string]uint64
+	// joinFaults paces, per rebuilding replica, recording it faulty when
+	// its open fails on its own failure (follow.go, addNewReplicas).
+	joinFaults map[string]*joinFault
 
 	// faultMu serialises reports to the control plane so one failing
 	// replica is reported once.
@@ -316,8 +319,9 @@ func newEngine(cfg Config, v *storpb.Volume) *Engine {
 	e := &Engine{
 		cfg: cfg, id: v.Id, name: v.Name, epoch: v.Epoch, purpose: wire.PurposeAttach,
 		logger:  cfg.Logger.With("volume", v.Name, "volume_id", v.Id, "epoch", v.Epoch),
-		members: map[string]*member{}, rebuilding: map[string]bool{}, leftAt: map[string]uint64{}, generation: v.Generation,
-		flushTurn: make(chan struct{}, 1),
+		members: map[string]*member{}, rebuilding: map[string]bool{}, leftAt: map[string]uint64{}, joinFaults: map[string]*joinFault{},
+		generation: v.Generation,
+		flushTurn:  make(chan struct{}, 1),
 	}
 	e.size.Store(v.SizeBytes)
 	e.ctx, e.cancel = context.WithCancel(context.Background())

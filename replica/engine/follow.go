@@ -2,10 +2,12 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/replica"
 )
 
 // follow watches the volume in the control plane until the engine closes,
@@ -134,6 +136,41 @@ func (e *Engine) joinGrown(ctx context.Context, r *storpb.Replica, conn ReplicaC
 	return true, nil
 }
 
+// joinFault is the pace of recording one rebuilding replica faulty.
+type joinFault struct {
+	next time.Time
+	wait time.Duration
+}
+
+// Recording a rebuilding replica faulty because its open failed waits
+// joinFaultWait after the first failure, then doubles up to
+// joinFaultMaxWait: each record is two Raft entries (the leader sets it
+// rebuilding again while its server is up), as a server paces its own
+// reports of a detached volume's failed replica.
+var (
+	joinFaultWait    = 2 * time.Second
+	joinFaultMaxWait = time.Minute
+)
+
+// joinFaultDue reports whether the rebuilding replica id, whose open just
+// failed on its own failure, is to be recorded faulty now.
+func (e *Engine) joinFaultDue(id string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	now := time.Now()
+	f := e.joinFaults[id]
+	if f == nil {
+		e.joinFaults[id] = &joinFault{next: now.Add(joinFaultWait), wait: joinFaultWait}
+		return false
+	}
+	if now.Before(f.next) {
+		return false
+	}
+	f.wait = min(2*f.wait, joinFaultMaxWait)
+	f.next = now.Add(f.wait)
+	return true
+}
+
 // addNewReplicas opens replicas that joined the set (as rebuilding), so
 // every later write reaches them too. It reports whether it added any.
 func (e *Engine) addNewReplicas(v *storpb.Volume) (added bool) {
@@ -166,9 +203,24 @@ func (e *Engine) addNewReplicas(v *storpb.Volume) (added bool) {
 			}
 		}
 		if err != nil {
+			if errors.Is(err, replica.ErrIO) && e.joinFaultDue(r.Id) {
+				// The replica itself failed (a failed fsync refuses every
+				// request until its server reopens it): retrying the open
+				// never ends, and a rebuilding replica is never replaced.
+				// Recorded faulty, it is set rebuilding again while its
+				// server is up, and replaced once unhealthy for the
+				// cluster's replacement wait.
+				if ferr := e.markFaulty(e.ctx, nil, r.Id, fmt.Sprintf("open for its rebuild failed: %v", err)); ferr != nil {
+					e.logger.Warn("record a rebuilding replica faulty", "replica", r.Id, "err", ferr)
+				}
+				continue
+			}
 			e.logger.Warn("open new replica; will retry", "replica", r.Id, "server", r.ServerId, "err", err)
 			continue
 		}
+		e.mu.Lock()
+		delete(e.joinFaults, r.Id)
+		e.mu.Unlock()
 		joined, err := e.joinGrown(e.ctx, r, conn)
 		if err != nil {
 			e.logger.Warn("grow new replica; will retry", "replica", r.Id, "server", r.ServerId, "err", err)

@@ -23,15 +23,16 @@ type storeReplicas struct {
 	volumeID string
 	size     uint64
 
-	mu    sync.Mutex
-	byID  map[string]*replica.Replica // guarded by mu
-	gates map[string]*gates           // guarded by mu
-	mems  map[string]*errorfs.MemFS   // guarded by mu: the disks of the replicas a test may crash
+	mu     sync.Mutex
+	byID   map[string]*replica.Replica // guarded by mu
+	gates  map[string]*gates           // guarded by mu
+	mems   map[string]*errorfs.MemFS   // guarded by mu: the disks of the replicas a test may crash
+	faults map[string]*errorfs.FS      // guarded by mu: the faults of those disks
 }
 
 func newStoreReplicas(t *testing.T, volumeID string, size uint64) *storeReplicas {
 	return &storeReplicas{t: t, volumeID: volumeID, size: size, byID: map[string]*replica.Replica{}, gates: map[string]*gates{},
-		mems: map[string]*errorfs.MemFS{}}
+		mems: map[string]*errorfs.MemFS{}, faults: map[string]*errorfs.FS{}}
 }
 
 // onMemFS puts replica id's store, not yet made, on a disk in memory that
@@ -61,7 +62,8 @@ func (s *storeReplicas) get(id string) (*replica.Replica, *gates) {
 func (s *storeReplicas) openStoreLocked(id string) *replica.Store {
 	cfg := replica.Config{Dir: filepath.Join(s.t.TempDir(), id), Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	if mem := s.mems[id]; mem != nil {
-		cfg.Dir, cfg.FS = "/"+id, mem
+		s.faults[id] = errorfs.New(mem, 1)
+		cfg.Dir, cfg.FS = "/"+id, s.faults[id]
 	}
 	st, err := replica.OpenStore(cfg)
 	if err != nil {
@@ -69,6 +71,13 @@ func (s *storeReplicas) openStoreLocked(id string) *replica.Store {
 	}
 	s.t.Cleanup(func() { st.Close() })
 	return st
+}
+
+// fault adds a fault to the disk of replica id (on onMemFS's disk).
+func (s *storeReplicas) fault(id string, rule errorfs.Rule) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.faults[id].Add(rule)
 }
 
 // crash crashes the machine of replica id (on onMemFS's disk): what it
