@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"google.golang.org/grpc/status"
+
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
 )
@@ -152,6 +154,34 @@ var (
 	joinFaultMaxWait = time.Minute
 )
 
+// replicaFailure reports whether err, an open's, is the replica's own
+// failure (its disk), not its server's reach or the open's rights.
+func replicaFailure(err error) bool {
+	return errors.Is(err, replica.ErrIO) || errors.Is(err, replica.ErrCorrupt) || errors.Is(err, replica.ErrNoSpace)
+}
+
+// recordJoinFault records the rebuilding replica id faulty, once. Unlike
+// markFaulty, a failure to record it changes nothing for the engine: the
+// replica is not in the write set and missed nothing; it is tried again
+// at the pace of joinFaultDue.
+func (e *Engine) recordJoinFault(id, reason string) {
+	e.logger.Warn("a rebuilding replica cannot be opened for its rebuild; recording it faulty", "replica", id, "reason", reason)
+	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.IOTimeout)
+	defer cancel()
+	resp, err := e.cfg.Control.Volumes.SetReplicaState(ctx, &storpb.SetReplicaStateRequest{
+		VolumeId: e.id, ReplicaId: id, State: storpb.ReplicaState_REPLICA_STATE_FAULTY,
+		Epoch: e.epoch, Reason: reason,
+	})
+	if err != nil {
+		if faultAnswers[status.Code(err)] == faultFenced {
+			e.fence("the control plane refused our epoch")
+		}
+		e.logger.Warn("record a rebuilding replica faulty", "replica", id, "err", err)
+		return
+	}
+	e.applyVolume(resp.Volume)
+}
+
 // joinFaultDue reports whether the rebuilding replica id, whose open just
 // failed on its own failure, is to be recorded faulty now.
 func (e *Engine) joinFaultDue(id string) bool {
@@ -203,16 +233,14 @@ func (e *Engine) addNewReplicas(v *storpb.Volume) (added bool) {
 			}
 		}
 		if err != nil {
-			if errors.Is(err, replica.ErrIO) && e.joinFaultDue(r.Id) {
+			if replicaFailure(err) && e.joinFaultDue(r.Id) {
 				// The replica itself failed (a failed fsync refuses every
 				// request until its server reopens it): retrying the open
 				// never ends, and a rebuilding replica is never replaced.
 				// Recorded faulty, it is set rebuilding again while its
 				// server is up, and replaced once unhealthy for the
 				// cluster's replacement wait.
-				if ferr := e.markFaulty(e.ctx, nil, r.Id, fmt.Sprintf("open for its rebuild failed: %v", err)); ferr != nil {
-					e.logger.Warn("record a rebuilding replica faulty", "replica", r.Id, "err", ferr)
-				}
+				e.recordJoinFault(r.Id, fmt.Sprintf("open for its rebuild failed: %v", err))
 				continue
 			}
 			e.logger.Warn("open new replica; will retry", "replica", r.Id, "server", r.ServerId, "err", err)
