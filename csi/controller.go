@@ -580,8 +580,17 @@ func csiSnapshot(s *storpb.Snapshot) *csipb.Snapshot {
 // write acknowledged after that must not be in the snapshot. The cluster
 // records the snapshot first and the replicas cut it after (the engine
 // when it learns of it; the servers for a detached volume), so the call
-// waits; a snapshot still not cut when the call's time is nearly up is
-// UNAVAILABLE (the CO retries by name), and one that failed is INTERNAL.
+// waits.
+//
+// Two ends are not a cut. A snapshot that failed (no replica could cut
+// it) is deleted and the call is INTERNAL, a final error: the CO records
+// it and may call again for a new one, and no record is left behind that
+// no VolumeSnapshotContent names. A snapshot still not cut when the
+// call's time is nearly up (an attached volume whose engine is gone: a
+// dead node) is answered with ready_to_use false, as before this wait:
+// an error would keep csi-snapshotter from deleting the VolumeSnapshot
+// until the cut, and a volume on a dead node may never be cut; with no
+// engine, nothing writes to it meanwhile.
 func (c *controllerServer) CreateSnapshot(ctx context.Context, req *csipb.CreateSnapshotRequest) (*csipb.CreateSnapshotResponse, error) {
 	switch {
 	case req.GetName() == "":
@@ -639,11 +648,19 @@ func (c *controllerServer) snapshotCut(ctx context.Context, s *storpb.Snapshot) 
 	for {
 		switch {
 		case s.GetFailed():
-			return nil, fmt.Errorf("snapshot %q of volume %q failed: %s; delete it and take another", s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
+			cctx, cancel := c.d.call(ctx)
+			_, derr := c.d.cfg.Cluster.Snapshots.DeleteSnapshot(cctx, &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: s.GetId()}})
+			cancel()
+			if derr != nil && clusterCode(derr) != codes.NotFound {
+				c.d.log.Warn("deleting a failed snapshot", "snapshot", s.GetName(), "err", derr)
+			}
+			return nil, fmt.Errorf("snapshot %q of volume %q failed and was deleted: %s; call again to take another", s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
 		case s.GetReadyToUse():
 			return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
 		case time.Now().After(deadline):
-			return nil, fmt.Errorf("%w: snapshot %q of volume %q is not cut yet (%s); call again", ErrNotReady, s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
+			c.d.log.Warn("answering CreateSnapshot with a snapshot not cut yet: is the volume's node up?", "snapshot", s.GetName(),
+				"volume_id", s.GetVolumeId(), "status", s.GetStatusMessage())
+			return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
 		}
 		select {
 		case <-ctx.Done():

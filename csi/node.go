@@ -468,8 +468,13 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 }
 
 // fencedStopWait bounds how long restage waits for an engine that was
-// fenced, and has not seen it yet, to stop.
-var fencedStopWait = 5 * time.Second
+// fenced, and has not seen it yet, to stop; restageAskWait, how long it
+// waits for the cluster's answer about the volume before it goes on
+// without.
+var (
+	fencedStopWait = 5 * time.Second
+	restageAskWait = 5 * time.Second
+)
 
 // restage makes the staging path of mount volume rec a mount of the
 // device that serves the volume now, and records that device: it waits
@@ -479,11 +484,18 @@ var fencedStopWait = 5 * time.Second
 // and mounts the serving one where nothing is mounted.
 func (n *nodeServer) restage(ctx context.Context, rec *stagedRecord, flags []string) error {
 	id := rec.VolumeID
-	v, err := n.getVolume(ctx, id)
-	if err != nil {
-		return err
+	// Without the cluster (an outage, an election) a volume served here
+	// from the device its staging path is mounted from is published as
+	// before this check: the pods on the node go on starting. What the
+	// cluster is needed for is telling a fenced engine from a current one,
+	// and serving the volume again.
+	gctx, cancel := context.WithTimeout(ctx, restageAskWait)
+	v, verr := n.getVolume(gctx, id)
+	cancel()
+	if errors.Is(verr, ErrNotFound) {
+		return verr
 	}
-	for deadline := time.Now().Add(fencedStopWait); ; {
+	for deadline := time.Now().Add(fencedStopWait); verr == nil; {
 		e, ok := n.attacher.Epoch(id)
 		if !ok || e >= v.GetEpoch() {
 			break
@@ -500,6 +512,10 @@ func (n *nodeServer) restage(ctx context.Context, rec *stagedRecord, flags []str
 	}
 	dev, _, ok := n.attacher.Served(id)
 	if !ok {
+		if verr != nil {
+			return fmt.Errorf("volume %q is staged here but not served, and the cluster cannot be asked about it: %w", id, verr)
+		}
+		var err error
 		if dev, err = n.attacher.Attach(ctx, id, rec.ReadOnly); err != nil {
 			return fmt.Errorf("volume %q is staged here but not served, and serving it again failed: %w", id, err)
 		}

@@ -843,6 +843,27 @@ func TestAPublishBeforeTheEngineSeesItsFenceWaitsForIt(t *testing.T) {
 	}
 }
 
+// A mount volume served here from the device its staging path is mounted
+// from is published while the cluster cannot be reached (an outage, an
+// election): the pods on the node go on starting, as before the publish
+// asked the cluster whether the engine is current. The first version of
+// that check failed every such publish.
+func TestAPublishOfAServedVolumeNeedsNoCluster(t *testing.T) {
+	e := newNodeEnv(t)
+	ctx := testCtx(t)
+	id := e.volume(t, ctx, "offline")
+	v := &failingVolumes{VolumeServiceClient: e.cl.Volumes}
+	d := e.driverOn(t, nil, Cluster{Cluster: e.cl.Cluster, Volumes: v, Snapshots: e.cl.Snapshots})
+	defer d.Close()
+	staging := filepath.Join(e.dir, "staging")
+	stageMount(t, ctx, d, id, staging)
+	v.getFailures.Store(1 << 20)
+	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: filepath.Join(e.dir, "pod", "mount"), VolumeCapability: mountCap()}); err != nil {
+		t.Fatalf("publish of a served volume without the cluster: %v", err)
+	}
+}
+
 // A NodeUnstage of a mount volume staged here but not served (the plugin
 // restarted) serves it first so that its unmount's writeback has a
 // server; if that fails for a reason that may pass (the cluster out of

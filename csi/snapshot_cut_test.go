@@ -8,6 +8,8 @@ import (
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica/engine"
@@ -147,5 +149,65 @@ func TestCreateSnapshotReturnsOnceCut(t *testing.T) {
 		t.Fatal("the snapshot holds a write acknowledged after CreateSnapshot returned")
 	case !bytes.Equal(got, before):
 		t.Fatal("the snapshot holds neither the data written before it nor after")
+	}
+}
+
+// failedSnapshots reports every snapshot failed once the cluster has
+// recorded it (as if no replica could cut it).
+type failedSnapshots struct{ storpb.SnapshotServiceClient }
+
+func (f failedSnapshots) GetSnapshot(ctx context.Context, in *storpb.GetSnapshotRequest, opts ...grpc.CallOption) (*storpb.GetSnapshotResponse, error) {
+	r, err := f.SnapshotServiceClient.GetSnapshot(ctx, in, opts...)
+	if err == nil {
+		r.Snapshot.ReadyToUse, r.Snapshot.Failed, r.Snapshot.StatusMessage = false, true, "test: no replica could cut it"
+	}
+	return r, err
+}
+
+// The two ends of CreateSnapshot's wait that are not a cut: a snapshot
+// that failed is deleted and the call is INTERNAL (a final error), so no
+// record is left that no VolumeSnapshotContent names (the first version
+// of the wait left it); a snapshot not cut by the time the call's time is
+// nearly up (an attached volume whose engine is gone) is answered not
+// ready to use, not with an error, which would keep csi-snapshotter from
+// ever deleting its VolumeSnapshot.
+func TestCreateSnapshotThatIsNotCut(t *testing.T) {
+	u := newDriverUnderTest(t)
+	cl := clusterClient(t, u.c)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	vol, err := u.ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{Name: "pvc-uncut", CapacityRange: &csipb.CapacityRange{RequiredBytes: 1 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.GetVolume().GetVolumeId()
+
+	d, err := New(Config{Mode: ModeController, Logger: testLogger(t),
+		Cluster: Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: failedSnapshots{cl.Snapshots}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	failing := &controllerServer{d: d}
+	_, err = failing.CreateSnapshot(ctx, &csipb.CreateSnapshotRequest{SourceVolumeId: id, Name: "snap-failed"})
+	if code := status.Code(toStatus(err)); code != codes.Internal {
+		t.Fatalf("CreateSnapshot of a snapshot that failed: %v (%v), want INTERNAL", err, code)
+	}
+	if _, err := cl.Snapshots.GetSnapshot(ctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Name: "snap-failed"}}); status.Code(err) != codes.NotFound {
+		t.Fatalf("the failed snapshot after CreateSnapshot answered: %v, want it deleted (NotFound)", err)
+	}
+
+	// Attached, its engine gone: nothing cuts it.
+	if _, err := u.ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: u.c.Nodes[0].ID, VolumeCapability: rwoCap()}); err != nil {
+		t.Fatal(err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, snapshotCutMargin+time.Second)
+	defer cancelShort()
+	snap, err := u.ctrl.CreateSnapshot(short, &csipb.CreateSnapshotRequest{SourceVolumeId: id, Name: "snap-uncut"})
+	if err != nil {
+		t.Fatalf("CreateSnapshot of a snapshot nothing cuts: %v, want it answered not ready to use", err)
+	}
+	if snap.GetSnapshot().GetReadyToUse() || snap.GetSnapshot().GetSnapshotId() == "" {
+		t.Fatalf("CreateSnapshot of a snapshot nothing cuts: %v, want a snapshot id, not ready to use", snap.GetSnapshot())
 	}
 }
