@@ -573,18 +573,7 @@ func TestDeleteVolumeWithSnapshotThenRestore(t *testing.T) {
 	// Restore into a larger volume: the snapshot's bytes, zeros beyond.
 	restored := create("pvc-restored", 2*size, &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Snapshot{
 		Snapshot: &csipb.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}})
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: restored}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if v.GetVolume().GetState() == storpb.VolumeState_VOLUME_STATE_AVAILABLE {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the restored volume is not filled after 30s: %v", v.GetVolume())
-		}
-	}
+	waitFilled(t, ctx, cl, restored)
 	withEngine(restored, func(e *engine.Engine) {
 		got := make([]byte, 2*size)
 		if err := e.ReadAt(ctx, got, 0); err != nil {

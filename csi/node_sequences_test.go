@@ -160,6 +160,22 @@ func (e *nodeEnv) forceDetach(t *testing.T, ctx context.Context, d *Driver, id s
 	}
 }
 
+// staleMount makes staging, staged by d, a mount of another device than
+// the one it was mounted from: after a fence the old mount stays on the
+// old device, whose index a real kernel does not give out again while it
+// is mounted (the fake one would). It returns d's mounter.
+func staleMount(t *testing.T, d *Driver, staging string) *mount.FakeMounter {
+	t.Helper()
+	m := d.node.host.Mounter.(*mount.FakeMounter)
+	if err := m.Unmount(staging); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
 // stageMount stages volume id with d as a mount volume at staging, and
 // returns the request.
 func stageMount(t *testing.T, ctx context.Context, d *Driver, id, staging string) *csipb.NodeStageVolumeRequest {
@@ -691,15 +707,7 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 	staging := filepath.Join(e.dir, "staging")
 	req := stageMount(t, ctx, d, id, staging)
 	e.forceDetach(t, ctx, d, id)
-	// The old mount stays on the old device, which the fake kernel would
-	// give out again: say it is another index, as a real kernel does.
-	m := d.node.host.Mounter.(*mount.FakeMounter)
-	if err := m.Unmount(staging); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
-		t.Fatal(err)
-	}
+	m := staleMount(t, d, staging)
 	e.controllerPublish(t, ctx, id)
 	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
 		t.Fatal(err)
@@ -729,15 +737,7 @@ func TestAPublishAfterAFenceMountsFromTheDeviceThatServesTheVolume(t *testing.T)
 	staging := filepath.Join(e.dir, "staging")
 	stageMount(t, ctx, d, id, staging)
 	e.forceDetach(t, ctx, d, id)
-	// The old mount stays on the old device, whose index a real kernel
-	// does not give out while it is mounted (the fake one would).
-	m := d.node.host.Mounter.(*mount.FakeMounter)
-	if err := m.Unmount(staging); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
-		t.Fatal(err)
-	}
+	m := staleMount(t, d, staging)
 	e.controllerPublish(t, ctx, id)
 	target := filepath.Join(e.dir, "pod", "mount")
 	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
@@ -815,15 +815,7 @@ func TestAPublishBeforeTheEngineSeesItsFenceWaitsForIt(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.controllerPublish(t, ctx, id)
-	// As in the test above: the old mount on an index a real kernel does
-	// not give out again while it is mounted.
-	m := d.node.host.Mounter.(*mount.FakeMounter)
-	if err := m.Unmount(staging); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Mount("/dev/nbd7", staging, "ext4", nil); err != nil {
-		t.Fatal(err)
-	}
+	m := staleMount(t, d, staging)
 	time.AfterFunc(time.Second, func() { close(w.release) })
 	if _, err := d.node.NodePublishVolume(ctx, &csipb.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
 		TargetPath: filepath.Join(e.dir, "pod", "mount"), VolumeCapability: mountCap()}); err != nil {

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	storpb "github.com/stor-io/stor/api/proto"
+	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/wire"
 )
@@ -126,18 +127,7 @@ func TestCreateSnapshotReturnsOnceCut(t *testing.T) {
 
 	restored := create("pvc-thawed", &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Snapshot{
 		Snapshot: &csipb.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}})
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: restored}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if v.GetVolume().GetState() == storpb.VolumeState_VOLUME_STATE_AVAILABLE {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the restored volume is not filled after 30 s: %v", v.GetVolume())
-		}
-	}
+	waitFilled(t, ctx, cl, restored)
 	r := open(restored, cl.Volumes)
 	got := make([]byte, size)
 	if err := r.ReadAt(ctx, got, 0); err != nil {
@@ -209,5 +199,23 @@ func TestCreateSnapshotThatIsNotCut(t *testing.T) {
 	}
 	if snap.GetSnapshot().GetReadyToUse() || snap.GetSnapshot().GetSnapshotId() == "" {
 		t.Fatalf("CreateSnapshot of a snapshot nothing cuts: %v, want a snapshot id, not ready to use", snap.GetSnapshot())
+	}
+}
+
+// waitFilled waits up to 30 s for volume id, restored from a snapshot or
+// cloned, to be filled (AVAILABLE).
+func waitFilled(t *testing.T, ctx context.Context, cl *client.Client, id string) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		v, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Id: id}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.GetVolume().GetState() == storpb.VolumeState_VOLUME_STATE_AVAILABLE {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("volume %s is not filled after 30 s: %v", id, v.GetVolume())
+		}
 	}
 }

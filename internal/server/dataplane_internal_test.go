@@ -151,11 +151,7 @@ func TestReconcileOfAPartialReadDeletesNothing(t *testing.T) {
 			if _, err := store.Create(replica.Spec{ID: "r3", VolumeID: "v3", Size: 1 << 20}); err != nil {
 				t.Fatal(err)
 			}
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
-			d := &dataPlane{s: s, store: store, wire: storeWire(t, store), rebuilding: map[string]bool{}, tasks: map[string]bool{},
-				view: f.View, catchUp: func(context.Context) error { return nil }}
+			d := testDataPlane(t, store, f)
 			d.reconcile()
 			if _, err := store.Get("r3"); err != nil {
 				t.Errorf("replica r3, of a volume the read did not reach: %v", err)
@@ -182,6 +178,17 @@ func TestADeletedReplicaIsForgottenByTheDataPort(t *testing.T) {
 			testDeletedReplicaForgotten(t, syncFails)
 		})
 	}
+}
+
+// testDataPlane is server s1's data plane over store, reading the cluster
+// from f, always caught up; its context ends with the test.
+func testDataPlane(t *testing.T, store *replica.Store, f *raftstore.FSM) *dataPlane {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
+	return &dataPlane{s: s, store: store, wire: storeWire(t, store), rebuilding: map[string]bool{}, tasks: map[string]bool{},
+		view: f.View, catchUp: func(context.Context) error { return nil }}
 }
 
 // storeWire is a data port serving store's replicas, closed when the test
@@ -286,11 +293,7 @@ func TestAReplicaThatCannotGrowIsFenced(t *testing.T) {
 		t.Fatal(err)
 	}
 	efs.Add(errorfs.Rule{Path: "meta.json.tmp", Err: syscall.EACCES})
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	s := &Server{cfg: Config{ID: "s1"}, logger: replicatest.Logger(t), ctx: ctx}
-	d := &dataPlane{s: s, store: store, wire: storeWire(t, store), rebuilding: map[string]bool{}, tasks: map[string]bool{},
-		view: f.View, catchUp: func(context.Context) error { return nil }}
+	d := testDataPlane(t, store, f)
 	d.reconcile()
 	if got := r1.Size(); got != 1<<20 {
 		t.Fatalf("replica r1 grew to %d although meta.json could not be written", got)
