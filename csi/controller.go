@@ -265,8 +265,15 @@ func (c *controllerServer) ControllerPublishVolume(ctx context.Context, req *csi
 		return &csipb.ControllerPublishVolumeResponse{PublishContext: pubCtx}, nil
 	}
 	// The node's own limit, as its plugin registered it: the controller
-	// has no say in how many nbd devices a node has.
+	// has no say in how many nbd devices a node has. Counted and attached
+	// under the node's lock too: two publishes of different volumes to a
+	// node one short of its limit both counted room for themselves.
 	if lim > 0 {
+		unlockNode, err := c.d.locks.lock("node/" + node)
+		if err != nil {
+			return nil, err
+		}
+		defer unlockNode()
 		vols, err := c.allVolumes(ctx)
 		if err != nil {
 			return nil, err
