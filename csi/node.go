@@ -433,23 +433,8 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csipb.NodeStageVo
 		return nil, err
 	}
 	if !block {
-		if err := os.MkdirAll(staging, 0o750); err != nil {
-			return fail(fmt.Errorf("staging path: %w", err))
-		}
-		mounted, err := n.host.Mounter.IsMountPoint(staging)
-		if err != nil {
-			return fail(fmt.Errorf("staging path: %w", err))
-		}
-		if mounted {
-			if mounted, err = n.unmountStale(id, staging, dev); err != nil {
-				return fail(err)
-			}
-		}
-		if !mounted {
-			if err := n.mountStaging(dev, staging, fs, req.GetVolumeCapability().GetMount().GetMountFlags(), readOnly); err != nil {
-				return fail(err)
-			}
-			mountedHere = true
+		if mountedHere, err = n.mountFrom(id, dev, staging, fs, req.GetVolumeCapability().GetMount().GetMountFlags(), readOnly); err != nil {
+			return fail(err)
 		}
 	}
 	staged := &stagedRecord{VolumeID: id, StagingPath: staging, Device: dev, Block: block, FSType: fs, ReadOnly: readOnly}
@@ -520,22 +505,8 @@ func (n *nodeServer) restage(ctx context.Context, rec *stagedRecord, flags []str
 			return fmt.Errorf("volume %q is staged here but not served, and serving it again failed: %w", id, err)
 		}
 	}
-	mounted, err := n.host.Mounter.IsMountPoint(rec.StagingPath)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("staging path: %w", err)
-	}
-	if mounted {
-		if mounted, err = n.unmountStale(id, rec.StagingPath, dev); err != nil {
-			return err
-		}
-	}
-	if !mounted {
-		if err := os.MkdirAll(rec.StagingPath, 0o750); err != nil {
-			return fmt.Errorf("staging path: %w", err)
-		}
-		if err := n.mountStaging(dev, rec.StagingPath, rec.FSType, flags, rec.ReadOnly); err != nil {
-			return err
-		}
+	if _, err := n.mountFrom(id, dev, rec.StagingPath, rec.FSType, flags, rec.ReadOnly); err != nil {
+		return err
 	}
 	if rec.Device != dev {
 		rec.Device = dev
@@ -544,6 +515,32 @@ func (n *nodeServer) restage(ctx context.Context, rec *stagedRecord, flags []str
 		}
 	}
 	return nil
+}
+
+// mountFrom makes the staging path of volume id a mount of dev, the
+// device that serves the volume: a mount of another device is unmounted
+// (unmountStale), and dev is mounted where nothing is (mountStaging). It
+// reports whether it mounted.
+func (n *nodeServer) mountFrom(id, dev, staging, fs string, flags []string, readOnly bool) (bool, error) {
+	if err := os.MkdirAll(staging, 0o750); err != nil {
+		return false, fmt.Errorf("staging path: %w", err)
+	}
+	mounted, err := n.host.Mounter.IsMountPoint(staging)
+	if err != nil {
+		return false, fmt.Errorf("staging path: %w", err)
+	}
+	if mounted {
+		if mounted, err = n.unmountStale(id, staging, dev); err != nil {
+			return false, err
+		}
+	}
+	if mounted {
+		return false, nil
+	}
+	if err := n.mountStaging(dev, staging, fs, flags, readOnly); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // unmountStale unmounts the staging path of volume id, which is mounted,

@@ -176,6 +176,24 @@ func staleMount(t *testing.T, d *Driver, staging string) *mount.FakeMounter {
 	return m
 }
 
+// mountedFromServed fails the test unless volume id is served by d and
+// staging is mounted (in m) from its device, which it returns.
+func mountedFromServed(t *testing.T, d *Driver, m *mount.FakeMounter, id, staging string) string {
+	t.Helper()
+	dev, _, ok := d.node.attacher.Served(id)
+	if !ok {
+		t.Fatalf("volume %s is not served", id)
+	}
+	from, _, err := mount.GetDeviceNameFromMount(m, staging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if from != dev {
+		t.Fatalf("the staging path is mounted from %s; the volume is served on %s", from, dev)
+	}
+	return dev
+}
+
 // stageMount stages volume id with d as a mount volume at staging, and
 // returns the request.
 func stageMount(t *testing.T, ctx context.Context, d *Driver, id, staging string) *csipb.NodeStageVolumeRequest {
@@ -712,14 +730,7 @@ func TestARestageMountsFromTheDeviceThatServesTheVolume(t *testing.T) {
 	if _, err := d.node.NodeStageVolume(ctx, req); err != nil {
 		t.Fatal(err)
 	}
-	dev, _, _ := d.node.attacher.Served(id)
-	from, _, err := mount.GetDeviceNameFromMount(m, staging)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if from != dev {
-		t.Fatalf("staged again: the staging path is mounted from %s, the volume served on %s", from, dev)
-	}
+	mountedFromServed(t, d, m, id, staging)
 }
 
 // A mount volume whose engine was fenced here (a force detach) and which
@@ -744,17 +755,7 @@ func TestAPublishAfterAFenceMountsFromTheDeviceThatServesTheVolume(t *testing.T)
 		TargetPath: target, VolumeCapability: mountCap()}); err != nil {
 		t.Fatalf("publish after the volume came back to this node: %v", err)
 	}
-	dev, _, ok := d.node.attacher.Served(id)
-	if !ok {
-		t.Fatal("published, but the volume is not served")
-	}
-	from, _, err := mount.GetDeviceNameFromMount(m, staging)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if from != dev {
-		t.Fatalf("published from a staging path mounted from %s; the volume is served on %s", from, dev)
-	}
+	dev := mountedFromServed(t, d, m, id, staging)
 	rec, err := d.node.load(id)
 	if err != nil || rec == nil || rec.Device != dev {
 		t.Fatalf("the staged record after the publish: %+v, %v; want device %s", rec, err, dev)
@@ -829,10 +830,7 @@ func TestAPublishBeforeTheEngineSeesItsFenceWaitsForIt(t *testing.T) {
 	if !ok || epoch != v.GetVolume().GetEpoch() {
 		t.Fatalf("published while the volume was served at epoch %d (served %v); the volume is at epoch %d", epoch, ok, v.GetVolume().GetEpoch())
 	}
-	dev, _, _ := d.node.attacher.Served(id)
-	if from, _, _ := mount.GetDeviceNameFromMount(m, staging); from != dev {
-		t.Fatalf("published from a staging path mounted from %s; the volume is served on %s", from, dev)
-	}
+	mountedFromServed(t, d, m, id, staging)
 }
 
 // A mount volume served here from the device its staging path is mounted
