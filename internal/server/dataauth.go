@@ -319,7 +319,7 @@ func (a *dataAccess) checkClone(m metaView, v *storpb.Volume, r wire.OpenRequest
 			continue
 		}
 		for _, x := range c.Replicas {
-			if x.ServerId == r.Node && !slices.Contains(c.CloneDoneReplicaIds, x.Id) {
+			if x.ServerId == r.Node && !x.ServerRemoved && !slices.Contains(c.CloneDoneReplicaIds, x.Id) {
 				return nil
 			}
 		}

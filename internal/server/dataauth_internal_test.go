@@ -156,6 +156,8 @@ func TestDataAccessOpenRules(t *testing.T) {
 	cloneFilled := testMeta()
 	cloneFilled.vols[testVol] = proto.Clone(cloneFilling.vols[testVol]).(*storpb.Volume)
 	cloneFilled.vols[testVol].CloneDoneReplicaIds = []string{"r1"}
+	cloneLost := testMeta() // the clone's replica on s2 was lost with its server's data
+	cloneLost.vols["c1"].Replicas[0].ServerRemoved = true
 	copySource := func(node string) wire.OpenRequest {
 		return wire.OpenRequest{Replica: "r1", Volume: testVol, Node: node, Epoch: 4, Purpose: wire.PurposeRebuildSource}
 	}
@@ -184,6 +186,7 @@ func TestDataAccessOpenRules(t *testing.T) {
 		{"snapshot cut of an attached volume", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Epoch: 4, Purpose: wire.PurposeSnapshotCut}, wire.ErrDenied},
 		{"clone copy", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Snapshot: "snap-1", Epoch: 4, Purpose: wire.PurposeCloneCopy}, nil},
 		{"clone copy for a server with no clone", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s1", Snapshot: "snap-1", Epoch: 4, Purpose: wire.PurposeCloneCopy}, wire.ErrDenied},
+		{"clone copy for a server whose clone replica was lost", cloneLost, wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Snapshot: "snap-1", Epoch: 4, Purpose: wire.PurposeCloneCopy}, wire.ErrDenied},
 		{"clone copy of a snapshot not ready", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Node: "s2", Snapshot: "snap-2", Epoch: 4, Purpose: wire.PurposeCloneCopy}, wire.ErrDenied},
 		{"inspect, unverified", testMeta(), wire.OpenRequest{Replica: "r1", Volume: testVol, Epoch: 4, Purpose: wire.PurposeInspect}, wire.ErrDenied},
 		{"rebuild source, attached", attachedRebuilding, copySource("s2"), nil},
