@@ -175,15 +175,28 @@ func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, err
 		return nil, err
 	}
 	s, err := w.Server(in.Id)
+	if err == nil {
+		// The leader refuses such a server before it proposes anything
+		// (dataDirMatches); this keeps a register that slipped past it (a
+		// leader of an older version) from naming a dir the record's
+		// replicas are not on. A record is only named anew when the server
+		// is removed and joins again.
+		if err := dataDirMatches(s, in); err != nil {
+			return nil, err
+		}
+	}
 	switch {
 	case err == nil:
 		s.Address, s.RaftAddress, s.DataAddress = in.Address, in.RaftAddress, in.DataAddress
 		s.Zone, s.Labels, s.CapacityBytes, s.KubernetesNode = in.Zone, in.Labels, in.CapacityBytes, in.KubernetesNode
+		if in.DataDirId != "" { // "": a server of an older version
+			s.DataDirId = in.DataDirId
+		}
 	default:
 		s = &storpb.Server{
 			Id: in.Id, Address: in.Address, RaftAddress: in.RaftAddress, DataAddress: in.DataAddress,
 			Zone: in.Zone, Labels: in.Labels, CapacityBytes: in.CapacityBytes, KubernetesNode: in.KubernetesNode,
-			State: storpb.ServerState_SERVER_STATE_UP, JoinedUnixNano: at, LastSeenUnixNano: at,
+			State: storpb.ServerState_SERVER_STATE_UP, JoinedUnixNano: at, LastSeenUnixNano: at, DataDirId: in.DataDirId,
 		}
 	}
 	w.put(bucketServers, s.Id, s)
@@ -599,7 +612,13 @@ func (w *writer) replaceReplica(at int64, newID string, req *storpb.ReplaceRepli
 		if r != old {
 			keep = append(keep, r)
 		}
-		existing = append(existing, r.ServerId)
+		// A replica lost with its server (ServerRemoved) takes no room
+		// there: a server removed and joined again under its id (a new
+		// data disk) can hold its replacement. (Only with the leader's
+		// flag: a version before it placed as if it did.)
+		if r != old || !r.ServerRemoved || !req.LostReplicaFreesItsServer {
+			existing = append(existing, r.ServerId)
+		}
 	}
 	var added string // the new replica's server
 	if !req.RemoveOnly {

@@ -185,4 +185,18 @@
 // replica (one beyond the volume's count if need be) before removing the
 // drained one, so no volume has fewer healthy copies during the move
 // (drainReplicas); a cordon keeps a drain, clearing the cordon ends it.
+//
+// Each data dir is named when it is first used (identity.json's
+// data_dir_id) and a server registers with its dir's name
+// (storpb.Server.data_dir_id). The leader refuses a join or a heartbeat
+// that names another dir than the server's record (dataDirMatches,
+// ErrDataDirReplaced): the server came back on a wiped, replaced or
+// unmounted dir, which holds none of the replicas placed on it. Refused,
+// it is not a member and not seen (down, its replicas faulty and in time
+// replaced), until its old dir is back or an operator removes it; then it
+// joins afresh. Its data plane makes no replica unless its record names
+// its dir (or, from an older version, none while the dir holds replicas),
+// so none the cluster has as healthy is made again, empty. A lost
+// replica (ServerRemoved) takes no room on its server: a server removed
+// and joined again can hold its replacement.
 package raftstore

@@ -1109,7 +1109,9 @@ func TestFSMCorruptEntry(t *testing.T) {
 
 // allocationProblems compares each server's allocated_bytes with the sum of
 // the sizes of the volumes with a replica there, in any state (a replica
-// marked faulty keeps its space until it is replaced or its volume goes).
+// marked faulty keeps its space until it is replaced or its volume goes)
+// but one lost with its server's data (ServerRemoved), which counts
+// against no server.
 func allocationProblems(t testing.TB, f *FSM) []string {
 	t.Helper()
 	var problems []string
@@ -1125,6 +1127,9 @@ func allocationProblems(t testing.TB, f *FSM) []string {
 		want := map[string]uint64{}
 		for _, v := range vols {
 			for _, rep := range v.Replicas {
+				if rep.ServerRemoved {
+					continue
+				}
 				sum, carry := bits.Add64(want[rep.ServerId], v.SizeBytes, 0)
 				if carry != 0 {
 					problems = append(problems, fmt.Sprintf("server %s: volumes sum to more than 2^64 bytes", rep.ServerId))
@@ -1572,5 +1577,96 @@ func TestRegisterServerKubernetesNode(t *testing.T) {
 	mustApply(t, f, reg("worker-2"))
 	if got := get().GetKubernetesNode(); got != "worker-2" {
 		t.Errorf("re-registered Kubernetes node %q, want worker-2", got)
+	}
+}
+
+// TestFSMRegisterKeepsTheServersDataDir: a record without a data dir (a
+// server of an older version) takes the first a register names; a
+// register without one keeps the record's; one naming another is
+// refused, as the leader refuses it before proposing (dataDirMatches):
+// a record is named anew only once its server is removed.
+func TestFSMRegisterKeepsTheServersDataDir(t *testing.T) {
+	f := openTestFSM(t, "")
+	register := func(id, dir string) command {
+		c := cmdRegisterServer(id, "", gib, nil)
+		c.Body.(*storpb.Server).DataDirId = dir
+		return c
+	}
+	dirOf := func(id string) string {
+		var s *storpb.Server
+		if err := f.View(func(r *Reader) error {
+			var err error
+			s, err = r.Server(id)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return s.DataDirId
+	}
+	mustApply(t, f, register("s1", "d1"), register("s2", ""))
+	for _, step := range []struct {
+		cmd      command
+		id, want string
+	}{
+		{register("s1", ""), "s1", "d1"},
+		{register("s1", "d1"), "s1", "d1"},
+		{register("s2", "d2"), "s2", "d2"},
+	} {
+		mustApply(t, f, step.cmd)
+		if got := dirOf(step.id); got != step.want {
+			t.Errorf("%s's data dir after registering with %q: %q, want %q", step.id, step.cmd.Body.(*storpb.Server).DataDirId, got, step.want)
+		}
+	}
+	before := dumpState(t, f)
+	if r := applyCommands(t, f, register("s1", "d-other"))[0]; !errors.Is(r.err, ErrDataDirReplaced) {
+		t.Errorf("s1 registering with another data dir: %v, want ErrDataDirReplaced", r.err)
+	}
+	requireSameState(t, withoutApplied(before), withoutApplied(dumpState(t, f)), "state after a refused register")
+	mustApply(t, f, cmdRemoveServer("s1"), register("s1", "d-other"))
+	if got := dirOf("s1"); got != "d-other" {
+		t.Errorf("s1's data dir after it was removed and registered with d-other: %q", got)
+	}
+}
+
+// TestFSMAReplacementMayGoOnTheServerItsLostReplicaWasOn: a server removed
+// (its data lost: a failed disk) that joins again under its id leaves its
+// old replicas faulty and flagged ServerRemoved. Their replacements could
+// not go on it, as if it held them: on a cluster of as many servers as
+// the volume has replicas (three), the volume stayed one short for good
+// (the documented way to replace a failed data disk). A lost replica now
+// takes no room on its server.
+func TestFSMAReplacementMayGoOnTheServerItsLostReplicaWasOn(t *testing.T) {
+	f := openTestFSM(t, "")
+	mustApply(t, f,
+		cmdRegisterServer("s1", "a", gib, nil),
+		cmdRegisterServer("s2", "b", gib, nil),
+		cmdRegisterServer("s3", "c", gib, nil),
+		cmdCreateVolume("vol-1", "pvc-1", 100*mib, 3),
+		cmdRemoveServer("s2"),
+		cmdRegisterServer("s2", "b", gib, nil),
+	)
+	var lost string
+	for _, r := range readVolume(t, f, "vol-1").Replicas {
+		if r.ServerId == "s2" {
+			lost = r.Id
+		}
+	}
+	// Without the leader's flag (servers of an older version run), as
+	// before: no room.
+	if r := applyCommands(t, f, cmdReplaceReplica("vol-1", lost, "", "vol-1-new", false))[0]; !errors.Is(r.err, ErrInsufficientServers) {
+		t.Fatalf("a replacement without lost_replica_frees_its_server: %v, want ErrInsufficientServers as before", r.err)
+	}
+	replace := cmdReplaceReplica("vol-1", lost, "", "vol-1-new", false)
+	replace.Body.(*storpb.ReplaceReplicaRequest).LostReplicaFreesItsServer = true
+	mustApply(t, f, replace)
+	v := readVolume(t, f, "vol-1")
+	if r := replicaIn(v, "vol-1-new"); r == nil || r.ServerId != "s2" || r.State != storpb.ReplicaState_REPLICA_STATE_REBUILDING || r.RebuildFromGeneration != 0 {
+		t.Errorf("vol-1's replacement of its lost replica: %v; want a full rebuild on s2, the only server without a replica of it", r)
+	}
+	if replicaIn(v, lost) != nil {
+		t.Errorf("the lost replica %s is still in vol-1: %v", lost, v.Replicas)
+	}
+	for _, p := range allocationProblems(t, f) {
+		t.Errorf("after the replacement: %s", p)
 	}
 }

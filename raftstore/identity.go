@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/google/uuid"
+
 	"github.com/stor-io/stor/internal/durable"
 )
 
@@ -20,6 +22,15 @@ type identity struct {
 	ClusterID string `json:"cluster_id,omitempty"`
 	// Member is set once the server has bootstrapped or joined a cluster.
 	Member bool `json:"member"`
+	// DataDirID names this directory, made when it is first used (or
+	// when a directory of an older version is first opened): the server
+	// registers with it (storpb.Server.data_dir_id), so that a server
+	// whose directory was wiped or replaced, which comes back under the
+	// same id with a new one, has the replicas its record places here
+	// recorded lost rather than made again empty.
+	DataDirID string `json:"data_dir_id,omitempty"`
+
+	unsaved bool // DataDirID was made for an identity of an older version
 }
 
 const (
@@ -62,7 +73,7 @@ func loadIdentity(dir, id string) (identity, error) {
 					ErrForeignDataDir, dir, e.Name(), identityFile)
 			}
 		}
-		ident := identity{ServerID: id}
+		ident := identity{ServerID: id, DataDirID: uuid.NewString()}
 		return ident, saveIdentity(dir, ident)
 	}
 	if err != nil {
@@ -74,6 +85,12 @@ func loadIdentity(dir, id string) (identity, error) {
 	}
 	if ident.ServerID != id {
 		return identity{}, fmt.Errorf("%w: %s belongs to server %q, not %q", ErrForeignDataDir, dir, ident.ServerID, id)
+	}
+	if ident.DataDirID == "" {
+		// Written by a version before data dir ids: the directory is
+		// the one the cluster knows (its record has no id yet). Named
+		// here, saved by Open once the directory is accepted.
+		ident.DataDirID, ident.unsaved = uuid.NewString(), true
 	}
 	return ident, nil
 }

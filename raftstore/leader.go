@@ -416,7 +416,8 @@ func (s *Store) replaceUnhealthy(ctx context.Context, v *storpb.Volume, r *storp
 		return err
 	})
 	_, err := asVolume(s.propose(ctx, command{Op: opRepairReplica, ID: uuid.NewString(),
-		Body: &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: r.Id}}))
+		Body: &storpb.ReplaceReplicaRequest{Volume: &storpb.VolumeRef{Id: v.Id}, ReplicaId: r.Id,
+			LostReplicaFreesItsServer: s.everyServerNamesItsDataDir()}}))
 	if err != nil {
 		return err
 	}

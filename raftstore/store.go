@@ -55,6 +55,10 @@ type Store struct {
 	// memberMu serialises membership decisions (count the voters, then
 	// add one): two concurrent joins must not both see room for a voter.
 	memberMu sync.Mutex
+	// joinMu keeps a join (check, register, Raft member) and a removal
+	// (record, Raft member) from interleaving: a join between a removal's
+	// two steps would leave a registered server out of Raft.
+	joinMu sync.Mutex
 
 	// drainWait: volumes the drain leaves alone until then (a refused
 	// step); touched only by the leader's repair loop.
@@ -89,6 +93,10 @@ func Open(cfg Config) (*Store, error) {
 	s := &Store{cfg: cfg, logger: cfg.Logger.With("server", cfg.ID), ident: ident, lastSeen: map[string]time.Time{}, used: map[string]uint64{}, drainWait: map[string]time.Time{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	if err := s.open(); err != nil {
+		s.closeResources()
+		return nil, err
+	}
+	if err := s.saveDataDirID(); err != nil {
 		s.closeResources()
 		return nil, err
 	}
@@ -129,12 +137,10 @@ func (s *Store) open() error {
 		return fmt.Errorf("%w: %s was a member of cluster %q but its Raft state is gone; refusing to start a new cluster from it",
 			ErrCorrupt, cfg.Dir, s.ident.ClusterID)
 	}
-	if s.hadState && !s.ident.Member {
-		// Crashed between the first Raft write and recording membership.
-		if err := s.markMember(""); err != nil {
-			return err
-		}
-	}
+	// Raft state without membership: a join whose answer was not
+	// recorded (a crash in between), or a server refused while the
+	// leader replicated to it (ErrDataDirReplaced). It is not a member
+	// until it joins again (Member, the server's join loop).
 	if err := s.checkClusterID(); err != nil {
 		return err
 	}
@@ -296,7 +302,7 @@ func (s *Store) markMember(clusterID string) error {
 		return nil
 	}
 	next := s.ident
-	next.Member = true
+	next.Member, next.unsaved = true, false
 	if clusterID != "" {
 		next.ClusterID = clusterID
 	}
@@ -310,6 +316,41 @@ func (s *Store) markMember(clusterID string) error {
 // HadState reports whether the store had Raft state when it was opened (a
 // restart), as opposed to a new, empty directory.
 func (s *Store) HadState() bool { return s.hadState }
+
+// saveDataDirID saves the data dir id loadIdentity made for an identity
+// of an older version (if markMember has not saved it since), once the
+// directory is accepted: a start refused leaves the directory as it was.
+func (s *Store) saveDataDirID() error {
+	s.identMu.Lock()
+	defer s.identMu.Unlock()
+	if !s.ident.unsaved {
+		return nil
+	}
+	next := s.ident
+	next.unsaved = false
+	if err := saveIdentity(s.cfg.Dir, next); err != nil {
+		return err
+	}
+	s.ident = next
+	return nil
+}
+
+// Member reports whether this server has bootstrapped or joined a
+// cluster (a server that came back on a new data dir has not, until it
+// joins afresh).
+func (s *Store) Member() bool {
+	s.identMu.Lock()
+	defer s.identMu.Unlock()
+	return s.ident.Member
+}
+
+// DataDirID is the identity of this server's data directory, which it
+// registers with (storpb.Server.data_dir_id).
+func (s *Store) DataDirID() string {
+	s.identMu.Lock()
+	defer s.identMu.Unlock()
+	return s.ident.DataDirID
+}
 
 // Bootstrap makes this server the single voter of a new cluster. It is an
 // error on a store that already has Raft state: bootstrap happens once.
@@ -515,6 +556,8 @@ func (s *Store) ReplaceReplica(ctx context.Context, req *storpb.ReplaceReplicaRe
 // replica it added ("" for a removal only).
 func (s *Store) ReplaceReplicaAdded(ctx context.Context, req *storpb.ReplaceReplicaRequest) (*storpb.Volume, string, error) {
 	id := uuid.NewString()
+	req = proto.Clone(req).(*storpb.ReplaceReplicaRequest)
+	req.LostReplicaFreesItsServer = s.everyServerNamesItsDataDir()
 	v, err := asVolume(s.propose(ctx, command{Op: opReplaceReplica, ID: id, Body: req}))
 	if err != nil || req.RemoveOnly {
 		id = ""
@@ -571,7 +614,12 @@ func (s *Store) Join(ctx context.Context, srv *storpb.Server) (clusterID string,
 	if err := checkServerIDs(srv); err != nil {
 		return "", false, err
 	}
+	s.joinMu.Lock()
+	defer s.joinMu.Unlock()
 	if err := s.ConsistentRead(ctx); err != nil {
+		return "", false, err
+	}
+	if err := s.checkDataDir(srv); err != nil {
 		return "", false, err
 	}
 	if _, err := s.propose(ctx, command{Op: opRegisterServer, Body: srv}); err != nil {
@@ -632,6 +680,8 @@ func (s *Store) Leave(ctx context.Context, id string) error {
 	if err := CheckServerID("leave: server id", id); err != nil {
 		return err
 	}
+	s.joinMu.Lock()
+	defer s.joinMu.Unlock()
 	conf, err := s.configuration()
 	if err != nil {
 		return err
@@ -674,6 +724,9 @@ func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 	if err != nil {
 		return err // ErrNotFound: the server has to join first
 	}
+	if err := dataDirMatches(cur, in); err != nil {
+		return err // not seen: its replicas are not on this data dir
+	}
 	s.markSeen(in.Id)
 	s.markUsed(in.Id, in.UsedBytes)
 	if cur.State == storpb.ServerState_SERVER_STATE_DOWN {
@@ -684,6 +737,18 @@ func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 		}
 	}
 	if in.Address != "" && in.RaftAddress != "" && serverInfoChanged(cur, in) {
+		s.joinMu.Lock()
+		defer s.joinMu.Unlock()
+		// Again under the lock: not removed since (ErrNotFound).
+		if err := s.fsm.View(func(r *Reader) error {
+			cur, err := r.Server(in.Id)
+			if err != nil {
+				return err
+			}
+			return dataDirMatches(cur, in)
+		}); err != nil {
+			return err
+		}
 		if _, err := s.propose(ctx, command{Op: opRegisterServer, Body: in}); err != nil {
 			return err
 		}
@@ -696,10 +761,65 @@ func (s *Store) Heartbeat(ctx context.Context, in *storpb.Server) error {
 	return nil
 }
 
+// everyServerNamesItsDataDir reports whether every server's record has a
+// data dir id: every server has registered with a version that sends one,
+// and applies what came with it (ReplaceReplicaRequest's
+// lost_replica_frees_its_server).
+func (s *Store) everyServerNamesItsDataDir() bool {
+	all := false
+	_ = s.fsm.View(func(r *Reader) error {
+		srvs, err := r.Servers()
+		if err != nil {
+			return err
+		}
+		all = len(srvs) > 0 && !slices.ContainsFunc(srvs, func(x *storpb.Server) bool { return x.DataDirId == "" })
+		return nil
+	})
+	return all
+}
+
+// ErrDataDirReplaced is returned (wrapping ErrFailedPrecondition) to a
+// server that joins or reports on another data dir than the one the
+// cluster knows it on (dataDirMatches).
+var ErrDataDirReplaced = fmt.Errorf("%w: server came back on another data dir", ErrFailedPrecondition)
+
+// checkDataDir refuses a join of a server the cluster knows on another
+// data dir (dataDirMatches).
+func (s *Store) checkDataDir(in *storpb.Server) error {
+	return s.fsm.View(func(r *Reader) error {
+		cur, err := r.Server(in.Id)
+		if errors.Is(err, ErrNotFound) {
+			return nil // a new member, or one removed: it joins afresh
+		}
+		if err != nil {
+			return err
+		}
+		return dataDirMatches(cur, in)
+	})
+}
+
+// dataDirMatches refuses a server whose data dir is not the one its
+// record names: the dir was wiped, replaced, or is not mounted, and holds
+// none of the replicas the cluster places on the server. Admitted, it
+// would make them again, empty, for replicas the cluster has as healthy.
+// Refused, it stays out (down, its replicas faulty and in time replaced)
+// until the old dir is back or an operator removes it, after which it
+// joins afresh. A record or a server of a version before data dir ids
+// ("") is not checked.
+func dataDirMatches(cur, in *storpb.Server) error {
+	if cur.DataDirId == "" || in.DataDirId == "" || cur.DataDirId == in.DataDirId {
+		return nil
+	}
+	return fmt.Errorf("%w: server %s is a member of the cluster on data dir %s, not on this one (%s), which holds none of its replicas; "+
+		"if its disk is not mounted, mount it and restart the server; if its data is lost, remove the server (stor-ctl server remove %s): "+
+		"it then joins afresh and its replicas are rebuilt from the others",
+		ErrDataDirReplaced, in.Id, cur.DataDirId, in.DataDirId, in.Id)
+}
+
 func serverInfoChanged(cur, in *storpb.Server) bool {
 	return cur.Address != in.Address || cur.RaftAddress != in.RaftAddress || cur.DataAddress != in.DataAddress ||
 		cur.Zone != in.Zone || cur.CapacityBytes != in.CapacityBytes || !mapsEqual(cur.Labels, in.Labels) ||
-		cur.KubernetesNode != in.KubernetesNode
+		cur.KubernetesNode != in.KubernetesNode || (in.DataDirId != "" && in.DataDirId != cur.DataDirId)
 }
 
 func mapsEqual(a, b map[string]string) bool {

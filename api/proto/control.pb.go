@@ -400,7 +400,14 @@ type Server struct {
 	// last heartbeat reported (the leader's memory, not Raft state; 0:
 	// unknown). With a data disk of its own that is what its replicas and
 	// Raft state take.
-	UsedBytes     uint64 `protobuf:"varint,15,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	UsedBytes uint64 `protobuf:"varint,15,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	// The identity of the data directory the server runs on, made when the
+	// directory is first used (its identity.json). A server that joins or
+	// reports with another (a data dir wiped, replaced or not mounted, which
+	// holds none of its replicas) is refused until it is removed, and its
+	// data plane makes no replica until its record names its dir. "" for a
+	// server that has not registered since it was upgraded.
+	DataDirId     string `protobuf:"bytes,16,opt,name=data_dir_id,json=dataDirId,proto3" json:"data_dir_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -538,6 +545,13 @@ func (x *Server) GetUsedBytes() uint64 {
 		return x.UsedBytes
 	}
 	return 0
+}
+
+func (x *Server) GetDataDirId() string {
+	if x != nil {
+		return x.DataDirId
+	}
+	return ""
 }
 
 // Node is a host that attaches volumes: a CSI node plugin registers its
@@ -3990,8 +4004,15 @@ type ReplaceReplicaRequest struct {
 	// volume's replica-set generation is still this one: a decision taken on
 	// an older view of the replicas is not applied.
 	ExpectGeneration uint64 `protobuf:"varint,6,opt,name=expect_generation,json=expectGeneration,proto3" json:"expect_generation,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Set by the leader, never by a caller (it is overwritten): the removed
+	// replica, if lost with its server's data (server_removed), takes no
+	// room on that server, so a server removed and joined again can hold
+	// its replacement. Set only once every server runs a version that
+	// applies it (each has registered a data_dir_id), so that servers of
+	// two versions apply the entry alike.
+	LostReplicaFreesItsServer bool `protobuf:"varint,7,opt,name=lost_replica_frees_its_server,json=lostReplicaFreesItsServer,proto3" json:"lost_replica_frees_its_server,omitempty"`
+	unknownFields             protoimpl.UnknownFields
+	sizeCache                 protoimpl.SizeCache
 }
 
 func (x *ReplaceReplicaRequest) Reset() {
@@ -4064,6 +4085,13 @@ func (x *ReplaceReplicaRequest) GetExpectGeneration() uint64 {
 		return x.ExpectGeneration
 	}
 	return 0
+}
+
+func (x *ReplaceReplicaRequest) GetLostReplicaFreesItsServer() bool {
+	if x != nil {
+		return x.LostReplicaFreesItsServer
+	}
+	return false
 }
 
 type ReplaceReplicaResponse struct {
@@ -4888,7 +4916,7 @@ var File_control_proto protoreflect.FileDescriptor
 
 const file_control_proto_rawDesc = "" +
 	"\n" +
-	"\rcontrol.proto\x12\astor.v1\"\xd1\x04\n" +
+	"\rcontrol.proto\x12\astor.v1\"\xf1\x04\n" +
 	"\x06Server\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12!\n" +
@@ -4906,7 +4934,8 @@ const file_control_proto_rawDesc = "" +
 	"\bcordoned\x18\r \x01(\bR\bcordoned\x12\x1a\n" +
 	"\bdraining\x18\x0e \x01(\bR\bdraining\x12\x1d\n" +
 	"\n" +
-	"used_bytes\x18\x0f \x01(\x04R\tusedBytes\x1a9\n" +
+	"used_bytes\x18\x0f \x01(\x04R\tusedBytes\x12\x1e\n" +
+	"\vdata_dir_id\x18\x10 \x01(\tR\tdataDirId\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x02\n" +
@@ -5167,7 +5196,7 @@ const file_control_proto_rawDesc = "" +
 	"\x13rebuild_total_bytes\x18\b \x01(\x04R\x11rebuildTotalBytes\x122\n" +
 	"\x15rebuild_resume_offset\x18\t \x01(\x04R\x13rebuildResumeOffset\"B\n" +
 	"\x17SetReplicaStateResponse\x12'\n" +
-	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xee\x01\n" +
+	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\"\xb0\x02\n" +
 	"\x15ReplaceReplicaRequest\x12*\n" +
 	"\x06volume\x18\x01 \x01(\v2\x12.stor.v1.VolumeRefR\x06volume\x12\x1d\n" +
 	"\n" +
@@ -5177,7 +5206,8 @@ const file_control_proto_rawDesc = "" +
 	"removeOnly\x12\x1f\n" +
 	"\vdrain_extra\x18\x05 \x01(\bR\n" +
 	"drainExtra\x12+\n" +
-	"\x11expect_generation\x18\x06 \x01(\x04R\x10expectGeneration\"k\n" +
+	"\x11expect_generation\x18\x06 \x01(\x04R\x10expectGeneration\x12@\n" +
+	"\x1dlost_replica_frees_its_server\x18\a \x01(\bR\x19lostReplicaFreesItsServer\"k\n" +
 	"\x16ReplaceReplicaResponse\x12'\n" +
 	"\x06volume\x18\x01 \x01(\v2\x0f.stor.v1.VolumeR\x06volume\x12(\n" +
 	"\x10added_replica_id\x18\x02 \x01(\tR\x0eaddedReplicaId\"V\n" +

@@ -61,6 +61,11 @@ type dataPlane struct {
 	view    func(func(*raftstore.Reader) error) error
 	catchUp func(context.Context) error
 	last    *clusterView
+	// dataDirID names this server's data dir (raftstore.Store.DataDirID);
+	// foreignDir is what the cluster's record of this server said at the
+	// last reconcile that did nothing for it (ownsPlacements: "none", or
+	// "dir <id>"), so its warning is said once.
+	dataDirID, foreignDir string
 
 	mu         sync.Mutex
 	rebuilding map[string]bool // replica ids with a detached rebuild running
@@ -92,7 +97,7 @@ func (s *Server) startDataPlane() error {
 	for id, derr := range store.Damaged() {
 		s.logger.Error("damaged replica left in place for inspection", "replica", id, "err", derr)
 	}
-	d := &dataPlane{s: s, store: store, view: s.store.View, catchUp: s.catchUp, rebuilding: map[string]bool{}, tasks: map[string]bool{}}
+	d := &dataPlane{s: s, store: store, view: s.store.View, catchUp: s.catchUp, dataDirID: s.store.DataDirID(), rebuilding: map[string]bool{}, tasks: map[string]bool{}}
 	d.lis = cfg.DataListener
 	if d.lis == nil {
 		if d.lis, err = net.Listen("tcp", cfg.DataListen); err != nil {
@@ -199,6 +204,7 @@ type clusterView struct {
 	vols    map[string]*storpb.Volume
 	snaps   map[string]*storpb.Snapshot
 	servers map[string]*storpb.Server
+	self    *storpb.Server // this server's record; nil if it has none
 }
 
 // readClusterView returns the cluster's state as view now shows it: last
@@ -209,7 +215,7 @@ type clusterView struct {
 // after every change; at 10,000 volumes and 50,000 snapshots a read
 // decodes them all, about 150 ms of a core (docs/BENCHMARKS.md), which
 // an idle cluster no longer pays every second.
-func readClusterView(view func(func(*raftstore.Reader) error) error, last *clusterView) (*clusterView, error) {
+func readClusterView(view func(func(*raftstore.Reader) error) error, last *clusterView, me string) (*clusterView, error) {
 	var out *clusterView
 	err := view(func(r *raftstore.Reader) error {
 		idx := r.AppliedIndex()
@@ -219,6 +225,13 @@ func readClusterView(view func(func(*raftstore.Reader) error) error, last *clust
 		}
 		cv := &clusterView{index: idx, vols: map[string]*storpb.Volume{}, snaps: map[string]*storpb.Snapshot{}, servers: map[string]*storpb.Server{}}
 		out = cv
+		// Its own server's record first, by itself: a reconcile does
+		// nothing without it (ownsPlacements).
+		self, err := r.Server(me)
+		if err != nil && !errors.Is(err, raftstore.ErrNotFound) {
+			return err
+		}
+		cv.self = self
 		vols, _, err := r.Volumes("", 0)
 		for _, v := range vols {
 			cv.vols[v.Id] = v
@@ -245,6 +258,26 @@ func readClusterView(view func(func(*raftstore.Reader) error) error, last *clust
 	return out, err
 }
 
+// ownsPlacements reports whether the replicas the cluster places on this
+// server, as rec (its record, nil if not read) says, are this data dir's:
+// the record names this dir, or names none (a record of an older
+// version) while this dir holds replicas (a dir in use before). A data
+// dir wiped or replaced, which holds none, waits for a record that names
+// it (it joins afresh once removed; raftstore's dataDirMatches refuses it
+// until then), so that a replica the cluster has as healthy is never
+// made again here, empty.
+func (d *dataPlane) ownsPlacements(rec *storpb.Server) bool {
+	switch {
+	case rec == nil:
+		return false
+	case rec.DataDirId == d.dataDirID:
+		return true
+	case rec.DataDirId == "":
+		return len(d.store.List()) > 0
+	}
+	return false
+}
+
 // reconcile makes the local replicas what the cluster places here. From
 // a state that cannot be read in full it does only what moves forward
 // (creating, fencing and rebuilding the replicas of the volumes it read);
@@ -252,7 +285,7 @@ func readClusterView(view func(func(*raftstore.Reader) error) error, last *clust
 // a partial read would be taken for one no longer placed here and
 // deleted.
 func (d *dataPlane) reconcile() {
-	view, readErr := readClusterView(d.view, d.last)
+	view, readErr := readClusterView(d.view, d.last, d.s.cfg.ID)
 	if readErr != nil {
 		d.s.logger.Warn("the cluster's state could not be read in full: local replicas are created and fenced from what was read, none is deleted and no snapshot work starts until it reads", "err", readErr)
 		if view == nil {
@@ -262,6 +295,25 @@ func (d *dataPlane) reconcile() {
 		d.last = view
 	}
 	me := d.s.cfg.ID
+	if rec := view.self; !d.ownsPlacements(rec) {
+		// The replicas the cluster places here (if any) are not this
+		// data dir's to make: nothing is made, fenced or deleted.
+		said := "none"
+		if rec != nil {
+			said = "dir " + rec.DataDirId
+		}
+		switch {
+		case said == d.foreignDir:
+		case rec.GetDataDirId() != "":
+			d.s.logger.Warn("the cluster's record of this server names another data dir: no replica is made, fenced or deleted here until it names this one (a wiped or replaced data dir: remove the server and it joins afresh)",
+				"recorded_data_dir_id", rec.DataDirId, "data_dir_id", d.dataDirID)
+		case rec == nil && len(d.store.List()) > 0:
+			d.s.logger.Warn("the cluster has no record of this server (removed?): its local replicas are kept, and none is made, fenced or deleted here until it joins again")
+		}
+		d.foreignDir = said
+		return
+	}
+	d.foreignDir = ""
 	desired := map[string]placed{}
 	for _, v := range view.vols {
 		for _, rep := range v.Replicas {

@@ -40,16 +40,16 @@ func TestClusterViewReadOncePerAppliedIndex(t *testing.T) {
 		t.Helper()
 		f.ApplyBatch([]*raft.Log{{Index: index, Term: 1, Type: raft.LogNoop}})
 	}
-	v0, err := readClusterView(view, nil)
+	v0, err := readClusterView(view, nil, "s1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	// Nothing applied yet (index 0): never taken for the same state.
-	if v, err := readClusterView(view, v0); err != nil || v == v0 {
+	if v, err := readClusterView(view, v0, "s1"); err != nil || v == v0 {
 		t.Fatalf("a view at applied index 0 was reused (%v)", err)
 	}
 	apply(1)
-	v1, err := readClusterView(view, v0)
+	v1, err := readClusterView(view, v0, "s1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,12 +57,12 @@ func TestClusterViewReadOncePerAppliedIndex(t *testing.T) {
 		t.Fatalf("after an entry applied: view at index %d, reused %v", v1.index, v1 == v0)
 	}
 	for range 3 {
-		if v, err := readClusterView(view, v1); err != nil || v != v1 {
+		if v, err := readClusterView(view, v1, "s1"); err != nil || v != v1 {
 			t.Fatalf("nothing applied since: a new view was read (%v)", err)
 		}
 	}
 	apply(2)
-	if v, err := readClusterView(view, v1); err != nil || v == v1 || v.index != 2 {
+	if v, err := readClusterView(view, v1, "s1"); err != nil || v == v1 || v.index != 2 {
 		t.Fatalf("after another entry: the view at index %d was reused (%v)", v1.index, err)
 	}
 	if reads != 7 {
@@ -75,12 +75,18 @@ func TestClusterViewReadOncePerAppliedIndex(t *testing.T) {
 // server s1, at applied index 5.
 func stateFile(t *testing.T, vols, snaps map[string][]byte) string {
 	t.Helper()
+	return stateFileFor(t, &storpb.Server{Id: "s1", State: storpb.ServerState_SERVER_STATE_UP}, vols, snaps)
+}
+
+// stateFileFor is stateFile with srv for s1's record.
+func stateFileFor(t *testing.T, s1 *storpb.Server, vols, snaps map[string][]byte) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "meta.db")
 	db, err := bolt.Open(path, 0o600, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, _ := proto.Marshal(&storpb.Server{Id: "s1", State: storpb.ServerState_SERVER_STATE_UP})
+	srv, _ := proto.Marshal(s1)
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range []string{"meta", "servers", "volumes", "volume_names", "snapshots", "snapshot_names", "nodes", "events", "volume_snapshots"} {
 			if _, err := tx.CreateBucket([]byte(b)); err != nil {
@@ -303,5 +309,65 @@ func TestAReplicaThatCannotGrowIsFenced(t *testing.T) {
 	}
 	if err := r1.WriteAt(replica.Op{Epoch: 5}, make([]byte, 4096), 0); !errors.Is(err, replica.ErrStaleEpoch) {
 		t.Errorf("a write at the old epoch 5: %v, want ErrStaleEpoch", err)
+	}
+}
+
+// TestNothingIsMadeUnlessTheRecordNamesThisDataDir: a server whose data
+// dir was wiped gets the cluster's records back, which still place its
+// old replicas here, healthy. Its reconcile made them again, empty, to
+// be read from. Now a reconcile makes, fences and deletes nothing unless
+// the record of its server names its data dir, or names none (a record of
+// an older version) while the dir holds replicas (a dir in use before).
+func TestNothingIsMadeUnlessTheRecordNamesThisDataDir(t *testing.T) {
+	b, err := proto.Marshal(&storpb.Volume{Id: "v1", Name: "name-v1", SizeBytes: 1 << 20, Epoch: 3,
+		State:      storpb.VolumeState_VOLUME_STATE_AVAILABLE,
+		Attachment: &storpb.Attachment{NodeId: "n1", Mode: storpb.AccessMode_ACCESS_MODE_READ_WRITE},
+		Replicas:   []*storpb.Replica{{Id: "r1", ServerId: "s1", State: storpb.ReplicaState_REPLICA_STATE_HEALTHY}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		recorded string // the record's data dir
+		inUse    bool   // the store holds a replica (r9, placed nowhere)
+		owns     bool
+	}{
+		{"the record names another dir", "d-old", false, false},
+		{"the record names another dir, this one in use", "d-old", true, false},
+		{"the record names this dir", "d-new", false, true},
+		{"the record names none, this dir is empty", "", false, false},
+		{"the record names none, this dir is in use", "", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f, err := raftstore.OpenFSM(stateFileFor(t, &storpb.Server{Id: "s1", State: storpb.ServerState_SERVER_STATE_UP, DataDirId: tc.recorded},
+				map[string][]byte{"v1": b}, nil), replicatest.Logger(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer store.Close()
+			if tc.inUse {
+				if _, err := store.Create(replica.Spec{ID: "r9", VolumeID: "v9", Size: 1 << 20}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			d := testDataPlane(t, store, f)
+			d.dataDirID = "d-new"
+			d.reconcile()
+			_, err = store.Get("r1")
+			if made := err == nil; made != tc.owns {
+				t.Errorf("replica r1, placed here, after the reconcile: %v; want made: %v", err, tc.owns)
+			}
+			if tc.inUse {
+				_, err := store.Get("r9")
+				if deleted := errors.Is(err, replica.ErrNotFound); deleted != tc.owns {
+					t.Errorf("replica r9, placed nowhere, after the reconcile: %v; want deleted: %v", err, tc.owns)
+				}
+			}
+		})
 	}
 }

@@ -46,8 +46,11 @@ func (h *healthService) Check(ctx context.Context, req *healthpb.HealthCheckRequ
 }
 
 // ready reports whether this server is a member that knows its leader.
+// One that has not joined yet is not, nor one whose reports the leader
+// refuses for its data dir (raftstore.ErrDataDirReplaced): either may
+// still hear from the leader, being in the Raft configuration.
 func (s *Server) ready() bool {
-	if s.ctx.Err() != nil {
+	if s.ctx.Err() != nil || !s.store.Member() || s.dirRefused.Load() {
 		return false
 	}
 	id, _ := s.store.Leader()

@@ -13,7 +13,9 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -54,6 +56,13 @@ type Server struct {
 	ctx    context.Context // cancelled by Close and Kill
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // background loops and the gRPC serve goroutine
+
+	// joining is set while joinLoop runs. dirRefused is set while the
+	// leader refuses this server's heartbeats for its data dir
+	// (raftstore.ErrDataDirReplaced): not ready; removed then, it joins
+	// afresh (heartbeat). dirRefusedSaid is when that was last logged.
+	joining, dirRefused atomic.Bool
+	dirRefusedSaid      time.Time
 
 	closeOnce sync.Once
 	closeErr  error
@@ -199,8 +208,13 @@ func (s *Server) start() error {
 	}()
 
 	switch {
-	case s.store.HadState():
+	case s.store.HadState() && s.store.Member():
 		s.logger.Info("resuming with existing state", "data_dir", cfg.DataDir)
+	case s.store.HadState():
+		// Raft state, but no join recorded: joining again is harmless,
+		// and a server refused for a replaced data dir keeps asking.
+		s.logger.Info("resuming with Raft state but no recorded join: joining again", "data_dir", cfg.DataDir)
+		s.startJoining()
 	case bootstrap:
 		if len(cfg.Join) > 0 && !asked {
 			// A used data dir without Raft state: a start that stopped
@@ -264,7 +278,7 @@ func (s *Server) self() *storpb.Server {
 		Id: s.cfg.ID, Address: s.cfg.Advertise, RaftAddress: s.store.RaftAddress(),
 		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
 		CapacityBytes: s.cfg.Capacity, KubernetesNode: s.cfg.KubernetesNode,
-		UsedBytes: filesystemUsed(s.cfg.DataDir),
+		UsedBytes: filesystemUsed(s.cfg.DataDir), DataDirId: s.store.DataDirID(),
 	}
 }
 
@@ -318,11 +332,15 @@ func (s *Server) existingCluster() (bool, error) {
 	return false, nil
 }
 
-// startJoining runs joinLoop in the background.
+// startJoining runs joinLoop in the background, unless it runs.
 func (s *Server) startJoining() {
+	if !s.joining.CompareAndSwap(false, true) {
+		return
+	}
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
+		defer s.joining.Store(false)
 		s.joinLoop()
 	}()
 }
@@ -345,7 +363,13 @@ func (s *Server) joinLoop() {
 				s.logger.Info("joined cluster", "cluster", resp.ClusterId, "via", seed, "voter", resp.Voter)
 				return
 			}
-			if attempt%10 == 0 {
+			switch {
+			case attempt%10 != 0:
+			case status.Code(err) == codes.FailedPrecondition:
+				// Refused (a data dir the cluster does not know this
+				// server on): the error says what to do.
+				s.logger.Error("the cluster refuses this server's join; retrying", "seed", seed, "err", err)
+			default:
 				s.logger.Warn("join failed; retrying", "seed", seed, "err", err)
 			}
 		}
@@ -375,6 +399,39 @@ func (s *Server) heartbeatLoop() {
 }
 
 func (s *Server) heartbeat() error {
+	err := s.report()
+	switch {
+	case err == nil:
+		s.dirRefused.Store(false)
+	case dataDirRefused(err):
+		s.dirRefused.Store(true)
+		if time.Since(s.dirRefusedSaid) >= 30*time.Second {
+			s.dirRefusedSaid = time.Now()
+			s.logger.Error("the cluster refuses this server's reports: it is not ready, and makes no replica", "err", err)
+		}
+	case s.dirRefused.Load() && (errors.Is(err, raftstore.ErrNotFound) || status.Code(err) == codes.NotFound):
+		// Refused for its data dir, then removed (the way out the
+		// refusal names): it joins afresh, on this data dir.
+		s.logger.Info("removed from the cluster after its data dir was refused: joining afresh")
+		s.startJoining()
+	}
+	return err
+}
+
+// dataDirRefused reports whether err is the leader's refusal of this
+// server's data dir (raftstore.ErrDataDirReplaced), here or over gRPC.
+func dataDirRefused(err error) bool {
+	return errors.Is(err, raftstore.ErrDataDirReplaced) ||
+		(status.Code(err) == codes.FailedPrecondition && strings.Contains(status.Convert(err).Message(), dataDirReplacedMsg))
+}
+
+// dataDirReplacedMsg is what the status message of a refusal for a data
+// dir holds (toStatus drops the "raftstore: " prefixes).
+var dataDirReplacedMsg = strings.ReplaceAll(raftstore.ErrDataDirReplaced.Error(), "raftstore: ", "")
+
+// report sends one heartbeat to the leader (registering this server if it
+// leads and has no record of itself yet).
+func (s *Server) report() error {
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.HeartbeatInterval)
 	defer cancel()
 	if s.store.IsLeader() {
