@@ -1592,17 +1592,7 @@ func TestFSMRegisterKeepsTheServersDataDir(t *testing.T) {
 		c.Body.(*storpb.Server).DataDirId = dir
 		return c
 	}
-	dirOf := func(id string) string {
-		var s *storpb.Server
-		if err := f.View(func(r *Reader) error {
-			var err error
-			s, err = r.Server(id)
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
-		return s.DataDirId
-	}
+	dirOf := func(id string) string { return readServer(t, f, id).DataDirId }
 	mustApply(t, f, register("s1", "d1"), register("s2", ""))
 	for _, step := range []struct {
 		cmd      command

@@ -70,6 +70,23 @@ func TestClusterViewReadOncePerAppliedIndex(t *testing.T) {
 	}
 }
 
+// stateAndStore opens the state machine of the file at path and an empty
+// replica store, both closed when the test ends.
+func stateAndStore(t *testing.T, path string) (*raftstore.FSM, *replica.Store) {
+	t.Helper()
+	f, err := raftstore.OpenFSM(path, replicatest.Logger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	return f, store
+}
+
 // stateFile writes a state machine's file holding vols and snaps (raw
 // encoded records: a test may give one that does not decode), one
 // server s1, at applied index 5.
@@ -140,16 +157,7 @@ func TestReconcileOfAPartialReadDeletesNothing(t *testing.T) {
 		{"an undecodable snapshot", map[string][]byte{"v1": vol("v1", "r1"), "v3": vol("v3", "r3")}, map[string][]byte{"s1": bad}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f, err := raftstore.OpenFSM(stateFile(t, tc.vols, tc.snaps), replicatest.Logger(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
-			store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer store.Close()
+			f, store := stateAndStore(t, stateFile(t, tc.vols, tc.snaps))
 			r1, err := store.Create(replica.Spec{ID: "r1", VolumeID: "v1", Size: 1 << 20})
 			if err != nil {
 				t.Fatal(err)
@@ -339,17 +347,8 @@ func TestNothingIsMadeUnlessTheRecordNamesThisDataDir(t *testing.T) {
 		{"the record names none, this dir is in use", "", true, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f, err := raftstore.OpenFSM(stateFileFor(t, &storpb.Server{Id: "s1", State: storpb.ServerState_SERVER_STATE_UP, DataDirId: tc.recorded},
-				map[string][]byte{"v1": b}, nil), replicatest.Logger(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
-			store, err := replica.OpenStore(replica.Config{Dir: t.TempDir(), Logger: replicatest.Logger(t)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer store.Close()
+			f, store := stateAndStore(t, stateFileFor(t, &storpb.Server{Id: "s1", State: storpb.ServerState_SERVER_STATE_UP, DataDirId: tc.recorded},
+				map[string][]byte{"v1": b}, nil))
 			if tc.inUse {
 				if _, err := store.Create(replica.Spec{ID: "r9", VolumeID: "v9", Size: 1 << 20}); err != nil {
 					t.Fatal(err)
