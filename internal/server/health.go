@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -14,8 +15,9 @@ import (
 //
 //   - "" (readiness): SERVING while this server is a cluster member that
 //     knows the current Raft leader, so calls it receives can be answered or
-//     forwarded. A server that has not joined yet, or that is cut off from
-//     the majority long enough to lose its leader, is NOT_SERVING.
+//     forwarded. A server that has not joined yet, one the cluster refuses
+//     for its data dir, or one cut off from the majority long enough to
+//     lose its leader, is NOT_SERVING.
 //   - "liveness": SERVING whenever the process answers at all. Restarting a
 //     server because it lost its leader would not help it find one.
 const (
@@ -45,14 +47,25 @@ func (h *healthService) Check(ctx context.Context, req *healthpb.HealthCheckRequ
 	}
 }
 
-// ready reports whether this server is a member that knows its leader.
-// One that has not joined yet is not, nor one whose reports the leader
-// refuses for its data dir (raftstore.ErrDataDirReplaced): either may
-// still hear from the leader, being in the Raft configuration.
-func (s *Server) ready() bool {
-	if s.ctx.Err() != nil || !s.store.Member() || s.dirRefused.Load() {
-		return false
+// ready reports whether this server is a member that knows its leader
+// (notReady says why not).
+func (s *Server) ready() bool { return s.notReady() == nil }
+
+// notReady says why this server is not ready, or nil. One that has not
+// joined yet is not, nor one whose reports the leader refuses for its
+// data dir (raftstore.ErrDataDirReplaced): either may still hear from the
+// leader, being in the Raft configuration.
+func (s *Server) notReady() error {
+	switch {
+	case s.ctx.Err() != nil:
+		return errors.New("server: not ready: stopping")
+	case !s.store.Member():
+		return errors.New("server: not ready: not joined yet")
+	case s.dirRefused.Load():
+		return errors.New("server: not ready: the cluster refuses this server's data dir (see its log)")
 	}
-	id, _ := s.store.Leader()
-	return id != ""
+	if id, _ := s.store.Leader(); id == "" {
+		return errNotReady
+	}
+	return nil
 }

@@ -14,9 +14,9 @@ import (
 	"github.com/stor-io/stor/replica/wire"
 )
 
-// errNotReady is /readyz's answer while the server is no member that
-// knows its leader.
-var errNotReady = errors.New("server: not ready: no known Raft leader (not joined yet, or cut off from the majority)")
+// errNotReady is /readyz's answer while the server, a member, knows no
+// leader.
+var errNotReady = errors.New("server: not ready: no known Raft leader (cut off from the majority)")
 
 // registerMetrics registers this server's collectors (package metrics).
 func (s *Server) registerMetrics() {
@@ -37,10 +37,7 @@ func (s *Server) registerMetrics() {
 // what the gRPC health service's readiness answers (ready).
 func (s *Server) serveMetrics() error {
 	h := metrics.Handler(s.metrics, metrics.Health{Ready: func(context.Context) error {
-		if !s.ready() {
-			return errNotReady
-		}
-		return nil
+		return s.notReady()
 	}})
 	switch {
 	case s.cfg.MetricsListener != nil:
