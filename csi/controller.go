@@ -91,6 +91,14 @@ func (c *controllerServer) csiVolume(v *storpb.Volume) *csipb.Volume {
 // CreateVolume creates (or returns, by name) a volume. The accessible
 // topology it returns is the zones the requisite restricts its replicas
 // to, or none; never a node (see accessibleTopology).
+//
+// A clone of a volume is filled from a snapshot the cluster takes of the
+// source, which its engine cuts when it learns of it: the call returns
+// once it is cut (cloneSourceCut), so that a write acknowledged after it
+// returned is not in the clone. Its ends are CreateSnapshot's: a failed
+// snapshot deletes the clone (INTERNAL); one not cut when the call's time
+// is nearly up (a source attached to a dead node: nothing writes it) is
+// answered with the clone.
 func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVolumeRequest) (*csipb.CreateVolumeResponse, error) {
 	if req.GetName() == "" {
 		return nil, invalidf("CreateVolume: no name")
@@ -156,6 +164,11 @@ func (c *controllerServer) CreateVolume(ctx context.Context, req *csipb.CreateVo
 	cancel()
 	if err != nil {
 		return nil, err
+	}
+	if creq.GetContentSource().GetVolumeId() != "" && resp.GetVolume().GetCloneSnapshotId() != "" {
+		if err := c.cloneSourceCut(ctx, resp.GetVolume()); err != nil {
+			return nil, err
+		}
 	}
 	return &csipb.CreateVolumeResponse{Volume: c.csiVolume(resp.GetVolume())}, nil
 }
@@ -647,41 +660,84 @@ const (
 
 // snapshotCut waits until snapshot s is cut (ready) or failed, and
 // answers CreateSnapshot with it (see CreateSnapshot).
-func (c *controllerServer) snapshotCut(ctx context.Context, s *storpb.Snapshot) (*csipb.CreateSnapshotResponse, error) {
+func (c *controllerServer) snapshotCut(ctx context.Context, taken *storpb.Snapshot) (*csipb.CreateSnapshotResponse, error) {
+	s, err := c.untilCut(ctx, taken.GetId(), taken)
+	switch {
+	case err != nil:
+		return nil, err
+	case s == nil:
+		return nil, notFoundf("snapshot %q: deleted while it was being taken", taken.GetName())
+	case s.GetFailed():
+		cctx, cancel := c.d.call(ctx)
+		_, derr := c.d.cfg.Cluster.Snapshots.DeleteSnapshot(cctx, &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: s.GetId()}})
+		cancel()
+		if derr != nil && clusterCode(derr) != codes.NotFound {
+			c.d.log.Warn("deleting a failed snapshot", "snapshot", s.GetName(), "err", derr)
+		}
+		return nil, fmt.Errorf("snapshot %q of volume %q failed and was deleted: %s; call again to take another", s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
+	case !s.GetReadyToUse():
+		c.d.log.Warn("answering CreateSnapshot with a snapshot not cut yet: is the volume's node up?", "snapshot", s.GetName(),
+			"volume_id", s.GetVolumeId(), "status", s.GetStatusMessage())
+	}
+	return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+}
+
+// untilCut polls snapshot id (s, if not nil, is what was last read of it)
+// until it is cut (ready), failed or gone (nil, nil), or the call's time
+// is nearly up (snapshotCutMargin), and returns it as last read.
+func (c *controllerServer) untilCut(ctx context.Context, id string, s *storpb.Snapshot) (*storpb.Snapshot, error) {
 	deadline := time.Now().Add(c.d.cfg.CallTimeout)
 	if d, ok := ctx.Deadline(); ok {
 		deadline = d.Add(-snapshotCutMargin)
 	}
 	for {
-		switch {
-		case s.GetFailed():
-			cctx, cancel := c.d.call(ctx)
-			_, derr := c.d.cfg.Cluster.Snapshots.DeleteSnapshot(cctx, &storpb.DeleteSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: s.GetId()}})
-			cancel()
-			if derr != nil && clusterCode(derr) != codes.NotFound {
-				c.d.log.Warn("deleting a failed snapshot", "snapshot", s.GetName(), "err", derr)
-			}
-			return nil, fmt.Errorf("snapshot %q of volume %q failed and was deleted: %s; call again to take another", s.GetName(), s.GetVolumeId(), s.GetStatusMessage())
-		case s.GetReadyToUse():
-			return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
-		case time.Now().After(deadline):
-			c.d.log.Warn("answering CreateSnapshot with a snapshot not cut yet: is the volume's node up?", "snapshot", s.GetName(),
-				"volume_id", s.GetVolumeId(), "status", s.GetStatusMessage())
-			return &csipb.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+		if s != nil && (s.GetFailed() || s.GetReadyToUse() || time.Now().After(deadline)) {
+			return s, nil
 		}
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(snapshotCutPoll):
+		if s != nil {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(snapshotCutPoll):
+			}
 		}
 		cctx, cancel := c.d.call(ctx)
-		got, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: s.GetId()}})
+		got, err := c.d.cfg.Cluster.Snapshots.GetSnapshot(cctx, &storpb.GetSnapshotRequest{Snapshot: &storpb.SnapshotRef{Id: id}})
 		cancel()
+		if clusterCode(err) == codes.NotFound {
+			return nil, nil
+		}
 		if err != nil {
 			return nil, err
 		}
 		s = got.GetSnapshot()
 	}
+}
+
+// cloneSourceCut waits until the snapshot a clone from a volume takes of
+// its source (clone v's clone_snapshot_id) is cut (see CreateVolume). A
+// clone whose snapshot failed can never be filled: it is deleted and the
+// call is INTERNAL; the CO calls again for a new one.
+func (c *controllerServer) cloneSourceCut(ctx context.Context, v *storpb.Volume) error {
+	s, err := c.untilCut(ctx, v.GetCloneSnapshotId(), nil)
+	switch {
+	case err != nil:
+		return err
+	case s == nil:
+		return nil // the clone was filled from it, and dropped it
+	case s.GetFailed():
+		cctx, cancel := c.d.call(ctx)
+		_, derr := c.d.cfg.Cluster.Volumes.DeleteVolume(cctx, &storpb.DeleteVolumeRequest{Volume: &storpb.VolumeRef{Id: v.GetId()}})
+		cancel()
+		if derr != nil && clusterCode(derr) != codes.NotFound {
+			c.d.log.Warn("deleting a clone whose source could not be snapshotted", "volume", v.GetName(), "err", derr)
+		}
+		return fmt.Errorf("the snapshot of the source of clone %q failed, and the clone was deleted: %s; call again to make another", v.GetName(), s.GetStatusMessage())
+	case !s.GetReadyToUse():
+		c.d.log.Warn("answering CreateVolume with a clone whose source is not snapshotted yet: is the source volume's node up?", "volume", v.GetName(),
+			"source_volume_id", s.GetVolumeId(), "status", s.GetStatusMessage())
+	}
+	return nil
 }
 
 func (c *controllerServer) DeleteSnapshot(ctx context.Context, req *csipb.DeleteSnapshotRequest) (*csipb.DeleteSnapshotResponse, error) {

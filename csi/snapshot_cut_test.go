@@ -43,6 +43,66 @@ func (s slowStream) Recv() (*storpb.VolumeEvent, error) {
 	return ev, err
 }
 
+// cutHarness is a driver on a cluster of three, with a volume's life
+// around its engine on node 0: made through CreateVolume, published and
+// opened, closed and unpublished (the tests of the cuts' ends).
+type cutHarness struct {
+	t    *testing.T
+	ctx  context.Context
+	ctrl csipb.ControllerClient
+	cl   *client.Client
+	node string
+}
+
+// cutSize is the size of the volumes a cutHarness makes.
+const cutSize = 1 << 20
+
+func newCutHarness(t *testing.T) *cutHarness {
+	t.Helper()
+	u := newDriverUnderTest(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return &cutHarness{t: t, ctx: ctx, ctrl: u.ctrl, cl: clusterClient(t, u.c), node: u.c.Nodes[0].ID}
+}
+
+func (h *cutHarness) create(name string, src *csipb.VolumeContentSource) string {
+	h.t.Helper()
+	vol, err := h.ctrl.CreateVolume(h.ctx, &csipb.CreateVolumeRequest{
+		Name: name, CapacityRange: &csipb.CapacityRange{RequiredBytes: cutSize},
+		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, VolumeContentSource: src,
+	})
+	if err != nil {
+		h.t.Fatalf("CreateVolume %s: %v", name, err)
+	}
+	return vol.GetVolume().GetVolumeId()
+}
+
+func (h *cutHarness) open(id string, volumes storpb.VolumeServiceClient) *engine.Engine {
+	h.t.Helper()
+	if _, err := h.ctrl.ControllerPublishVolume(h.ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: h.node, VolumeCapability: rwoCap()}); err != nil {
+		h.t.Fatalf("publish %s: %v", id, err)
+	}
+	e, err := engine.Open(h.ctx, engine.Config{
+		Volume: id, VolumeIsID: true, NodeID: h.node,
+		Control: engine.ControlPlane{Volumes: volumes, Cluster: h.cl.Cluster, Snapshots: h.cl.Snapshots},
+		Connect: engine.WireConnector(wire.ClientConfig{}), Logger: testLogger(h.t),
+	})
+	if err != nil {
+		h.t.Fatalf("engine open %s: %v", id, err)
+	}
+	return e
+}
+
+func (h *cutHarness) closeEngine(id string, e *engine.Engine) {
+	h.t.Helper()
+	if err := e.Close(h.ctx, false); err != nil {
+		h.t.Fatal(err)
+	}
+	if _, err := h.ctrl.ControllerUnpublishVolume(h.ctx, &csipb.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: h.node}); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
 // CreateSnapshot returns only once the snapshot is cut: the CO thaws the
 // application when it returns, and a write acknowledged after that must
 // not be in the snapshot. It used to return as soon as the cluster had
@@ -50,48 +110,10 @@ func (s slowStream) Recv() (*storpb.VolumeEvent, error) {
 // its watch, had cut it; a write acknowledged in between was in the
 // snapshot.
 func TestCreateSnapshotReturnsOnceCut(t *testing.T) {
-	u := newDriverUnderTest(t)
-	ctrl, c := u.ctrl, u.c
-	cl := clusterClient(t, c)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	node := c.Nodes[0].ID
-	const size = 1 << 20
-	create := func(name string, src *csipb.VolumeContentSource) string {
-		t.Helper()
-		vol, err := ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{
-			Name: name, CapacityRange: &csipb.CapacityRange{RequiredBytes: size},
-			VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}, VolumeContentSource: src,
-		})
-		if err != nil {
-			t.Fatalf("CreateVolume %s: %v", name, err)
-		}
-		return vol.GetVolume().GetVolumeId()
-	}
-	open := func(id string, volumes storpb.VolumeServiceClient) *engine.Engine {
-		t.Helper()
-		if _, err := ctrl.ControllerPublishVolume(ctx, &csipb.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: rwoCap()}); err != nil {
-			t.Fatalf("publish %s: %v", id, err)
-		}
-		e, err := engine.Open(ctx, engine.Config{
-			Volume: id, VolumeIsID: true, NodeID: node,
-			Control: engine.ControlPlane{Volumes: volumes, Cluster: cl.Cluster, Snapshots: cl.Snapshots},
-			Connect: engine.WireConnector(wire.ClientConfig{}), Logger: testLogger(t),
-		})
-		if err != nil {
-			t.Fatalf("engine open %s: %v", id, err)
-		}
-		return e
-	}
-	closeEngine := func(id string, e *engine.Engine) {
-		t.Helper()
-		if err := e.Close(ctx, false); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := ctrl.ControllerUnpublishVolume(ctx, &csipb.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: node}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	h := newCutHarness(t)
+	ctx, ctrl, cl := h.ctx, h.ctrl, h.cl
+	const size = cutSize
+	create, open, closeEngine := h.create, h.open, h.closeEngine
 
 	id := create("pvc-frozen", nil)
 	e := open(id, slowWatch{cl.Volumes, time.Second})
@@ -217,5 +239,76 @@ func waitFilled(t *testing.T, ctx context.Context, cl *client.Client, id string)
 		if time.Now().After(deadline) {
 			t.Fatalf("volume %s is not filled after 30 s: %v", id, v.GetVolume())
 		}
+	}
+}
+
+// CreateVolume of a clone from a volume returns only once the snapshot
+// the cluster takes of its source is cut: the CO (and the application)
+// take the clone for a copy of the source as of the call, and a write
+// acknowledged after it returned must not be in the clone. It used to
+// return as soon as the cluster had recorded the clone, before the
+// engine, which learns of the snapshot through its watch, had cut it.
+func TestCreateVolumeFromAVolumeReturnsOnceCut(t *testing.T) {
+	h := newCutHarness(t)
+	ctx, cl := h.ctx, h.cl
+	const size = cutSize
+	create, open, closeEngine := h.create, h.open, h.closeEngine
+
+	src := create("pvc-source", nil)
+	e := open(src, slowWatch{cl.Volumes, time.Second})
+	before, after := bytes.Repeat([]byte{0xa1}, size), bytes.Repeat([]byte{0xb2}, size)
+	if err := e.WriteAt(ctx, before, 0, true); err != nil {
+		t.Fatal(err)
+	}
+	clone := create("pvc-clone", &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Volume{
+		Volume: &csipb.VolumeContentSource_VolumeSource{VolumeId: src}}})
+	// The clone is made: the application's next write is acknowledged.
+	if err := e.WriteAt(ctx, after, 0, true); err != nil {
+		t.Fatal(err)
+	}
+	closeEngine(src, e)
+	waitFilled(t, ctx, cl, clone)
+	r := open(clone, cl.Volumes)
+	got := make([]byte, size)
+	if err := r.ReadAt(ctx, got, 0); err != nil {
+		t.Fatal(err)
+	}
+	closeEngine(clone, r)
+	switch {
+	case bytes.Equal(got, after):
+		t.Fatal("the clone holds a write acknowledged after CreateVolume returned")
+	case !bytes.Equal(got, before):
+		t.Fatal("the clone holds neither the data written before it nor after")
+	}
+}
+
+// A clone whose source's snapshot failed can never be filled: CreateVolume
+// deletes it and is INTERNAL (a final error), so no CREATING volume is
+// left that no PersistentVolume names.
+func TestCreateVolumeFromAVolumeWhoseSnapshotFailed(t *testing.T) {
+	u := newDriverUnderTest(t)
+	cl := clusterClient(t, u.c)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	vol, err := u.ctrl.CreateVolume(ctx, &csipb.CreateVolumeRequest{Name: "pvc-src", CapacityRange: &csipb.CapacityRange{RequiredBytes: 1 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(Config{Mode: ModeController, Logger: testLogger(t),
+		Cluster: Cluster{Cluster: cl.Cluster, Volumes: cl.Volumes, Snapshots: failedSnapshots{cl.Snapshots}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	failing := &controllerServer{d: d}
+	_, err = failing.CreateVolume(ctx, &csipb.CreateVolumeRequest{Name: "pvc-clone", CapacityRange: &csipb.CapacityRange{RequiredBytes: 1 << 20},
+		VolumeCapabilities: []*csipb.VolumeCapability{rwoCap()},
+		VolumeContentSource: &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Volume{
+			Volume: &csipb.VolumeContentSource_VolumeSource{VolumeId: vol.GetVolume().GetVolumeId()}}}})
+	if code := status.Code(toStatus(err)); code != codes.Internal {
+		t.Fatalf("CreateVolume of a clone whose source's snapshot failed: %v (%v), want INTERNAL", err, code)
+	}
+	if _, err := cl.Volumes.GetVolume(ctx, &storpb.GetVolumeRequest{Volume: &storpb.VolumeRef{Name: "pvc-clone"}}); status.Code(err) != codes.NotFound {
+		t.Fatalf("the clone after CreateVolume failed: %v, want it deleted (NotFound)", err)
 	}
 }
