@@ -97,6 +97,8 @@ var BrokenModes = map[string]BrokenMode{
 		Conn: blindReconcile},
 	"stale-incarnations": {Doc: "every server lets each attach handle of a replica serve, not only the newest: writes an engine gave up on with their connection land after the replica's new incarnation was rebuilt (wire's doc, \"Incarnations\")",
 		ServerEnv: []string{"STOR_JEPSEN_STALE_INCARNATIONS=1"}},
+	"admit-new-data-dirs": {Doc: "every server ignores data dir identity: one whose data dir was wiped is admitted and makes the replicas placed on it again, empty, under records that have them healthy or rebuilding by a delta",
+		ServerEnv: []string{"STOR_JEPSEN_IGNORE_DATA_DIR=1"}},
 	"stale-local-reads": {Doc: "a short-circuit read of the co-located server's replica uses what it read even after the server stopped vouching for the file (a snapshot cut, a newer epoch, a rebuild)",
 		Engine: func(cfg *engine.Config) { cfg.UnsafeStaleLocalReads = true }},
 }

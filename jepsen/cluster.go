@@ -33,6 +33,8 @@ type Server struct {
 	Proxy *Proc
 	// LocalSocket is its short-circuit read socket (LocalReads), or "".
 	LocalSocket string
+	// DataDir is its data dir (--data-dir).
+	DataDir string
 	// proxyIn is the proxy's command pipe.
 	proxyMu sync.Mutex
 }
@@ -161,7 +163,7 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 		if err := os.MkdirAll(dataDir, 0o755); err != nil {
 			return nil, err
 		}
-		s := &Server{ID: id, Host: h}
+		s := &Server{ID: id, Host: h, DataDir: dataDir}
 		if cfg.LocalReads {
 			// Socket paths are short (108 bytes): not under cfg.Dir.
 			if c.sockDir == "" {

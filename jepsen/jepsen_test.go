@@ -236,3 +236,18 @@ func TestJepsenCatchesUnorderedRebuild(t *testing.T) {
 		t.Fatalf("unordered rebuild copies passed every checker: the fault tests cannot find issue 13 C")
 	}
 }
+
+// TestJepsenCatchesAdmittedEmptyDataDirs proves the fault tests find a
+// server admitted on a wiped data dir: it makes the replicas placed on it
+// again, empty, under records that have them healthy or rebuilding by a
+// delta (which copies only what was written since), so reads and the
+// cold registers' checks see blocks that were never written there. The
+// lose-disk nemesis wipes a server's data dir under it; in the real
+// system the server is refused until removed.
+func TestJepsenCatchesAdmittedEmptyDataDirs(t *testing.T) {
+	rep := runBroken(t, RunConfig{Seed: 109, Duration: 60 * time.Second, Broken: "admit-new-data-dirs",
+		Blocks: 16, ColdBlocks: 8, Nemeses: []string{"lose-disk"}})
+	if rep.Anomalies.Total() == 0 {
+		t.Fatalf("servers admitted on wiped data dirs passed every checker: the fault tests cannot find a replica made again empty")
+	}
+}

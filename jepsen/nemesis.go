@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"sort"
 	"strings"
@@ -70,6 +71,7 @@ func init() {
 	register(detachExpand{})
 	register(detachSnapshot{})
 	register(staleConnection{})
+	register(&loseDisk{})
 }
 
 // partition installs nftables drops chosen by pick; Heal removes all.
@@ -314,6 +316,89 @@ func (d *disk) Heal(ctx context.Context, r *runner) error {
 		return nil
 	}
 	return s.Proc.Signal(syscall.SIGUSR2)
+}
+
+// loseDisk loses one server's disk under it: kill -9, its data dir
+// wiped, started again on the empty dir, as when a claim is deleted or a
+// disk replaced without the server being removed first. Not stor-0, the
+// bootstrap ordinal (it refuses to start without state while a member),
+// and only while every replica is healthy (a lost disk holding the last
+// healthy copy loses data by design). The cluster must refuse the server
+// on its new dir, make no replica there and serve nothing from it; Heal
+// does what an operator does with a server the cluster refuses: once it
+// is down (never seen since), removes it, after which it joins afresh
+// and its replicas are replaced and rebuilt whole. A server the cluster
+// admitted (seen since the wipe: the broken mode "admit-new-data-dirs")
+// is left as it is.
+type loseDisk struct {
+	victim *Server
+	at     time.Time
+}
+
+func (*loseDisk) Name() string { return "lose-disk" }
+
+func (l *loseDisk) Inject(ctx context.Context, r *runner, rng *rand.Rand) (string, error) {
+	v, err := r.volume(ctx)
+	if err != nil {
+		return "", err
+	}
+	if len(healthy(v)) != len(v.Replicas) || len(v.Replicas) < 3 {
+		return "", errors.New("not every replica is healthy")
+	}
+	s := r.c.Servers[1+rng.IntN(len(r.c.Servers)-1)]
+	s.Proc.Kill()
+	l.victim, l.at = s, time.Now()
+	if err := os.RemoveAll(s.DataDir); err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(s.DataDir, 0o755); err != nil {
+		return "", err
+	}
+	if err := s.Proc.Start(false); err != nil {
+		return "", err
+	}
+	return "kill -9 " + s.ID + ", its data dir wiped, started again", nil
+}
+
+func (l *loseDisk) Heal(ctx context.Context, r *runner) error {
+	if l.victim == nil {
+		return nil
+	}
+	s := l.victim
+	l.victim = nil
+	if !s.Proc.Running() {
+		if err := s.Proc.Start(false); err != nil {
+			return err
+		}
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("%s after its disk was lost: neither seen nor down within 30 s", s.ID)
+		}
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		resp, err := r.c.Control.Cluster.ListServers(cctx, &storpb.ListServersRequest{})
+		cancel()
+		if err != nil {
+			continue
+		}
+		i := slices.IndexFunc(resp.Servers, func(x *storpb.Server) bool { return x.Id == s.ID })
+		switch {
+		case i < 0:
+			return nil // removed already
+		case resp.Servers[i].LastSeenUnixNano > l.at.UnixNano():
+			return nil // admitted: seen since the wipe
+		case resp.Servers[i].State != storpb.ServerState_SERVER_STATE_DOWN:
+			continue
+		}
+		// Refused and down: the operator's way out, remove it (it joins
+		// afresh by itself).
+		cctx, cancel = context.WithTimeout(ctx, 5*time.Second)
+		_, err = r.c.Control.Cluster.Leave(cctx, &storpb.LeaveRequest{ServerId: s.ID})
+		cancel()
+		if err == nil || status.Code(err) == codes.NotFound {
+			return nil
+		}
+	}
 }
 
 // takeover is the fencing workload: another client host attaches the

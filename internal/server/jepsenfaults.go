@@ -22,6 +22,9 @@ import (
 func init() {
 	// STOR_JEPSEN_STALE_INCARNATIONS=1: the broken mode
 	// "stale-incarnations" (wire.ServerConfig.UnsafeStaleIncarnations).
+	// STOR_JEPSEN_IGNORE_DATA_DIR=1: the broken mode
+	// "admit-new-data-dirs" (jepsenIgnoreDataDir).
+	jepsenIgnoreDataDir = os.Getenv("STOR_JEPSEN_IGNORE_DATA_DIR") == "1"
 	jepsenDataConfig = func(c *wire.ServerConfig) {
 		if os.Getenv("STOR_JEPSEN_STALE_INCARNATIONS") == "1" {
 			c.UnsafeStaleIncarnations = true

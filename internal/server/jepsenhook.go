@@ -16,3 +16,9 @@ var jepsenReplicaFS func(*slog.Logger) replica.FS
 // jepsenDataConfig, when set, adjusts the replica data service's
 // configuration (a broken mode's knob); set only by jepsenfaults.go.
 var jepsenDataConfig func(*wire.ServerConfig)
+
+// jepsenIgnoreDataDir, when set, makes the server ignore data dir
+// identity, as before it existed: it registers without its dir's name and
+// makes every replica placed on it whatever its record says (the broken
+// mode "admit-new-data-dirs"); set only by jepsenfaults.go.
+var jepsenIgnoreDataDir bool

@@ -274,12 +274,16 @@ func (s *Server) Store() *raftstore.Store { return s.store }
 
 // self describes this server as it registers and reports.
 func (s *Server) self() *storpb.Server {
-	return &storpb.Server{
+	srv := &storpb.Server{
 		Id: s.cfg.ID, Address: s.cfg.Advertise, RaftAddress: s.store.RaftAddress(),
 		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
 		CapacityBytes: s.cfg.Capacity, KubernetesNode: s.cfg.KubernetesNode,
 		UsedBytes: filesystemUsed(s.cfg.DataDir), DataDirId: s.store.DataDirID(),
 	}
+	if jepsenIgnoreDataDir {
+		srv.DataDirId = ""
+	}
+	return srv
 }
 
 // filesystemUsed is what the filesystem of dir has in use (0 if unknown).
