@@ -347,15 +347,19 @@ func (l *loseDisk) Inject(ctx context.Context, r *runner, rng *rand.Rand) (strin
 	}
 	s := r.c.Servers[1+rng.IntN(len(r.c.Servers)-1)]
 	s.Proc.Kill()
-	l.victim, l.at = s, time.Now()
-	if err := os.RemoveAll(s.DataDir); err != nil {
-		return "", err
+	l.victim = s
+	err = os.RemoveAll(s.DataDir)
+	if err == nil {
+		err = os.MkdirAll(s.DataDir, 0o755)
 	}
-	if err := os.MkdirAll(s.DataDir, 0o755); err != nil {
-		return "", err
+	// Started again whatever happened (a fault not injected is not
+	// healed): what it last reported was before this.
+	if serr := s.Proc.Start(false); err == nil {
+		err = serr
 	}
-	if err := s.Proc.Start(false); err != nil {
-		return "", err
+	l.at = time.Now()
+	if err != nil {
+		return "", fmt.Errorf("lose %s's disk: %w", s.ID, err)
 	}
 	return "kill -9 " + s.ID + ", its data dir wiped, started again", nil
 }

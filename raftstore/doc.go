@@ -192,7 +192,9 @@
 // that names another dir than the server's record (dataDirMatches,
 // ErrDataDirReplaced): the server came back on a wiped, replaced or
 // unmounted dir, which holds none of the replicas placed on it. Refused,
-// it is not a member and not seen (down, its replicas faulty and in time
+// it is not a member (in the records' sense; it may still be a voter in
+// the Raft configuration, but a server that has not joined votes for no
+// one: memberGate) and not seen (down, its replicas faulty and in time
 // replaced), until its old dir is back or an operator removes it; then it
 // joins afresh. Its data plane makes no replica unless its record names
 // its dir (or, from an older version, none while the dir holds replicas),

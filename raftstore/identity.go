@@ -23,11 +23,11 @@ type identity struct {
 	// Member is set once the server has bootstrapped or joined a cluster.
 	Member bool `json:"member"`
 	// DataDirID names this directory, made when it is first used (or
-	// when a directory of an older version is first opened): the server
+	// when a directory of an older version is first accepted): the server
 	// registers with it (storpb.Server.data_dir_id), so that a server
 	// whose directory was wiped or replaced, which comes back under the
-	// same id with a new one, has the replicas its record places here
-	// recorded lost rather than made again empty.
+	// same id with a new one, is refused (until removed) rather than
+	// making the replicas its record places here again, empty.
 	DataDirID string `json:"data_dir_id,omitempty"`
 
 	unsaved bool // DataDirID was made for an identity of an older version

@@ -181,7 +181,7 @@ func (s *Store) open() error {
 	rc.NoSnapshotRestoreOnStart = true // the FSM is durable; see doc.go
 	notify := make(chan bool, 16)
 	rc.NotifyCh = notify
-	s.raft, err = raft.NewRaft(rc, s.fsm, s.logs, s.logs, snaps, s.trans)
+	s.raft, err = raft.NewRaft(rc, s.fsm, s.logs, s.logs, snaps, newMemberGate(s.trans, s.Member, s.ctx.Done()))
 	if err != nil {
 		return fmt.Errorf("raftstore: start raft: %w", err)
 	}
@@ -810,9 +810,9 @@ func dataDirMatches(cur, in *storpb.Server) error {
 	if cur.DataDirId == "" || in.DataDirId == "" || cur.DataDirId == in.DataDirId {
 		return nil
 	}
-	return fmt.Errorf("%w: server %s is a member of the cluster on data dir %s, not on this one (%s), which holds none of its replicas; "+
-		"if its disk is not mounted, mount it and restart the server; if its data is lost, remove the server (stor-ctl server remove %s): "+
-		"it then joins afresh and its replicas are rebuilt from the others",
+	return fmt.Errorf("%w: the cluster knows server %s on data dir %s, not on this one (%s): the replicas it places on the server are not here; "+
+		"if the server's disk is not mounted, mount it and restart the server; otherwise remove the server (stor-ctl server remove %s): "+
+		"it then joins afresh on this dir, and its replicas are rebuilt from the others",
 		ErrDataDirReplaced, in.Id, cur.DataDirId, in.DataDirId, in.Id)
 }
 

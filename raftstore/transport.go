@@ -2,6 +2,7 @@ package raftstore
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -130,3 +131,56 @@ func (w slogWriter) Write(p []byte) (int, error) {
 }
 
 var _ io.Writer = slogWriter{}
+
+// errNotJoined answers a vote asked of a server that has not joined
+// (memberGate).
+var errNotJoined = errors.New("raftstore: this server has not joined the cluster: it votes for no one")
+
+// memberGate is the Raft transport of a store that may not have joined
+// the cluster yet: until it has (member), it answers every vote and
+// pre-vote request with errNotJoined, which the candidate counts as no
+// vote. A server on a wiped or replaced data dir is still a voter in the
+// configuration but remembers neither the entries it acknowledged nor
+// the votes it cast: hashicorp/raft grants a vote while its own
+// configuration is empty, so it could elect a leader that lacks committed
+// entries, or vote twice in one term. Joined afresh (or bootstrapped),
+// it votes as any member. Everything else passes through: the leader's
+// entries, snapshots and heartbeats (a join in progress needs them).
+type memberGate struct {
+	*raft.NetworkTransport
+	member func() bool
+	ch     chan raft.RPC
+}
+
+// newMemberGate relays t's requests until done is closed.
+func newMemberGate(t *raft.NetworkTransport, member func() bool, done <-chan struct{}) *memberGate {
+	g := &memberGate{NetworkTransport: t, member: member, ch: make(chan raft.RPC)}
+	go g.relay(t.Consumer(), done)
+	return g
+}
+
+// Consumer implements raft.Transport.
+func (g *memberGate) Consumer() <-chan raft.RPC { return g.ch }
+
+func (g *memberGate) relay(in <-chan raft.RPC, done <-chan struct{}) {
+	for {
+		var rpc raft.RPC
+		select {
+		case <-done:
+			return
+		case rpc = <-in:
+		}
+		switch rpc.Command.(type) {
+		case *raft.RequestVoteRequest, *raft.RequestPreVoteRequest:
+			if !g.member() {
+				rpc.Respond(nil, errNotJoined)
+				continue
+			}
+		}
+		select {
+		case <-done:
+			return
+		case g.ch <- rpc:
+		}
+	}
+}

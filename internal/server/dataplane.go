@@ -309,7 +309,7 @@ func (d *dataPlane) reconcile() {
 		case rec.GetDataDirId() != "":
 			d.s.logger.Warn("the cluster's record of this server names another data dir: no replica is made, fenced or deleted here until it names this one (a wiped or replaced data dir: remove the server and it joins afresh)",
 				"recorded_data_dir_id", rec.DataDirId, "data_dir_id", d.dataDirID)
-		case rec == nil && len(d.store.List()) > 0:
+		case rec == nil && readErr == nil && len(d.store.List()) > 0:
 			d.s.logger.Warn("the cluster has no record of this server (removed?): its local replicas are kept, and none is made, fenced or deleted here until it joins again")
 		}
 		d.foreignDir = said

@@ -59,10 +59,12 @@ func (s *Server) notReady() error {
 	switch {
 	case s.ctx.Err() != nil:
 		return errors.New("server: not ready: stopping")
-	case !s.store.Member():
-		return errors.New("server: not ready: not joined yet")
 	case s.dirRefused.Load():
 		return errors.New("server: not ready: the cluster refuses this server's data dir (see its log)")
+	case !s.store.Member():
+		return errors.New("server: not ready: not joined yet")
+	case s.removed.Load():
+		return errors.New("server: not ready: removed from the cluster (see its log)")
 	}
 	if id, _ := s.store.Leader(); id == "" {
 		return errNotReady

@@ -58,11 +58,12 @@ type Server struct {
 	wg     sync.WaitGroup // background loops and the gRPC serve goroutine
 
 	// joining is set while joinLoop runs. dirRefused is set while the
-	// leader refuses this server's heartbeats for its data dir
+	// leader refuses this server's join or heartbeats for its data dir
 	// (raftstore.ErrDataDirReplaced): not ready; removed then, it joins
 	// afresh (heartbeat). dirRefusedSaid is when that was last logged.
-	joining, dirRefused atomic.Bool
-	dirRefusedSaid      time.Time
+	// removed is set while the cluster has no record of this member.
+	joining, dirRefused, removed atomic.Bool
+	dirRefusedSaid               time.Time
 
 	closeOnce sync.Once
 	closeErr  error
@@ -361,15 +362,22 @@ func (s *Server) joinLoop() {
 				return c.Join(ctx, &storpb.JoinRequest{Server: s.self()})
 			})
 			if err == nil {
-				if err := s.store.Joined(resp.ClusterId); err != nil {
-					s.logger.Error("record membership", "err", err)
+				if err = s.store.Joined(resp.ClusterId); err == nil {
+					s.logger.Info("joined cluster", "cluster", resp.ClusterId, "via", seed, "voter", resp.Voter)
+					return
 				}
-				s.logger.Info("joined cluster", "cluster", resp.ClusterId, "via", seed, "voter", resp.Voter)
-				return
+				// Not recorded: not a member (not ready, votes for
+				// no one) until it is; joining again is harmless.
+				s.logger.Error("record membership; joining again", "err", err)
+				continue
+			}
+			refused := dataDirRefused(err)
+			if refused {
+				s.dirRefused.Store(true)
 			}
 			switch {
 			case attempt%10 != 0:
-			case status.Code(err) == codes.FailedPrecondition:
+			case refused:
 				// Refused (a data dir the cluster does not know this
 				// server on): the error says what to do.
 				s.logger.Error("the cluster refuses this server's join; retrying", "seed", seed, "err", err)
@@ -418,6 +426,15 @@ func (s *Server) heartbeat() error {
 		// refusal names): it joins afresh, on this data dir.
 		s.logger.Info("removed from the cluster after its data dir was refused: joining afresh")
 		s.startJoining()
+	case s.store.Member() && !s.joining.Load() && (errors.Is(err, raftstore.ErrNotFound) || status.Code(err) == codes.NotFound):
+		// A member the cluster has no record of: removed (stor-ctl
+		// server remove) while it ran or was down. It stays out.
+		if !s.removed.Swap(true) {
+			s.logger.Error("the cluster has no record of this server: it was removed; it stays out (not ready, no replica made) until started on an empty data dir, where it joins afresh")
+		}
+	}
+	if err == nil {
+		s.removed.Store(false)
 	}
 	return err
 }
