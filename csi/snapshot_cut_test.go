@@ -93,6 +93,20 @@ func (h *cutHarness) open(id string, volumes storpb.VolumeServiceClient) *engine
 	return e
 }
 
+// readFilled waits until volume id (a clone) is filled, and reads it
+// whole through an engine.
+func (h *cutHarness) readFilled(id string) []byte {
+	h.t.Helper()
+	waitFilled(h.t, h.ctx, h.cl, id)
+	r := h.open(id, h.cl.Volumes)
+	got := make([]byte, cutSize)
+	if err := r.ReadAt(h.ctx, got, 0); err != nil {
+		h.t.Fatal(err)
+	}
+	h.closeEngine(id, r)
+	return got
+}
+
 func (h *cutHarness) closeEngine(id string, e *engine.Engine) {
 	h.t.Helper()
 	if err := e.Close(h.ctx, false); err != nil {
@@ -149,13 +163,7 @@ func TestCreateSnapshotReturnsOnceCut(t *testing.T) {
 
 	restored := create("pvc-thawed", &csipb.VolumeContentSource{Type: &csipb.VolumeContentSource_Snapshot{
 		Snapshot: &csipb.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}})
-	waitFilled(t, ctx, cl, restored)
-	r := open(restored, cl.Volumes)
-	got := make([]byte, size)
-	if err := r.ReadAt(ctx, got, 0); err != nil {
-		t.Fatal(err)
-	}
-	closeEngine(restored, r)
+	got := h.readFilled(restored)
 	switch {
 	case bytes.Equal(got, after):
 		t.Fatal("the snapshot holds a write acknowledged after CreateSnapshot returned")
@@ -267,13 +275,7 @@ func TestCreateVolumeFromAVolumeReturnsOnceCut(t *testing.T) {
 		t.Fatal(err)
 	}
 	closeEngine(src, e)
-	waitFilled(t, ctx, cl, clone)
-	r := open(clone, cl.Volumes)
-	got := make([]byte, size)
-	if err := r.ReadAt(ctx, got, 0); err != nil {
-		t.Fatal(err)
-	}
-	closeEngine(clone, r)
+	got := h.readFilled(clone)
 	switch {
 	case bytes.Equal(got, after):
 		t.Fatal("the clone holds a write acknowledged after CreateVolume returned")

@@ -7,8 +7,24 @@ import (
 
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/replica"
+	"github.com/stor-io/stor/replica/engine"
 	"github.com/stor-io/stor/replica/errorfs"
 )
+
+// onMemFSFixture is a fixture whose replicas are stores, the i-th on a
+// MemFS (to crash it or fault its disk), and an engine config on node n1
+// that connects to them, with a 5 s I/O timeout.
+func onMemFSFixture(t *testing.T, i int) (*fixture, *storeReplicas, string, engine.Config) {
+	t.Helper()
+	f := newFixture(t)
+	stores := newStoreReplicas(t, f.vol.Id, volSize)
+	id := f.vol.Replicas[i].Id
+	stores.onMemFS(id)
+	cfg := f.config("n1")
+	cfg.Connect = stores.connect
+	cfg.IOTimeout = 5 * time.Second
+	return f, stores, id, cfg
+}
 
 // A replica whose machine crashes loses the writes it acknowledged and had
 // not flushed; only its dirty-region log remembers where. Its engine finds
@@ -21,16 +37,11 @@ import (
 // healthy without a write every other replica had and a flush had made
 // durable.
 func TestARebuildRestoresWritesItsTargetLostInACrash(t *testing.T) {
-	f := newFixture(t)
-	stores := newStoreReplicas(t, f.vol.Id, volSize)
+	f, stores, _, cfg := onMemFSFixture(t, 2)
 	var ids [3]string
 	for i := range 3 {
 		ids[i] = f.vol.Replicas[i].Id
 	}
-	stores.onMemFS(ids[2])
-	cfg := f.config("n1")
-	cfg.Connect = stores.connect
-	cfg.IOTimeout = 5 * time.Second
 	e := f.open(cfg)
 	for range 2 {
 		if err := e.Flush(ctx10(t)); err != nil {
@@ -97,13 +108,7 @@ func TestARebuildRestoresWritesItsTargetLostInACrash(t *testing.T) {
 // usual rule clears them after. Without the settle they stayed dirty, to
 // be digested again at every open.
 func TestAnOpenSettlesTheRegionsItReconciled(t *testing.T) {
-	f := newFixture(t)
-	stores := newStoreReplicas(t, f.vol.Id, volSize)
-	id := f.vol.Replicas[0].Id
-	stores.onMemFS(id)
-	cfg := f.config("n1")
-	cfg.Connect = stores.connect
-	cfg.IOTimeout = 5 * time.Second
+	f, stores, id, cfg := onMemFSFixture(t, 0)
 	e := f.open(cfg)
 	if err := e.WriteAt(ctx10(t), randomBytes(9, 4096), 2<<20, false); err != nil {
 		t.Fatal(err)
@@ -136,13 +141,7 @@ func TestAnOpenSettlesTheRegionsItReconciled(t *testing.T) {
 // records it faulty again (paced), and it is replaced once it has been
 // unhealthy for the cluster's replacement wait.
 func TestARebuildingReplicaWhoseDiskFailedIsRecordedFaulty(t *testing.T) {
-	f := newFixture(t)
-	stores := newStoreReplicas(t, f.vol.Id, volSize)
-	id := f.vol.Replicas[2].Id
-	stores.onMemFS(id)
-	cfg := f.config("n1")
-	cfg.Connect = stores.connect
-	cfg.IOTimeout = 5 * time.Second
+	f, stores, id, cfg := onMemFSFixture(t, 2)
 	e := f.open(cfg)
 	if err := e.WriteAt(ctx10(t), randomBytes(10, 4096), 0, false); err != nil {
 		t.Fatal(err)
