@@ -192,11 +192,13 @@ func (w *writer) registerServer(at int64, in *storpb.Server) (proto.Message, err
 		if in.DataDirId != "" { // "": a server of an older version
 			s.DataDirId = in.DataDirId
 		}
+		s.RaftClusterCheck = in.RaftClusterCheck // false: of an older version (again)
 	default:
 		s = &storpb.Server{
 			Id: in.Id, Address: in.Address, RaftAddress: in.RaftAddress, DataAddress: in.DataAddress,
 			Zone: in.Zone, Labels: in.Labels, CapacityBytes: in.CapacityBytes, KubernetesNode: in.KubernetesNode,
 			State: storpb.ServerState_SERVER_STATE_UP, JoinedUnixNano: at, LastSeenUnixNano: at, DataDirId: in.DataDirId,
+			RaftClusterCheck: in.RaftClusterCheck,
 		}
 	}
 	w.put(bucketServers, s.Id, s)

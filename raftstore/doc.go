@@ -201,4 +201,15 @@
 // so none the cluster has as healthy is made again, empty. A lost
 // replica (ServerRemoved) takes no room on its server: a server removed
 // and joined again can hold its replacement.
+//
+// A cluster is named when it is bootstrapped (identity.json's
+// cluster_id, then the FSM's), and a server learns the name of the one it
+// joins before it asks (JoiningCluster). Raft's RPCs name no cluster, so
+// each Raft connection a store dials starts with a hello naming its
+// cluster, and a store hears a connection only if its hello names the
+// store's (clusterCheck): a leader whose follower's address came to be
+// another cluster's server's (a pod IP given again, a reused port) is not
+// heard there. A server of an older version (its record has no
+// raft_cluster_check) is dialed with no hello, and its connections, with
+// none, are heard as before.
 package raftstore

@@ -71,7 +71,11 @@ func (s *Store) lead(ctx context.Context) {
 	var clusterID string
 	_ = s.fsm.View(func(r *Reader) error { clusterID = r.ClusterID(); return nil })
 	if clusterID == "" {
-		if _, err := s.propose(ctx, command{Op: opInitCluster, ID: uuid.NewString()}); err != nil {
+		name := s.ClusterID() // named at Bootstrap (by a version before that: "")
+		if name == "" {
+			name = uuid.NewString()
+		}
+		if _, err := s.propose(ctx, command{Op: opInitCluster, ID: name}); err != nil {
 			s.logger.Warn("init cluster id", "err", err)
 		}
 		_ = s.fsm.View(func(r *Reader) error { clusterID = r.ClusterID(); return nil })

@@ -39,6 +39,12 @@ type Store struct {
 
 	identMu sync.Mutex
 	ident   identity
+	// joiningCluster is the cluster a store of none is joining
+	// (JoiningCluster); guarded by identMu.
+	joiningCluster string
+	// refusedSaid is when a Raft connection of another cluster was last
+	// logged (refusedRaftPeer); guarded by identMu.
+	refusedSaid time.Time
 
 	// leaderChanges counts the leader changes this server observed (a new
 	// leader, or none, as Raft reports them); see LeaderChanges.
@@ -164,7 +170,9 @@ func (s *Store) open() error {
 		}
 	}
 	s.trans = raft.NewNetworkTransportWithConfig(&raft.NetworkTransportConfig{
-		Stream:  &streamLayer{Listener: ln, advertise: adv, dial: cfg.Dial},
+		Stream: &streamLayer{Listener: ln, advertise: adv, dial: cfg.Dial, check: &clusterCheck{
+			cluster: s.ClusterID, speaks: s.checksRaftHello, refused: s.refusedRaftPeer,
+		}},
 		MaxPool: 3, Timeout: 10 * time.Second, Logger: hl,
 	})
 
@@ -352,13 +360,76 @@ func (s *Store) DataDirID() string {
 	return s.ident.DataDirID
 }
 
-// Bootstrap makes this server the single voter of a new cluster. It is an
-// error on a store that already has Raft state: bootstrap happens once.
+// ClusterID is the id of the cluster this store is a member of, or the
+// one it is joining (JoiningCluster); "" if neither. The Raft transport
+// hears only servers of that cluster (clusterCheck).
+func (s *Store) ClusterID() string {
+	s.identMu.Lock()
+	defer s.identMu.Unlock()
+	if s.ident.ClusterID != "" {
+		return s.ident.ClusterID
+	}
+	return s.joiningCluster
+}
+
+// JoiningCluster tells a store of no cluster which one it is about to
+// join, before it asks to (the leader's Raft dials it while the join is
+// in progress, and is heard only once the store knows its cluster). A
+// store of a cluster keeps it.
+func (s *Store) JoiningCluster(id string) {
+	s.identMu.Lock()
+	defer s.identMu.Unlock()
+	s.joiningCluster = id
+}
+
+// checksRaftHello reports whether the server at a Raft address checks
+// the hello of the connections it accepts (its record says so).
+func (s *Store) checksRaftHello(addr raft.ServerAddress) bool {
+	checks := false
+	_ = s.fsm.View(func(r *Reader) error {
+		srvs, err := r.Servers()
+		for _, srv := range srvs {
+			if srv.RaftAddress == string(addr) {
+				checks = srv.RaftClusterCheck
+			}
+		}
+		return err
+	})
+	return checks
+}
+
+// refusedRaftPeer logs a Raft connection of another cluster, at most
+// every ten seconds (its dialer retries all along).
+func (s *Store) refusedRaftPeer(remote net.Addr, theirs, ours string) {
+	s.identMu.Lock()
+	quiet := time.Since(s.refusedSaid) < 10*time.Second
+	if !quiet {
+		s.refusedSaid = time.Now()
+	}
+	s.identMu.Unlock()
+	if quiet {
+		return
+	}
+	if ours == "" {
+		s.logger.Warn("a Raft peer dialed this server, which is of no cluster yet: refused (a server of another cluster whose peer had this address?)",
+			"remote", remote.String(), "their_cluster", theirs)
+		return
+	}
+	s.logger.Warn("a Raft peer of another cluster dialed this server: refused (a server whose peer had this address once: a reused IP or port)",
+		"remote", remote.String(), "their_cluster", theirs, "cluster", ours)
+}
+
+// Bootstrap makes this server the single voter of a new cluster, naming
+// it. It is an error on a store that already has Raft state: bootstrap
+// happens once.
 func (s *Store) Bootstrap() error {
 	if s.hadState {
 		return fmt.Errorf("%w: %s already holds Raft state; not bootstrapping again", ErrFailedPrecondition, s.cfg.Dir)
 	}
-	if err := s.markMember(""); err != nil {
+	// The cluster is named here, not when its first leader records it
+	// (opInitCluster, with this name), so that its Raft transport hears
+	// no server of another cluster from the first.
+	if err := s.markMember(uuid.NewString()); err != nil {
 		return err
 	}
 	f := s.raft.BootstrapCluster(raft.Configuration{Servers: []raft.Server{{

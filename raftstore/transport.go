@@ -3,6 +3,7 @@ package raftstore
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -28,6 +29,9 @@ type streamLayer struct {
 	net.Listener
 	advertise net.Addr
 	dial      func(ctx context.Context, network, addr string) (net.Conn, error)
+	// check is the cluster check of the connections dialed and accepted;
+	// nil checks nothing.
+	check *clusterCheck
 
 	mu       sync.Mutex
 	closed   bool
@@ -53,6 +57,9 @@ func (s *streamLayer) Accept() (net.Conn, error) {
 	}
 	tc := &trackedConn{Conn: c, s: s}
 	s.accepted[tc] = struct{}{}
+	if s.check != nil {
+		return &checkedConn{trackedConn: tc, check: s.check}, nil
+	}
 	return tc, nil
 }
 
@@ -90,7 +97,125 @@ func (c *trackedConn) Close() error {
 func (s *streamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	return s.dial(ctx, "tcp", string(address))
+	c, err := s.dial(ctx, "tcp", string(address))
+	if err != nil || s.check == nil || !s.check.speaks(address) {
+		return c, err
+	}
+	if err := s.check.sayHello(c, timeout); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// clusterCheck keeps a Raft peer of another cluster out. Raft's RPCs
+// name no cluster, and every stor cluster names its servers alike
+// (stor-0, stor-1, ... in Kubernetes; s1, s2, ... in tests): a leader
+// whose follower's address came to be another cluster's server's (a pod
+// IP given again, a port reused on one host) replicated its log to that
+// server, which stepped down, took the entries, and became a member of
+// both (internal/server tests of two binaries on one host did; the
+// second cluster's records then named other data dirs and refused all
+// its servers). So each connection a store dials starts with a hello
+// naming its cluster, and a store reads the hello of each connection it
+// accepts before Raft reads anything: a hello of another cluster, or one
+// that comes to a store of no cluster yet, closes the connection.
+//
+// A store dials its hello only to a server whose record says it checks
+// one (storpb.Server.raft_cluster_check): a server of an older version
+// would take it for a Raft request and hang up. A connection that starts
+// with no hello (such a server dialing) is heard as before.
+type clusterCheck struct {
+	// cluster is the id of the store's cluster, or the one it is joining
+	// ("" for a store of no cluster yet).
+	cluster func() string
+	// speaks reports whether the server at a Raft address checks a hello.
+	speaks func(raft.ServerAddress) bool
+	// refused is told of each connection refused.
+	refused func(remote net.Addr, theirs, ours string)
+}
+
+// The hello: helloMagic, one byte of length, then the cluster id. Its
+// first byte is no Raft RPC type (raft's NetworkTransport starts each
+// request with a type byte from 0), which tells it from a connection
+// that starts with none.
+const (
+	helloMagic   = "\xf5stor-raft-cluster\x01"
+	helloTimeout = 10 * time.Second
+)
+
+// errOtherCluster is what Raft reads from a connection of another cluster.
+var errOtherCluster = errors.New("raftstore: a Raft connection of another cluster (or of none): refused")
+
+func (k *clusterCheck) sayHello(c net.Conn, timeout time.Duration) error {
+	id := k.cluster()
+	if len(id) > 255 {
+		return fmt.Errorf("raftstore: cluster id %q is too long", id)
+	}
+	hello := append([]byte(helloMagic), byte(len(id)))
+	hello = append(hello, id...)
+	_ = c.SetWriteDeadline(time.Now().Add(timeout))
+	defer c.SetWriteDeadline(time.Time{})
+	if _, err := c.Write(hello); err != nil {
+		return fmt.Errorf("raftstore: raft hello: %w", err)
+	}
+	return nil
+}
+
+// hear reads a connection's hello, if it starts with one, and checks it.
+// It returns what it read of a connection with none, for Raft to read.
+func (k *clusterCheck) hear(c net.Conn) (unread []byte, err error) {
+	_ = c.SetReadDeadline(time.Now().Add(helloTimeout))
+	defer c.SetReadDeadline(time.Time{})
+	first := make([]byte, 1)
+	if _, err := io.ReadFull(c, first); err != nil {
+		return nil, err
+	}
+	if first[0] != helloMagic[0] {
+		return first, nil // no hello: a server of an older version
+	}
+	rest := make([]byte, len(helloMagic)) // the magic's rest and the length
+	if _, err := io.ReadFull(c, rest); err != nil {
+		return nil, err
+	}
+	if string(first)+string(rest[:len(rest)-1]) != helloMagic {
+		return nil, fmt.Errorf("%w: not a stor Raft hello", errOtherCluster)
+	}
+	theirs := make([]byte, rest[len(rest)-1])
+	if _, err := io.ReadFull(c, theirs); err != nil {
+		return nil, err
+	}
+	if ours := k.cluster(); string(theirs) != ours || ours == "" {
+		k.refused(c.RemoteAddr(), string(theirs), ours)
+		return nil, errOtherCluster
+	}
+	return nil, nil
+}
+
+// checkedConn is an accepted connection whose first read hears its hello.
+// Raft's NetworkTransport reads each connection from one goroutine.
+type checkedConn struct {
+	*trackedConn
+	check  *clusterCheck
+	heard  bool
+	err    error
+	unread []byte
+}
+
+func (c *checkedConn) Read(p []byte) (int, error) {
+	if !c.heard {
+		c.heard = true
+		c.unread, c.err = c.check.hear(c.trackedConn)
+	}
+	if c.err != nil {
+		return 0, c.err
+	}
+	if len(c.unread) > 0 {
+		n := copy(p, c.unread)
+		c.unread = c.unread[n:]
+		return n, nil
+	}
+	return c.trackedConn.Read(p)
 }
 
 // hclogFor routes hashicorp/raft's hclog output into slog. raft logs

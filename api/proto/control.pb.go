@@ -407,9 +407,15 @@ type Server struct {
 	// holds none of its replicas) is refused until it is removed, and its
 	// data plane makes no replica until its record names its dir. "" for a
 	// server that has not registered since it was upgraded.
-	DataDirId     string `protobuf:"bytes,16,opt,name=data_dir_id,json=dataDirId,proto3" json:"data_dir_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	DataDirId string `protobuf:"bytes,16,opt,name=data_dir_id,json=dataDirId,proto3" json:"data_dir_id,omitempty"`
+	// The server checks, on each Raft connection, that its dialer is of its
+	// own cluster, and says which cluster it is of when it dials one: the
+	// servers that have it dial it with that word first (raftstore's
+	// cluster check). false for a server of an older version, dialed
+	// without it.
+	RaftClusterCheck bool `protobuf:"varint,17,opt,name=raft_cluster_check,json=raftClusterCheck,proto3" json:"raft_cluster_check,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Server) Reset() {
@@ -552,6 +558,13 @@ func (x *Server) GetDataDirId() string {
 		return x.DataDirId
 	}
 	return ""
+}
+
+func (x *Server) GetRaftClusterCheck() bool {
+	if x != nil {
+		return x.RaftClusterCheck
+	}
+	return false
 }
 
 // Node is a host that attaches volumes: a CSI node plugin registers its
@@ -4916,7 +4929,7 @@ var File_control_proto protoreflect.FileDescriptor
 
 const file_control_proto_rawDesc = "" +
 	"\n" +
-	"\rcontrol.proto\x12\astor.v1\"\xf1\x04\n" +
+	"\rcontrol.proto\x12\astor.v1\"\x9f\x05\n" +
 	"\x06Server\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
 	"\aaddress\x18\x02 \x01(\tR\aaddress\x12!\n" +
@@ -4935,7 +4948,8 @@ const file_control_proto_rawDesc = "" +
 	"\bdraining\x18\x0e \x01(\bR\bdraining\x12\x1d\n" +
 	"\n" +
 	"used_bytes\x18\x0f \x01(\x04R\tusedBytes\x12\x1e\n" +
-	"\vdata_dir_id\x18\x10 \x01(\tR\tdataDirId\x1a9\n" +
+	"\vdata_dir_id\x18\x10 \x01(\tR\tdataDirId\x12,\n" +
+	"\x12raft_cluster_check\x18\x11 \x01(\bR\x10raftClusterCheck\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa6\x02\n" +

@@ -280,6 +280,7 @@ func (s *Server) self() *storpb.Server {
 		DataAddress: s.cfg.DataAdvertise, Zone: s.cfg.Zone, Labels: s.cfg.Labels,
 		CapacityBytes: s.cfg.Capacity, KubernetesNode: s.cfg.KubernetesNode,
 		UsedBytes: filesystemUsed(s.cfg.DataDir), DataDirId: s.store.DataDirID(),
+		RaftClusterCheck: true,
 	}
 	if jepsenIgnoreDataDir {
 		srv.DataDirId = ""
@@ -358,9 +359,7 @@ func (s *Server) joinLoop() {
 			if seed == s.cfg.Advertise {
 				continue
 			}
-			resp, err := callPeer(s, seed, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.JoinResponse, error) {
-				return c.Join(ctx, &storpb.JoinRequest{Server: s.self()})
-			})
+			resp, err := s.joinVia(seed)
 			if err == nil {
 				if err = s.store.Joined(resp.ClusterId); err == nil {
 					s.logger.Info("joined cluster", "cluster", resp.ClusterId, "via", seed, "voter", resp.Voter)
@@ -393,6 +392,43 @@ func (s *Server) joinLoop() {
 		backoff = min(backoff*2, 2*time.Second)
 	}
 }
+
+// joinVia asks seed's cluster to admit this server. It first learns
+// which cluster that is, from the seed: the Raft transport of a server
+// of no cluster hears only servers of the one it joins, the leader's
+// among them while the join is in progress (raftstore's cluster check);
+// a server of another cluster (its data dir's) does not ask.
+func (s *Server) joinVia(seed string) (*storpb.JoinResponse, error) {
+	st, err := callPeer(s, seed, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.StatusResponse, error) {
+		return c.Status(ctx, &storpb.StatusRequest{})
+	})
+	if err != nil {
+		return nil, err
+	}
+	ours := s.store.ClusterID()
+	switch {
+	case st.ClusterId == "":
+		return nil, fmt.Errorf("seed %s is of no cluster yet", seed)
+	case ours == "":
+		s.store.JoiningCluster(st.ClusterId)
+	case ours != st.ClusterId:
+		return nil, fmt.Errorf("%w: this server's data dir is of cluster %s, seed %s is of cluster %s: start it on an empty data dir to join that cluster",
+			errOtherCluster, ours, seed, st.ClusterId)
+	}
+	resp, err := callPeer(s, seed, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.JoinResponse, error) {
+		return c.Join(ctx, &storpb.JoinRequest{Server: s.self()})
+	})
+	if err == nil && resp.ClusterId != st.ClusterId {
+		// Admitted by another cluster than the seed's (it changed in
+		// between?): not recorded, not a member; asked again.
+		return nil, fmt.Errorf("seed %s is of cluster %s, and admitted this server to cluster %s", seed, st.ClusterId, resp.ClusterId)
+	}
+	return resp, err
+}
+
+// errOtherCluster: a server's data dir is of another cluster than its
+// seeds'.
+var errOtherCluster = errors.New("server: a data dir of another cluster")
 
 // heartbeatLoop reports to the leader every HeartbeatInterval.
 func (s *Server) heartbeatLoop() {
