@@ -31,7 +31,8 @@ func TestARaftPeerOfAnotherClusterIsNotHeard(t *testing.T) {
 	waitLeading(t, a1)
 
 	// A's second server, a non-voter (a1 keeps a quorum when it stops).
-	a2 := openTestStore(t, "s2", nil, logs)
+	port := newHandoff(t) // a2's port, then b1's
+	a2 := openTestStore(t, "s2", port.listener(), logs)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	a2.JoiningCluster(a1.ClusterID())
@@ -42,15 +43,10 @@ func TestARaftPeerOfAnotherClusterIsNotHeard(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "s2 to apply A's entries", func() bool { return a2.Status().Applied >= a1.Status().Applied })
-	port := a2.RaftAddress()
 	a2.Close()
 
 	// B's first server, on s2's old address, named as A's are.
-	ln, err := net.Listen("tcp", port)
-	if err != nil {
-		t.Fatalf("listen on s2's old address: %v", err)
-	}
-	b1 := openTestStore(t, "s1", ln, logs)
+	b1 := openTestStore(t, "s1", port.listener(), logs)
 	if err := b1.Bootstrap(); err != nil {
 		t.Fatal(err)
 	}
@@ -96,6 +92,34 @@ func TestARaftPeerOfAnotherClusterIsNotHeard(t *testing.T) {
 	// A's leader leads on; its own servers hear it.
 	if !a1.IsLeader() {
 		t.Error("A's leader lost its leadership")
+	}
+}
+
+// A server's record says whether it checks the hello as its heartbeats
+// do: a member restarted on this version (it only heartbeats) is dialed
+// with the hello from then on, and one restarted on an older version
+// (which would hang up on it) without.
+func TestARestartedServersRecordSaysWhetherItChecksTheHello(t *testing.T) {
+	a1 := openTestStore(t, "s1", nil, &testLogs{})
+	if err := a1.Bootstrap(); err != nil {
+		t.Fatal(err)
+	}
+	waitLeading(t, a1)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	s2 := func(checks bool) *storpb.Server {
+		return &storpb.Server{Id: "s2", Address: "127.0.0.1:1", RaftAddress: "127.0.0.1:9", RaftClusterCheck: checks}
+	}
+	if _, _, err := a1.Join(ctx, s2(false)); err != nil { // a server of an older version
+		t.Fatal(err)
+	}
+	for _, checks := range []bool{true, false, true} { // upgraded, downgraded, upgraded
+		if err := a1.Heartbeat(ctx, s2(checks)); err != nil {
+			t.Fatal(err)
+		}
+		if got := a1.checksRaftHello("127.0.0.1:9"); got != checks {
+			t.Fatalf("after a heartbeat with raft_cluster_check %v, s2 is dialed with a hello: %v", checks, got)
+		}
 	}
 }
 
@@ -188,6 +212,64 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// handoff is a loopback port handed from a store closed to the next one
+// (a listener each, on one socket): the port is never free, for another
+// process to take, in between.
+type handoff struct {
+	ln    net.Listener
+	conns chan net.Conn
+	stop  chan struct{}
+}
+
+func newHandoff(t *testing.T) *handoff {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &handoff{ln: ln, conns: make(chan net.Conn), stop: make(chan struct{})}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			select {
+			case h.conns <- c:
+			case <-h.stop:
+				c.Close()
+				return
+			}
+		}
+	}()
+	t.Cleanup(func() { close(h.stop); ln.Close(); <-done })
+	return h
+}
+
+// listener is the port's listener for the next store.
+func (h *handoff) listener() net.Listener { return &handedListener{h: h, done: make(chan struct{})} }
+
+type handedListener struct {
+	h    *handoff
+	done chan struct{}
+	once sync.Once
+}
+
+func (l *handedListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.h.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	case <-l.h.stop:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *handedListener) Close() error   { l.once.Do(func() { close(l.done) }); return nil }
+func (l *handedListener) Addr() net.Addr { return l.h.ln.Addr() }
 
 // testLogs keeps what stores log, for a test to look for.
 type testLogs struct {

@@ -364,12 +364,28 @@ func (s *Store) DataDirID() string {
 // one it is joining (JoiningCluster); "" if neither. The Raft transport
 // hears only servers of that cluster (clusterCheck).
 func (s *Store) ClusterID() string {
+	if id := s.MemberOf(); id != "" {
+		return id
+	}
+	s.identMu.Lock()
+	joining := s.joiningCluster
+	s.identMu.Unlock()
+	if joining != "" {
+		return joining
+	}
+	// A member that joined a cluster of an older version before it was
+	// named: named by the log since.
+	var named string
+	_ = s.fsm.View(func(r *Reader) error { named = r.ClusterID(); return nil })
+	return named
+}
+
+// MemberOf is the id of the cluster this store's data dir is of, "" if
+// none yet.
+func (s *Store) MemberOf() string {
 	s.identMu.Lock()
 	defer s.identMu.Unlock()
-	if s.ident.ClusterID != "" {
-		return s.ident.ClusterID
-	}
-	return s.joiningCluster
+	return s.ident.ClusterID
 }
 
 // JoiningCluster tells a store of no cluster which one it is about to
@@ -890,7 +906,8 @@ func dataDirMatches(cur, in *storpb.Server) error {
 func serverInfoChanged(cur, in *storpb.Server) bool {
 	return cur.Address != in.Address || cur.RaftAddress != in.RaftAddress || cur.DataAddress != in.DataAddress ||
 		cur.Zone != in.Zone || cur.CapacityBytes != in.CapacityBytes || !mapsEqual(cur.Labels, in.Labels) ||
-		cur.KubernetesNode != in.KubernetesNode || (in.DataDirId != "" && in.DataDirId != cur.DataDirId)
+		cur.KubernetesNode != in.KubernetesNode || (in.DataDirId != "" && in.DataDirId != cur.DataDirId) ||
+		cur.RaftClusterCheck != in.RaftClusterCheck // upgraded, or downgraded
 }
 
 func mapsEqual(a, b map[string]string) bool {

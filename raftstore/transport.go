@@ -98,8 +98,8 @@ func (s *streamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (n
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	c, err := s.dial(ctx, "tcp", string(address))
-	if err != nil || s.check == nil || !s.check.speaks(address) {
-		return c, err
+	if err != nil || s.check == nil || s.check.cluster() == "" || !s.check.speaks(address) {
+		return c, err // no hello of no cluster: it would be refused
 	}
 	if err := s.check.sayHello(c, timeout); err != nil {
 		c.Close()
@@ -242,6 +242,10 @@ func (w slogWriter) Write(p []byte) (int, error) {
 	case w.closing != nil && w.closing.Load() && strings.Contains(line, net.ErrClosed.Error()):
 		// A read or write on a connection this store closed as it shut
 		// down (streamLayer.Close), not a fault.
+		w.l.Debug(line)
+	case strings.Contains(line, errOtherCluster.Error()):
+		// A connection of another cluster, refused: said once in a
+		// while by the store (refusedRaftPeer), not at each retry.
 		w.l.Debug(line)
 	case strings.HasPrefix(line, "[ERROR]"):
 		w.l.Error(strings.TrimSpace(line[7:]))

@@ -405,16 +405,14 @@ func (s *Server) joinVia(seed string) (*storpb.JoinResponse, error) {
 	if err != nil {
 		return nil, err
 	}
-	ours := s.store.ClusterID()
-	switch {
+	switch ours := s.store.MemberOf(); {
 	case st.ClusterId == "":
 		return nil, fmt.Errorf("seed %s is of no cluster yet", seed)
-	case ours == "":
-		s.store.JoiningCluster(st.ClusterId)
-	case ours != st.ClusterId:
+	case ours != "" && ours != st.ClusterId:
 		return nil, fmt.Errorf("%w: this server's data dir is of cluster %s, seed %s is of cluster %s: start it on an empty data dir to join that cluster",
 			errOtherCluster, ours, seed, st.ClusterId)
 	}
+	s.store.JoiningCluster(st.ClusterId) // the seed's, asked each time
 	resp, err := callPeer(s, seed, func(ctx context.Context, c storpb.ClusterServiceClient) (*storpb.JoinResponse, error) {
 		return c.Join(ctx, &storpb.JoinRequest{Server: s.self()})
 	})
