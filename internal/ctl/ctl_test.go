@@ -291,7 +291,12 @@ func newFake(t *testing.T) *fakeCluster3 {
 		snapshots: &fakeSnapshots{
 			snapshots: []*storpb.Snapshot{
 				{Id: "snap-1", Name: "nightly", VolumeId: "vol-1", SizeBytes: 10 << 30, ReadyToUse: true,
-					CreatedUnixNano: time.Date(2026, 2, 28, 0, 0, 0, 0, time.UTC).UnixNano()},
+					CreatedUnixNano: time.Date(2026, 2, 28, 0, 0, 0, 0, time.UTC).UnixNano(),
+					Replicas: []*storpb.SnapshotReplica{
+						{ReplicaId: "vol-1-r1", State: storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT},
+						{ReplicaId: "vol-1-r2", State: storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_LOST},
+						{ReplicaId: "vol-1-r3", State: storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_MISSED},
+					}},
 				{Id: "snap-2", Name: "pre-upgrade", VolumeId: "vol-2", SizeBytes: 1 << 30},
 			},
 		},
@@ -626,9 +631,10 @@ func TestSnapshotCreateResolvesVolumeName(t *testing.T) {
 func TestSnapshotListGetDelete(t *testing.T) {
 	f := newFake(t)
 	out := mustRun(t, "--server", f.addr, "snapshot", "list")
-	assertCells(t, out, "NAME", "ID", "VOLUME ID", "SIZE", "READY", "CREATED")
-	assertCells(t, out, "nightly", "snap-1", "vol-1", "10 GiB", "yes", "2026-02-28T00:00:00Z")
-	assertCells(t, out, "pre-upgrade", "snap-2", "vol-2", "1 GiB", "no", "-")
+	assertCells(t, out, "NAME", "ID", "VOLUME ID", "SIZE", "READY", "COPIES", "CREATED")
+	// Ready, with one copy left of three: one replacement from lost.
+	assertCells(t, out, "nightly", "snap-1", "vol-1", "10 GiB", "yes", "1/3", "2026-02-28T00:00:00Z")
+	assertCells(t, out, "pre-upgrade", "snap-2", "vol-2", "1 GiB", "no", "-", "-")
 
 	out = mustRun(t, "--server", f.addr, "snapshot", "list", "logs")
 	if got := f.snapshots.listReqs[1]; got.GetVolumeId() != "vol-2" || got.GetPageSize() != 500 {
@@ -641,6 +647,7 @@ func TestSnapshotListGetDelete(t *testing.T) {
 	out = mustRun(t, "--server", f.addr, "snapshot", "get", "nightly")
 	assertCells(t, out, "ID:", "snap-1")
 	assertCells(t, out, "SIZE:", "10 GiB")
+	assertCells(t, out, "REPLICAS:", "vol-1-r1=cut vol-1-r2=lost vol-1-r3=missed")
 
 	mustRun(t, "--server", f.addr, "snapshot", "delete", "--id", "snap-2")
 	if ref := f.snapshots.deletes[0]; ref.GetId() != "snap-2" || ref.GetName() != "" {

@@ -115,14 +115,14 @@ func newSnapshotListCommand(a *app) *cobra.Command {
 				if a.jsonOutput() {
 					return a.printJSON(all)
 				}
-				t := newTable(a.stdout, "NAME", "ID", "VOLUME ID", "SIZE", "READY", "CREATED")
+				t := newTable(a.stdout, "NAME", "ID", "VOLUME ID", "SIZE", "READY", "COPIES", "CREATED")
 				for _, s := range all.GetSnapshots() {
 					ready := yesNo(s.GetReadyToUse())
 					if s.GetFailed() {
 						ready = "failed"
 					}
 					t.row(s.GetName(), s.GetId(), s.GetVolumeId(), bytesize.Format(s.GetSizeBytes()),
-						ready, formatTime(s.GetCreatedUnixNano()))
+						ready, snapshotCopies(s), formatTime(s.GetCreatedUnixNano()))
 				}
 				return t.flush()
 			})
@@ -191,6 +191,22 @@ func (a *app) printSnapshot(s *storpb.Snapshot) error {
 		field{"REPLICAS", snapshotReplicas(s)},
 		field{"CREATED", formatTime(s.GetCreatedUnixNano())},
 	)
+}
+
+// snapshotCopies is how many of the replicas a snapshot was asked of
+// hold a copy of it, "2/3": a snapshot survives as many replacements of
+// its replicas as it has copies (they are not copied to a replacement).
+func snapshotCopies(s *storpb.Snapshot) string {
+	if len(s.GetReplicas()) == 0 {
+		return "-"
+	}
+	cut := 0
+	for _, r := range s.GetReplicas() {
+		if r.GetState() == storpb.SnapshotReplicaState_SNAPSHOT_REPLICA_STATE_CUT {
+			cut++
+		}
+	}
+	return fmt.Sprintf("%d/%d", cut, len(s.GetReplicas()))
 }
 
 // snapshotReplicas lists each replica's cut state: "r1=cut r2=pending".
