@@ -201,6 +201,7 @@ func (c *Cluster) TryStart(i int) error {
 		cfg.Listener, cfg.RaftListener, cfg.DataListener = n.first[0], n.first[1], n.first[2]
 		n.first = [3]net.Listener{}
 	}
+	c.Net.SetStopped(i, false)
 	// A restart binds the addresses a stopped server just released; a
 	// socket in TIME_WAIT cannot block a listener, but retry briefly.
 	for range 50 {
@@ -215,7 +216,7 @@ func (c *Cluster) TryStart(i int) error {
 	}
 	n.srv = srv
 	if n.conn == nil {
-		conn, err := grpc.NewClient("passthrough:///"+n.Addr, c.dialCredentials())
+		conn, err := grpc.NewClient("passthrough:///"+n.Addr, c.dialCredentials(), grpc.WithContextDialer(c.clientDialer))
 		if err != nil {
 			return err
 		}
@@ -235,6 +236,7 @@ func (c *Cluster) Stop(i int) {
 		if err := srv.Close(); err != nil {
 			c.t.Logf("servertest: stop %s: %v", c.Nodes[i].ID, err)
 		}
+		c.Net.SetStopped(i, true)
 	}
 }
 
@@ -242,7 +244,13 @@ func (c *Cluster) Stop(i int) {
 func (c *Cluster) Kill(i int) {
 	if srv := c.take(i); srv != nil {
 		srv.Kill()
+		c.Net.SetStopped(i, true)
 	}
+}
+
+// clientDialer is plainDial for gRPC (which adds TLS itself).
+func (c *Cluster) clientDialer(ctx context.Context, addr string) (net.Conn, error) {
+	return c.plainDial(ctx, "tcp", addr)
 }
 
 // Restart kills node i and starts it again.
@@ -430,10 +438,21 @@ func (c *Cluster) dialCredentials() grpc.DialOption {
 	return c.TLSSource(Operator).GRPCDialCredentials()
 }
 
-// dataDial is the dialer of the cluster's engines (nil: plaintext).
+// dataDial is the dialer of the cluster's engines (TLS with Options.TLS).
 func (c *Cluster) dataDial() func(ctx context.Context, network, addr string) (net.Conn, error) {
 	if !c.opts.TLS {
-		return nil
+		return c.plainDial
 	}
-	return c.TLSSource(Operator).Dialer(nil, pki.RoleServer)
+	return c.TLSSource(Operator).Dialer(c.plainDial, pki.RoleServer)
+}
+
+// plainDial dials for the test's clients: refused while the node is
+// stopped (Network.SetStopped), so they do not reach whatever took its
+// port.
+func (c *Cluster) plainDial(ctx context.Context, network, addr string) (net.Conn, error) {
+	if err := c.Net.refusedIfStopped(network, addr); err != nil {
+		return nil, err
+	}
+	var d net.Dialer
+	return d.DialContext(ctx, network, addr)
 }

@@ -8,6 +8,8 @@ import (
 	"net"
 	"time"
 
+	"google.golang.org/grpc"
+
 	storpb "github.com/stor-io/stor/api/proto"
 	"github.com/stor-io/stor/internal/client"
 	"github.com/stor-io/stor/replica"
@@ -24,7 +26,7 @@ func (c *Cluster) Dial() *client.Client {
 	for _, n := range c.Nodes {
 		addrs = append(addrs, n.Addr)
 	}
-	cl, err := client.Dial(addrs, c.dialCredentials())
+	cl, err := client.Dial(addrs, c.dialCredentials(), grpc.WithContextDialer(c.clientDialer))
 	if err != nil {
 		c.t.Fatal(err)
 	}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -31,12 +32,36 @@ type Network struct {
 	// anyStall is set while stalled or stalledPorts has entries: the
 	// common case, no stall, costs a read and a write no lock.
 	anyStall atomic.Bool
+	// stopped are the nodes not running (SetStopped).
+	stopped map[int]bool
 }
 
 // NewNetwork returns a network with no cuts.
 func NewNetwork() *Network {
 	return &Network{owner: map[string]int{}, cut: map[[2]int]bool{}, ports: map[int]map[string]bool{}, conns: map[[2]int]map[*conn]bool{},
-		stalled: map[[2]int]bool{}, stalledPorts: map[int]map[string]bool{}, flowing: make(chan struct{})}
+		stalled: map[[2]int]bool{}, stalledPorts: map[int]map[string]bool{}, flowing: make(chan struct{}), stopped: map[int]bool{}}
+}
+
+// SetStopped says whether node is stopped. A dial to a stopped node's
+// addresses is refused here, as the kernel refuses it, without reaching
+// the network: the ports a stopped node released may be another
+// process's by then (another test binary's server, which would take this
+// cluster's requests).
+func (n *Network) SetStopped(node int, stopped bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.stopped[node] = stopped
+}
+
+// refusedIfStopped is the error of a dial to addr while its node is
+// stopped, or nil.
+func (n *Network) refusedIfStopped(network, addr string) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if to, known := n.owner[addr]; known && n.stopped[to] {
+		return &net.OpError{Op: "dial", Net: network, Err: fmt.Errorf("servertest: node %d is stopped: %w", to, syscall.ECONNREFUSED)}
+	}
+	return nil
 }
 
 // Stall stops all traffic between a and b, both ways, without closing
@@ -140,6 +165,9 @@ func (n *Network) Dialer(from int) func(ctx context.Context, network, addr strin
 		n.mu.Unlock()
 		if blocked {
 			return nil, fmt.Errorf("servertest: %d -> %d is partitioned", from, to)
+		}
+		if err := n.refusedIfStopped(network, addr); err != nil {
+			return nil, err
 		}
 		key := [2]int{from, to}
 		if known && n.flow(key, addr, ctx.Done(), nil) != nil {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -180,5 +181,53 @@ func TestStallPortStallsOnlyThatPort(t *testing.T) {
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := io.ReadFull(c, buf); err != nil || buf[0] != 's' {
 		t.Fatalf("after the Heal the stalled port's read returned %q, %v; want what the peer wrote", buf, err)
+	}
+}
+
+// A dial to a stopped node's address is refused without reaching it:
+// what listens there now (another test binary's server, which took the
+// port the node released) hears nothing from this cluster. Started
+// again, the node is dialed as before.
+func TestAStoppedNodeIsNotDialed(t *testing.T) {
+	n := NewNetwork()
+	other, err := net.Listen("tcp", "127.0.0.1:0") // the port's new owner
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	n.Register(other.Addr().String(), 1)
+	heard := make(chan net.Conn, 4)
+	go func() {
+		for {
+			c, err := other.Accept()
+			if err != nil {
+				return
+			}
+			heard <- c
+		}
+	}()
+	n.SetStopped(1, true)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if c, err := n.Dialer(0)(ctx, "tcp", other.Addr().String()); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("dial to a stopped node: %v, %v; want ECONNREFUSED", c, err)
+	}
+	select {
+	case c := <-heard:
+		c.Close()
+		t.Fatal("the listener on a stopped node's address was dialed")
+	case <-time.After(200 * time.Millisecond):
+	}
+	n.SetStopped(1, false)
+	c, err := n.Dialer(0)(ctx, "tcp", other.Addr().String())
+	if err != nil {
+		t.Fatalf("dial to the node started again: %v", err)
+	}
+	c.Close()
+	select {
+	case c := <-heard:
+		c.Close()
+	case <-ctx.Done():
+		t.Fatal("the node started again was not dialed")
 	}
 }

@@ -32,12 +32,7 @@ type fixture struct {
 
 func newFixture(t *testing.T) *fixture {
 	c := servertest.NewCluster(t, servertest.Options{})
-	addrs := []string{c.Nodes[0].Addr, c.Nodes[1].Addr, c.Nodes[2].Addr}
-	cl, err := client.Dial(addrs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cl.Close() })
+	cl := c.Dial()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	resp, err := cl.Volumes.CreateVolume(ctx, &storpb.CreateVolumeRequest{Name: "vol", SizeBytes: volSize, ReplicaCount: 3})
