@@ -62,6 +62,7 @@ type Node struct {
 	srv    *server.Server
 	cfg    server.Config
 	first  [3]net.Listener // control, raft, data: used by the first start
+	held   []net.Listener  // its ports while it is stopped (hold)
 	conn   *grpc.ClientConn
 	client Clients
 }
@@ -201,6 +202,7 @@ func (c *Cluster) TryStart(i int) error {
 		cfg.Listener, cfg.RaftListener, cfg.DataListener = n.first[0], n.first[1], n.first[2]
 		n.first = [3]net.Listener{}
 	}
+	n.releaseLocked()
 	c.Net.SetStopped(i, false)
 	// A restart binds the addresses a stopped server just released; a
 	// socket in TIME_WAIT cannot block a listener, but retry briefly.
@@ -237,6 +239,7 @@ func (c *Cluster) Stop(i int) {
 			c.t.Logf("servertest: stop %s: %v", c.Nodes[i].ID, err)
 		}
 		c.Net.SetStopped(i, true)
+		c.Nodes[i].hold()
 	}
 }
 
@@ -245,7 +248,43 @@ func (c *Cluster) Kill(i int) {
 	if srv := c.take(i); srv != nil {
 		srv.Kill()
 		c.Net.SetStopped(i, true)
+		c.Nodes[i].hold()
 	}
+}
+
+// hold keeps a stopped node's ports until it starts again, so that no
+// other process (another test binary's server) takes one in between and
+// its restart fails. A connection to a held port is closed at once, as
+// near as a listener comes to a port that refuses it (and this cluster's
+// own dials to a stopped node are refused before they reach it:
+// Network.SetStopped). A port already taken is not held.
+func (n *Node) hold() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, addr := range []string{n.Addr, n.RaftAddr, n.DataAddr} {
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			continue
+		}
+		n.held = append(n.held, ln)
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				c.Close()
+			}
+		}()
+	}
+}
+
+// releaseLocked lets go of the ports hold kept; n.mu is held.
+func (n *Node) releaseLocked() {
+	for _, ln := range n.held {
+		ln.Close()
+	}
+	n.held = nil
 }
 
 // clientDialer is plainDial for gRPC (which adds TLS itself).
@@ -354,6 +393,9 @@ func (c *Cluster) WaitMembers(n int, timeout time.Duration) {
 func (c *Cluster) Close() {
 	for i, n := range c.Nodes {
 		c.Kill(i)
+		n.mu.Lock()
+		n.releaseLocked()
+		n.mu.Unlock()
 		if n.conn != nil {
 			n.conn.Close()
 			n.conn = nil
