@@ -376,9 +376,10 @@ func (s *Server) joinLoop() {
 			}
 			switch {
 			case attempt%10 != 0:
-			case refused:
+			case refused, errors.Is(err, errOtherCluster):
 				// Refused (a data dir the cluster does not know this
-				// server on): the error says what to do.
+				// server on, or one of another cluster): the error says
+				// what to do.
 				s.logger.Error("the cluster refuses this server's join; retrying", "seed", seed, "err", err)
 			default:
 				s.logger.Warn("join failed; retrying", "seed", seed, "err", err)

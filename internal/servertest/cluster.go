@@ -58,11 +58,14 @@ type Node struct {
 	// Options.LocalSockets).
 	LocalSocket string
 
-	mu     sync.Mutex
-	srv    *server.Server
-	cfg    server.Config
-	first  [3]net.Listener // control, raft, data: used by the first start
-	held   []net.Listener  // its ports while it is stopped (hold)
+	mu  sync.Mutex
+	srv *server.Server
+	cfg server.Config
+	// ports are its control, raft and data listeners while it is
+	// stopped (nil: not held), handed to the server when it starts: its
+	// ports are never free for another process (another test binary's
+	// server) to take, which would fail its restart.
+	ports  [3]*heldPort
 	conn   *grpc.ClientConn
 	client Clients
 }
@@ -165,18 +168,18 @@ func (c *Cluster) AddNode() *Node {
 		c.opts.Configure(i, &cfg)
 	}
 	n.cfg = cfg
-	n.first = [3]net.Listener{ctl, raftLn, data}
+	n.ports = [3]*heldPort{{ln: ctl}, {ln: raftLn}, {ln: data}}
 	c.Nodes = append(c.Nodes, n)
 	c.Start(i)
 	return n
 }
 
-func listen(t testing.TB) net.Listener {
+func listen(t testing.TB) *net.TCPListener {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatalf("servertest: listen: %v", err)
 	}
-	return l
+	return l.(*net.TCPListener)
 }
 
 // Start starts node i (again) with its data dir and addresses.
@@ -198,14 +201,11 @@ func (c *Cluster) TryStart(i int) error {
 	var srv *server.Server
 	var err error
 	cfg := n.cfg
-	if n.first[0] != nil {
-		cfg.Listener, cfg.RaftListener, cfg.DataListener = n.first[0], n.first[1], n.first[2]
-		n.first = [3]net.Listener{}
-	}
-	n.releaseLocked()
+	handed := n.handOverLocked()
+	cfg.Listener, cfg.RaftListener, cfg.DataListener = handed[0], handed[1], handed[2]
 	c.Net.SetStopped(i, false)
-	// A restart binds the addresses a stopped server just released; a
-	// socket in TIME_WAIT cannot block a listener, but retry briefly.
+	// A port that was not held is bound again by address: a socket in
+	// TIME_WAIT cannot block a listener, but retry briefly.
 	for range 50 {
 		srv, err = server.Start(cfg)
 		if err == nil || !strings.Contains(err.Error(), "address already in use") {
@@ -214,6 +214,13 @@ func (c *Cluster) TryStart(i int) error {
 		time.Sleep(20 * time.Millisecond)
 	}
 	if err != nil {
+		for _, ln := range handed {
+			if ln != nil {
+				ln.Close()
+			}
+		}
+		c.Net.SetStopped(i, true)
+		n.holdLocked(c.t)
 		return err
 	}
 	n.srv = srv
@@ -239,52 +246,89 @@ func (c *Cluster) Stop(i int) {
 			c.t.Logf("servertest: stop %s: %v", c.Nodes[i].ID, err)
 		}
 		c.Net.SetStopped(i, true)
-		c.Nodes[i].hold()
+		c.Nodes[i].hold(c.t)
 	}
 }
 
 // Kill stops node i abruptly: no leadership transfer, RPCs cut off.
 func (c *Cluster) Kill(i int) {
+	c.Net.SetStopped(i, true) // its peers stop dialing it now
 	if srv := c.take(i); srv != nil {
 		srv.Kill()
-		c.Net.SetStopped(i, true)
-		c.Nodes[i].hold()
+		c.Nodes[i].hold(c.t)
 	}
 }
 
-// hold keeps a stopped node's ports until it starts again, so that no
-// other process (another test binary's server) takes one in between and
-// its restart fails. A connection to a held port is closed at once, as
-// near as a listener comes to a port that refuses it (and this cluster's
-// own dials to a stopped node are refused before they reach it:
-// Network.SetStopped). A port already taken is not held.
-func (n *Node) hold() {
+// heldPort is a stopped node's listener. While it is held, each
+// connection to it is closed at once, as near as a listener comes to a
+// port that refuses it (this cluster's own dials to a stopped node are
+// refused before they reach it: Network.SetStopped).
+type heldPort struct {
+	ln   *net.TCPListener
+	done chan struct{} // closed when its accept loop returns; nil: none
+}
+
+// hold binds the ports of a node just stopped (hold keeps them until it
+// starts again). A port another process took first is logged, and bound
+// by address at the restart.
+func (n *Node) hold(t testing.TB) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	for _, addr := range []string{n.Addr, n.RaftAddr, n.DataAddr} {
-		ln, err := net.Listen("tcp", addr)
-		if err != nil {
+	n.holdLocked(t)
+}
+
+func (n *Node) holdLocked(t testing.TB) {
+	for k, addr := range []string{n.Addr, n.RaftAddr, n.DataAddr} {
+		if n.ports[k] != nil {
 			continue
 		}
-		n.held = append(n.held, ln)
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Logf("servertest: %s stopped, its port %s not held: %v", n.ID, addr, err)
+			continue
+		}
+		p := &heldPort{ln: ln.(*net.TCPListener), done: make(chan struct{})}
 		go func() {
+			defer close(p.done)
 			for {
-				c, err := ln.Accept()
+				c, err := p.ln.Accept()
 				if err != nil {
 					return
 				}
 				c.Close()
 			}
 		}()
+		n.ports[k] = p
 	}
 }
 
-// releaseLocked lets go of the ports hold kept; n.mu is held.
-func (n *Node) releaseLocked() {
-	for _, ln := range n.held {
-		ln.Close()
+// handOverLocked stops the held ports' accept loops and returns their
+// listeners (nil where none is held), no longer held, for the server to
+// start on; n.mu is held.
+func (n *Node) handOverLocked() [3]net.Listener {
+	var out [3]net.Listener
+	for k, p := range n.ports {
+		if p == nil {
+			continue
+		}
+		if p.done != nil {
+			_ = p.ln.SetDeadline(time.Now()) // its Accept returns
+			<-p.done
+			_ = p.ln.SetDeadline(time.Time{})
+		}
+		out[k] = p.ln
+		n.ports[k] = nil
 	}
-	n.held = nil
+	return out
+}
+
+// releaseLocked closes the held ports; n.mu is held.
+func (n *Node) releaseLocked() {
+	for _, ln := range n.handOverLocked() {
+		if ln != nil {
+			ln.Close()
+		}
+	}
 }
 
 // clientDialer is plainDial for gRPC (which adds TLS itself).
