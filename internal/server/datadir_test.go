@@ -225,9 +225,25 @@ func TestOrdinalZeroWithoutStateNeverMakesASecondCluster(t *testing.T) {
 		t.Fatalf("a refused start wrote %d entries into the data dir (%s first)", len(entries), entries[0].Name())
 	}
 
-	// The operator removes it; it joins afresh.
+	// The operator removes it; it joins afresh. (Once the seed knows: a
+	// follower may apply the removal after the leader answered it, and
+	// until then a start is refused as above.)
 	if _, err := cl.Cluster.Leave(ctxT(t, 10*time.Second), &storpb.LeaveRequest{ServerId: "stor-server-0"}); err != nil {
 		t.Fatal(err)
+	}
+	seedKnows := func() bool {
+		one, err := client.Dial([]string{c.Nodes[1].Addr})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer one.Close()
+		st, err := one.Cluster.Status(ctxT(t, 5*time.Second), &storpb.StatusRequest{})
+		return err == nil && !slices.ContainsFunc(st.Members, func(m *storpb.Member) bool { return m.Id == "stor-server-0" })
+	}
+	for deadline := time.Now().Add(10 * time.Second); !seedKnows(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("seed s2 still has stor-server-0 as a member 10 s after its removal")
+		}
 	}
 	srv, _, err = startZero()
 	if err != nil {
