@@ -268,9 +268,9 @@ type heldPort struct {
 	done chan struct{} // closed when its accept loop returns; nil: none
 }
 
-// hold binds the ports of a node just stopped (hold keeps them until it
-// starts again). A port another process took first is logged, and bound
-// by address at the restart.
+// hold keeps the ports of a node just stopped until it starts again. A
+// port another process took first is logged, and bound by address at the
+// restart.
 func (n *Node) hold(t testing.TB) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
