@@ -185,6 +185,7 @@ func (s *Server) dialPeer(addr string) (*grpc.ClientConn, error) {
 	}
 	return grpc.NewClient("passthrough:///"+addr, creds,
 		grpc.WithKeepaliveParams(peerKeepalive),
+		grpc.WithChainUnaryInterceptor(s.nameCluster),
 		grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
 			return s.cfg.Dial(ctx, "tcp", a)
 		}),

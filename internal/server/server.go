@@ -64,6 +64,9 @@ type Server struct {
 	// removed is set while the cluster has no record of this member.
 	joining, dirRefused, removed atomic.Bool
 	dirRefusedSaid               time.Time
+	// peerRefusals is when a call of another cluster's server was last
+	// logged (peercluster.go).
+	peerRefusals refusals
 
 	closeOnce sync.Once
 	closeErr  error
@@ -185,7 +188,7 @@ func (s *Server) start() error {
 	}
 
 	opts := append(apiLimits(cfg.API),
-		grpc.ChainUnaryInterceptor(s.apiMetrics.Unary, s.logCalls, s.authorize, s.fwd.intercept),
+		grpc.ChainUnaryInterceptor(s.apiMetrics.Unary, s.logCalls, s.authorize, s.checkCluster, s.fwd.intercept),
 		grpc.ChainStreamInterceptor(s.apiMetrics.Stream, s.authorizeStream),
 	)
 	if cfg.TLS != nil {
