@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,8 +16,8 @@ import (
 )
 
 // Every call a server makes to another server's control port (a call a
-// follower forwards to its leader, a heartbeat, a join) names the
-// caller's cluster, and a server of another cluster refuses it. The
+// follower forwards to its leader, a heartbeat, a progress report) names
+// the caller's cluster, and a server of another cluster refuses it. The
 // sequence it closes is the Raft hello's (raftstore's cluster check): a
 // server keeps calling an address it learnt for a peer (its leader, a
 // seed) after that peer is gone, and the address (a pod IP, a port) may
@@ -25,8 +26,11 @@ import (
 // name in the wrong cluster), and answered a heartbeat with "no record of
 // you", which the caller takes for its own removal.
 //
-// A caller of no cluster yet names none and is heard (a joining server
-// asks its seed's Status first and then names the seed's cluster). Status
+// A caller of no cluster yet names none and is heard; a joining server
+// asks its seed's Status first and then names the seed's cluster, so its
+// join checks nothing (a data dir of another cluster is refused by the
+// joiner itself, joinVia). A receiver of no cluster yet checks nothing
+// (it has no leader to forward to, and answers Unavailable). Status
 // and the health check answer any caller: they are how a peer learns
 // which cluster a server is of. A call naming no cluster (an operator's
 // or the CSI driver's, or a server of a version before this check) is
@@ -74,8 +78,17 @@ func (s *Server) checkCluster(ctx context.Context, req any, info *grpc.UnaryServ
 	}
 	s.peerRefusals.say(s, info.FullMethod, theirs[0], ours)
 	return nil, status.Errorf(codes.Unavailable,
-		"server %s is of cluster %s, not of the caller's cluster %s: the caller reached it at an address a server of its own cluster had (a reused IP or port)",
-		s.cfg.ID, ours, theirs[0])
+		"server %s is of cluster %s, %s %s: the caller reached it at an address a server of its own cluster had (a reused IP or port)",
+		s.cfg.ID, ours, otherClusterMsg, theirs[0])
+}
+
+// otherClusterMsg is in the message of checkCluster's refusals.
+const otherClusterMsg = "not of the caller's cluster"
+
+// otherClusterRefused reports whether err is a refusal by a server of
+// another cluster (checkCluster).
+func otherClusterRefused(err error) bool {
+	return status.Code(err) == codes.Unavailable && strings.Contains(status.Convert(err).Message(), otherClusterMsg)
 }
 
 // refusals rate-limits the log line of refused calls of another cluster

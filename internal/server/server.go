@@ -64,6 +64,9 @@ type Server struct {
 	// removed is set while the cluster has no record of this member.
 	joining, dirRefused, removed atomic.Bool
 	dirRefusedSaid               time.Time
+	// otherClusterSaid is when a heartbeat refused by a server of
+	// another cluster was last logged.
+	otherClusterSaid time.Time
 	// peerRefusals is when a call of another cluster's server was last
 	// logged (peercluster.go).
 	peerRefusals refusals
@@ -458,6 +461,11 @@ func (s *Server) heartbeat() error {
 		if time.Since(s.dirRefusedSaid) >= 30*time.Second {
 			s.dirRefusedSaid = time.Now()
 			s.logger.Error("the cluster refuses this server's reports: it is not ready, and makes no replica", "err", err)
+		}
+	case otherClusterRefused(err):
+		if time.Since(s.otherClusterSaid) >= 30*time.Second {
+			s.otherClusterSaid = time.Now()
+			s.logger.Warn("this server's heartbeats reach a server of another cluster (at the address it knows for its leader, reused?): refused; it goes on until it learns its leader's address", "err", err)
 		}
 	case s.dirRefused.Load() && (errors.Is(err, raftstore.ErrNotFound) || status.Code(err) == codes.NotFound):
 		// Refused for its data dir, then removed (the way out the
