@@ -133,3 +133,30 @@ func keys[V any](m map[string]V) []string {
 	}
 	return out
 }
+
+// A server of no cluster asks each seed in turn, and each time joins the
+// cluster of the seed it asks, not the one an earlier seed named: its
+// first seed's cluster (which knows a server of its name on another data
+// dir) refuses it, its second seed's cluster admits it. (Seeds of two
+// clusters: a cluster made again at a seed's address while a server was
+// joining it does the same.)
+func TestAJoinerFollowsTheClusterOfTheSeedItAsks(t *testing.T) {
+	first := servertest.NewCluster(t, servertest.Options{Servers: 2}) // s1, s2
+	second := servertest.NewCluster(t, servertest.Options{Servers: 1})
+	want := second.Nodes[0].Server().Store().ClusterID()
+	cfg := loopbackConfig(t, "s2", t.TempDir()) // "s2" of first is on another data dir
+	cfg.Join = []string{first.Nodes[0].Addr, second.Nodes[0].Addr}
+	srv, err := server.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Kill() })
+	deadline := time.Now().Add(15 * time.Second)
+	for srv.Store().MemberOf() != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("the server did not join the second seed's cluster %s (member of %q; first seed's cluster %s)",
+				want, srv.Store().MemberOf(), first.Nodes[0].Server().Store().ClusterID())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
