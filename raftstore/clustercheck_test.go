@@ -146,13 +146,12 @@ func TestTheRaftHelloIsChecked(t *testing.T) {
 				cluster: func() string { return tc.ours },
 				refused: func(_ net.Addr, theirs, ours string) { refused = append(refused, theirs+"→"+ours) },
 			}
-			dial := &clusterCheck{cluster: func() string { return tc.theirs }}
 			dialer, acceptor := net.Pipe()
 			defer dialer.Close()
 			defer acceptor.Close()
 			go func() {
 				if tc.hello {
-					if err := dial.sayHello(dialer, time.Second); err != nil {
+					if err := sayHello(dialer, tc.theirs, time.Second); err != nil {
 						return
 					}
 				}

@@ -98,10 +98,14 @@ func (s *streamLayer) Dial(address raft.ServerAddress, timeout time.Duration) (n
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	c, err := s.dial(ctx, "tcp", string(address))
-	if err != nil || s.check == nil || s.check.cluster() == "" || !s.check.speaks(address) {
-		return c, err // no hello of no cluster: it would be refused
+	if err != nil || s.check == nil {
+		return c, err
 	}
-	if err := s.check.sayHello(c, timeout); err != nil {
+	id := s.check.cluster()
+	if id == "" || !s.check.speaks(address) {
+		return c, nil // no hello of no cluster: it would be refused
+	}
+	if err := sayHello(c, id, timeout); err != nil {
 		c.Close()
 		return nil, err
 	}
@@ -147,8 +151,8 @@ const (
 // errOtherCluster is what Raft reads from a connection of another cluster.
 var errOtherCluster = errors.New("raftstore: a Raft connection of another cluster (or of none): refused")
 
-func (k *clusterCheck) sayHello(c net.Conn, timeout time.Duration) error {
-	id := k.cluster()
+// sayHello writes the hello of cluster id on a connection dialed.
+func sayHello(c net.Conn, id string, timeout time.Duration) error {
 	if len(id) > 255 {
 		return fmt.Errorf("raftstore: cluster id %q is too long", id)
 	}
