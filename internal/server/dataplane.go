@@ -366,7 +366,7 @@ func (d *dataPlane) reconcile() {
 		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_HEALTHY {
 			d.forgetFailures(id) // it works (again): its next failure is reported at once
 		}
-		if p.rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && p.vol.Attachment == nil && hasRebuildSource(p.vol, id) {
+		if detachedRebuildDue(p.vol, p.rep) {
 			d.startRebuild(p.vol, p.rep)
 		}
 	}
@@ -580,6 +580,21 @@ func rebuildSource(v *storpb.Volume, rep *storpb.Replica) bool {
 		return false
 	}
 	return v.State != storpb.VolumeState_VOLUME_STATE_CREATING || slices.Contains(v.CloneDoneReplicaIds, rep.Id)
+}
+
+// detachedRebuildDue reports whether this server rebuilds its replica rep
+// of v itself: rep is REBUILDING, v is detached (an attached volume's
+// engine rebuilds its replicas), and another replica may be read. Not
+// while a snapshot of v is pending: its detached cut opens the replicas
+// at an epoch of its own and reconciles their dirty regions with writes to
+// every one, the target included, which a rebuild at that epoch would
+// race (it copies with no write ordering: nothing else writes a detached
+// volume), and the target could end up holding a write the others were
+// just made not to hold. A rebuild started before the cut is fenced by
+// the cut's epoch; the next starts once the cut is recorded.
+func detachedRebuildDue(v *storpb.Volume, rep *storpb.Replica) bool {
+	return rep.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING && v.Attachment == nil &&
+		len(v.PendingSnapshotIds) == 0 && hasRebuildSource(v, rep.Id)
 }
 
 // hasRebuildSource reports whether a replica of v other than target may

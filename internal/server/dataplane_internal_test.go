@@ -370,3 +370,37 @@ func TestNothingIsMadeUnlessTheRecordNamesThisDataDir(t *testing.T) {
 		})
 	}
 }
+
+// TestADetachedRebuildWaitsForAPendingCut: a server rebuilds its
+// REBUILDING replica of a detached volume from a healthy one, but not
+// while a snapshot of the volume is pending. The detached cut then opens
+// every replica at its own epoch and writes the target too (reconciling
+// dirty regions); a rebuild started at that epoch copied with no write
+// ordering against those writes, and could leave the target holding an
+// unacknowledged write the cut had just taken off the others.
+func TestADetachedRebuildWaitsForAPendingCut(t *testing.T) {
+	rebuilding := &storpb.Replica{Id: "r1", ServerId: "s1", State: storpb.ReplicaState_REPLICA_STATE_REBUILDING}
+	healthy := &storpb.Replica{Id: "r2", ServerId: "s2", State: storpb.ReplicaState_REPLICA_STATE_HEALTHY}
+	vol := func(edit func(v *storpb.Volume)) *storpb.Volume {
+		v := &storpb.Volume{Id: "v1", State: storpb.VolumeState_VOLUME_STATE_AVAILABLE, Epoch: 4,
+			Replicas: []*storpb.Replica{rebuilding, healthy}}
+		edit(v)
+		return v
+	}
+	for _, tc := range []struct {
+		name string
+		v    *storpb.Volume
+		due  bool
+	}{
+		{"detached, a healthy source", vol(func(*storpb.Volume) {}), true},
+		{"a snapshot pending", vol(func(v *storpb.Volume) { v.PendingSnapshotIds = []string{"snap"} }), false},
+		{"attached: its engine rebuilds", vol(func(v *storpb.Volume) { v.Attachment = &storpb.Attachment{NodeId: "n1"} }), false},
+		{"no healthy source", vol(func(v *storpb.Volume) {
+			v.Replicas = []*storpb.Replica{rebuilding, {Id: "r2", ServerId: "s2", State: storpb.ReplicaState_REPLICA_STATE_FAULTY}}
+		}), false},
+	} {
+		if got := detachedRebuildDue(tc.v, rebuilding); got != tc.due {
+			t.Errorf("%s: a detached rebuild of r1 due %v, want %v", tc.name, got, tc.due)
+		}
+	}
+}
