@@ -504,11 +504,6 @@ func (w *writer) detachVolume(req *storpb.DetachVolumeRequest) (proto.Message, e
 	case v.Attachment == nil || (req.NodeId != "" && v.Attachment.NodeId != req.NodeId):
 		return v, nil // not attached there: nothing to do
 	}
-	if v.Attachment != nil {
-		for _, r := range v.Replicas {
-			engineEnded(r)
-		}
-	}
 	v.Epoch++
 	v.Attachment = nil
 	w.put(bucketVolumes, v.Id, v)

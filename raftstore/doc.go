@@ -87,9 +87,7 @@
 // retry copies what the replica missed in every absence, not only the
 // last. A full rebuild's checkpoint (rebuild_resume_offset) holds only
 // while the replica stays REBUILDING: a fault takes it out of the write
-// set and clears it; so does the end of the volume's attachment (the
-// engine that ended may have left an unacknowledged write on the target
-// alone, which the detached rebuild, reconciling nothing, would keep). Progress reports name their attempt (the replica's
+// set and clears it. Progress reports name their attempt (the replica's
 // generation when the rebuild started), so a late report of a failed
 // attempt records nothing for a later one. A model test
 // (replicamodel_test.go) drives these transitions with random faults,

@@ -8,11 +8,9 @@ import (
 
 // The replica state machine: every change to a replica's state and rebuild
 // bookkeeping is made here, by newReplica (a replica joins a volume),
-// moveReplica (a transition, which bumps the volume's generation),
-// recordProgress (a rebuild reports progress, no new generation) and
-// engineEnded (the volume's attachment ends: a rebuild's checkpoint is
-// dropped). This is the whole of it (package doc, "Replica states and
-// rebuilds", says why):
+// moveReplica (a transition, which bumps the volume's generation) and
+// recordProgress (a rebuild reports progress, no new generation). This is
+// the whole of it (package doc, "Replica states and rebuilds", says why):
 //
 //	from        event            to          generation  from_gen      resume      unhealthy_since
 //	-           volume created   HEALTHY     v.gen       0             0           0
@@ -26,7 +24,6 @@ import (
 //	REBUILDING  rebuilt          HEALTHY     new         0             0           0
 //	HEALTHY     rebuilt          (no change)
 //	any         server removed   FAULTY      new         0 (full)      0           at if HEALTHY, else kept
-//	REBUILDING  engine ended     REBUILDING  kept        kept          0 (drop)    kept
 //
 // from_gen is Replica.rebuild_from_generation and resume is
 // Replica.rebuild_resume_offset. Refused (ErrFailedPrecondition, nothing
@@ -59,17 +56,7 @@ import (
 //     A fault takes the replica out of the write set, so it may then miss
 //     writes below the offset: every transition clears it, and progress
 //     raises it only for the current attempt (the request's generation is
-//     the replica's). It also holds only for the writer that made it, or
-//     one that reconciled the replica's dirty regions when it opened (an
-//     engine of a later attach, a detached cut): the engine that ended may
-//     have left a write it never acknowledged on the target alone, below
-//     the offset or in a sector the target's rebuild tracking keeps, and a
-//     flush of the rebuild resumed by a server (the volume detached: the
-//     detached rebuild reconciles nothing) then clears its dirty region,
-//     leaving the replica HEALTHY and different from the others. So the
-//     end of an attachment (engine ended: detachVolume) clears it, with
-//     the attempt's progress, and the detached rebuild copies the whole
-//     volume; its own checkpoints hold across its retries and cuts.
+//     the replica's).
 //   - rebuild_done_bytes, rebuild_total_bytes: the current attempt's
 //     progress; 0 outside REBUILDING.
 
@@ -111,16 +98,6 @@ func newReplica(v *storpb.Volume, id, serverID string, state storpb.ReplicaState
 		r.StateSinceUnixNano, r.UnhealthySinceUnixNano = at, at
 	}
 	return r
-}
-
-// engineEnded is the end of v's attachment for replica r: a REBUILDING
-// replica's resume offset and progress are dropped (see
-// rebuild_resume_offset above); nothing else changes, and no new
-// generation.
-func engineEnded(r *storpb.Replica) {
-	if r.State == storpb.ReplicaState_REPLICA_STATE_REBUILDING {
-		r.RebuildDoneBytes, r.RebuildTotalBytes, r.RebuildResumeOffset = 0, 0, 0
-	}
 }
 
 // moveReplica applies ev to replica r of volume v, in a new generation of

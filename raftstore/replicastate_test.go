@@ -66,11 +66,6 @@ func stepReplace(old, newID string) replicaStep {
 	}}
 }
 
-// stepDetach detaches the volume from node.
-func stepDetach(node string) replicaStep {
-	return replicaStep{name: "detach from " + node, cmd: func(v *storpb.Volume) command { return cmdDetachVolume(v.Id, node) }}
-}
-
 func refused(s replicaStep, err error) replicaStep {
 	s.name += " (refused)"
 	s.wantErr = err
@@ -159,29 +154,6 @@ func TestReplicaRebuildStartingPoint(t *testing.T) {
 			name: "a fault drops the checkpoint: the replica missed writes below it", replica: "vol-r4",
 			steps: []replicaStep{stepReplace("vol-r3", "vol-r4"), stepProgress("vol-r4", 0, 4*mib), stepFault("vol-r4"), stepRebuild("vol-r4")},
 			want:  want{state: rebuilding, from: 0, resume: 0, generation: 4},
-		},
-		{
-			// The engine that ended may have left a write it never
-			// acknowledged on the target alone (below the offset, or in a
-			// sector its rebuild tracking keeps), and the detached rebuild
-			// that resumed there reconciled nothing: two healthy replicas
-			// differed.
-			name: "the end of the attachment drops the checkpoint", replica: "vol-r4",
-			steps: []replicaStep{stepReplace("vol-r3", "vol-r4"), stepProgress("vol-r4", 0, 4*mib), stepDetach("node-1")},
-			want:  want{state: rebuilding, from: 0, resume: 0, generation: 2},
-		},
-		{
-			name: "a detach of another node keeps it", replica: "vol-r4",
-			steps: []replicaStep{stepReplace("vol-r3", "vol-r4"), stepProgress("vol-r4", 0, 4*mib), stepDetach("node-2")},
-			want:  want{state: rebuilding, from: 0, resume: 4 * mib, generation: 2},
-		},
-		{
-			name: "a detached rebuild's checkpoint holds across a detached cut's fence", replica: "vol-r4",
-			steps: []replicaStep{
-				stepReplace("vol-r3", "vol-r4"), stepDetach("node-1"), stepProgress("vol-r4", 0, 4*mib),
-				{name: "fence for a cut", cmd: func(v *storpb.Volume) command { return cmdFenceDetached(v.Id, "") }},
-			},
-			want: want{state: rebuilding, from: 0, resume: 4 * mib, generation: 2},
 		},
 		{
 			name: "a late checkpoint of a failed attempt is not recorded for the next", replica: "vol-r4",

@@ -146,6 +146,11 @@
 //
 // The engine reads DirtyRegions when it attaches, before serving I/O, and
 // reconciles those regions; the bits are then cleared by the rule above.
+// A rebuild with no engine's write order (a server's rebuild of a
+// detached volume) reconciles nothing: one that resumes a checkpoint
+// copies the target's dirty regions below it again, since a write an
+// engine that died left on the target alone is in one
+// (engine.RebuildPlan.ResumeFrom).
 //
 // Except the regions that were dirty when this process opened the replica
 // (owed): they may hold writes the replica acknowledged and lost in a

@@ -690,9 +690,7 @@ type Replica struct {
 	// A full rebuild has copied, and flushed on the target, everything below
 	// this offset, and the replica has stayed REBUILDING (in the write set)
 	// since: a rebuild that was interrupted resumes here. Any state change
-	// clears it, and so does the end of the volume's attachment (the engine
-	// that ended may have left a write it never acknowledged on this replica
-	// alone).
+	// clears it.
 	RebuildResumeOffset uint64 `protobuf:"varint,11,opt,name=rebuild_resume_offset,json=rebuildResumeOffset,proto3" json:"rebuild_resume_offset,omitempty"`
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache

@@ -21,10 +21,11 @@ import (
 // copied over, the one above was kept by the target's rebuild tracking,
 // and the rebuild's flushes cleared both writes' dirty regions, so the
 // replica was recorded HEALTHY holding two blocks the others do not (the
-// next engine's reads differ by the replica they reach). The end of the
-// attachment now drops the checkpoint, and the detached rebuild copies
-// the whole volume. The test is the dead engine: it speaks the replica
-// protocol to the new replica as the engine's rebuild and writes do.
+// next engine's reads differ by the replica they reach). Now a rebuild
+// resumed with no engine's write order resets the target's tracking and
+// copies its dirty regions below the checkpoint too. The test is the dead
+// engine: it speaks the replica protocol to the new replica as the
+// engine's rebuild and writes do.
 func TestADetachedRebuildDoesNotResumeADeadEnginesCheckpoint(t *testing.T) {
 	c := servertest.NewCluster(t, servertest.Options{Servers: 4, Configure: func(i int, cfg *server.Config) {
 		cfg.Raft.ReplaceAfter = time.Hour // only the test moves replicas

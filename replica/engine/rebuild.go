@@ -60,6 +60,25 @@ type RebuildPlan struct {
 	// ResumeFrom: a full rebuild that was interrupted copies only from
 	// here on (everything below was copied and flushed on the target, and
 	// every write since reached the target: it stayed in the write set).
+	//
+	// Resumed with no write order (Order nil: a server's rebuild of a
+	// detached volume), it trusts nothing the target's earlier writers
+	// left besides what the checkpoint says was copied. The checkpoint
+	// may be an engine's that has since died with a write it never
+	// acknowledged on the target alone: below the checkpoint, or in a
+	// sector the target's rebuild tracking keeps from the copy. No engine
+	// flush cleared that write's dirty region on the target (an engine's
+	// flush waits for every replica to answer the writes before it, which
+	// the write's other replicas never did), and this rebuild, which
+	// reconciles nothing, would clear it at its first flush: the replica
+	// would be recorded healthy holding a write the others do not. So
+	// such a rebuild resets the target's tracking (nothing else writes the
+	// volume: it protects nothing), copies the target's dirty regions
+	// below ResumeFrom too, and takes no checkpoint before it passes
+	// ResumeFrom (a flush would clear the regions not yet copied). An
+	// engine's own resumed rebuild (Order set) keeps both: the engine
+	// reconciled every replica's dirty regions, the target's included,
+	// when it opened.
 	ResumeFrom int64
 	// CheckpointBytes is how much a full rebuild copies between
 	// checkpoints: it flushes the target and reports the offset below
@@ -167,13 +186,14 @@ type CopyTarget interface {
 // checkpoint and at the end.
 func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaConn, plan RebuildPlan, progress func(Progress)) (RebuildStats, error) {
 	var st RebuildStats
-	if plan.ResumeFrom == 0 {
+	if plan.ResumeFrom == 0 || plan.Order == nil {
 		// A rebuild that starts over starts its tracking over. The target
 		// may hold the tracking of an earlier attempt that failed; it then
 		// left the write set and missed writes, so the blocks that
 		// attempt saw written are not newer than the source's (found by
 		// the jepsen harness; see docs/JEPSEN.md). Only a resumed full
-		// rebuild, whose target stayed in the write set, keeps it.
+		// rebuild, whose target stayed in the write set, keeps it, and
+		// only under an engine's write order (RebuildPlan.ResumeFrom).
 		if err := dst.EndRebuild(ctx, o); err != nil {
 			return st, fmt.Errorf("rebuild: reset: %w", err)
 		}
@@ -214,6 +234,9 @@ func Rebuild(ctx context.Context, o replica.Op, src RebuildSource, dst ReplicaCo
 		cp.checkpoint = plan.CheckpointBytes
 		if cp.checkpoint <= 0 {
 			cp.checkpoint = 256 << 20
+		}
+		if plan.Order == nil {
+			cp.checkpointFrom = plan.ResumeFrom // see RebuildPlan.ResumeFrom
 		}
 	}
 	// The copy begins: its total is reported at once, so that the control
@@ -265,8 +288,11 @@ type copier struct {
 	chunk      int64         // bytes per copy request
 	inFlight   int           // copies at once
 	checkpoint int64         // bytes between checkpoints; 0: none (a delta)
-	report     func(resume int64)
-	st         *RebuildStats
+	// checkpointFrom: chunks below it count towards no checkpoint
+	// (RebuildPlan.ResumeFrom).
+	checkpointFrom int64
+	report         func(resume int64)
+	st             *RebuildStats
 
 	// copyTarget is dst when it copies chunks itself, from replica srcID,
 	// while pull holds.
@@ -375,7 +401,9 @@ func (c *copier) run(parent context.Context, ranges []replica.Extent) error {
 			if j.lastOf {
 				c.st.Ranges++
 			}
-			since += j.n
+			if j.off >= c.checkpointFrom {
+				since += j.n
+			}
 			switch {
 			case c.checkpoint > 0 && since >= c.checkpoint && (ri < len(ranges) || len(queue) > 0):
 				// (Not after the last chunk: the rebuild's last flush
@@ -599,8 +627,30 @@ func planRanges(ctx context.Context, o replica.Op, src RebuildSource, dst Replic
 	merged := mergeExtents(append(all, own...), plan.Size)
 	if plan.ResumeFrom > 0 {
 		merged = clipFrom(merged, plan.ResumeFrom)
+		if plan.Order == nil {
+			dirty, err := dst.DirtyRegions(ctx, o)
+			if err != nil {
+				return nil, false, fmt.Errorf("rebuild: target dirty regions: %w", err)
+			}
+			merged = mergeExtents(append(clipBelow(dirty, plan.ResumeFrom), merged...), plan.Size)
+		}
 	}
 	return merged, false, nil
+}
+
+// clipBelow keeps what lies below off.
+func clipBelow(xs []replica.Extent, off int64) []replica.Extent {
+	var out []replica.Extent
+	for _, x := range xs {
+		switch {
+		case x.Off >= off:
+		case x.Off+x.Len > off:
+			out = append(out, replica.Extent{Off: x.Off, Len: off - x.Off})
+		default:
+			out = append(out, x)
+		}
+	}
+	return out
 }
 
 // clipFrom drops what lies below off.

@@ -72,6 +72,105 @@ func TestInterruptedFullRebuildResumesFromItsCheckpoint(t *testing.T) {
 	}
 }
 
+// A full rebuild resumed with no write order (a server's rebuild of a
+// detached volume) at a checkpoint an engine recorded, after that engine
+// died with two writes that reached only the target: one below the
+// checkpoint, one above it in a sector the target's tracking then kept.
+// The resumed copy skipped the first (below its start) and the second
+// (tracked), and its flushes would clear their dirty regions: the target
+// came out different from the source. Now it resets the tracking and
+// copies the target's dirty regions below the checkpoint too.
+func TestAnUnorderedResumeTrustsNoDeadEnginesWrites(t *testing.T) {
+	const size = 8 << 20
+	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
+	o := replica.Op{Epoch: 1, Generation: 1}
+	full := randomBytes(31, size)
+	if err := (conn{src}).WriteAt(context.Background(), o, full, 0); err != nil {
+		t.Fatal(err)
+	}
+	plan := engine.RebuildPlan{Size: size, CheckpointBytes: 1 << 20}
+	source := engine.RebuildSource{Read: conn{src}, History: []engine.ReplicaConn{conn{src}}}
+
+	// The engine's rebuild, stopped after its third checkpoint (3 MiB).
+	ctx, cancel := context.WithCancel(context.Background())
+	var resume int64
+	_, err := engine.Rebuild(ctx, o, source, conn{dst}, plan, func(p engine.Progress) {
+		if p.ResumeOffset >= 3<<20 && resume == 0 {
+			resume = p.ResumeOffset
+			cancel()
+		}
+	})
+	if err == nil || resume != 3<<20 {
+		t.Fatalf("the first attempt: %v, checkpoint %d; want it stopped at 3 MiB", err, resume)
+	}
+	// Its last writes, which reached the target alone.
+	unacked := bytes.Repeat([]byte{0xd1}, 4096)
+	for _, off := range []int64{1<<20 + 4096, 5 << 20} {
+		if err := (conn{dst}).WriteAt(context.Background(), o, unacked, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Resumed by a server, with no write order.
+	plan.ResumeFrom = resume
+	if _, err := engine.Rebuild(context.Background(), o, source, conn{dst}, plan, nil); err != nil {
+		t.Fatal(err)
+	}
+	got := dst.snapshot()
+	for _, off := range []int{1<<20 + 4096, 5 << 20} {
+		if !bytes.Equal(got[off:off+4096], full[off:off+4096]) {
+			t.Errorf("after the resumed rebuild the target's block at %d is the dead engine's write, not the source's", off)
+		}
+	}
+	if !bytes.Equal(got, full) {
+		t.Error("after the resumed rebuild the target differs from the source")
+	}
+}
+
+// The same resume takes no checkpoint while it copies the target's dirty
+// regions below its start: a checkpoint there flushes the target, which
+// clears the dirty regions not yet copied, and an attempt interrupted
+// after it would leave the next one no record of them.
+func TestAnUnorderedResumeTakesNoCheckpointBelowItsStart(t *testing.T) {
+	const size = 8 << 20
+	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
+	o := replica.Op{Epoch: 1, Generation: 1}
+	full := randomBytes(32, size)
+	if err := (conn{src}).WriteAt(context.Background(), o, full, 0); err != nil {
+		t.Fatal(err)
+	}
+	// An engine copied and flushed everything below 3 MiB (its
+	// checkpoint), then died with two writes on the target alone.
+	if err := (conn{dst}).WriteAt(context.Background(), o, full[:3<<20], 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := (conn{dst}).Flush(context.Background(), o); err != nil {
+		t.Fatal(err)
+	}
+	unacked := bytes.Repeat([]byte{0xd2}, 4096)
+	for _, off := range []int64{4096, 2<<20 + 4096} { // two dirty regions below the checkpoint
+		if err := (conn{dst}).WriteAt(context.Background(), o, unacked, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	plan := engine.RebuildPlan{Size: size, CheckpointBytes: 1 << 20, ChunkBytes: 1 << 20, InFlight: 1, ResumeFrom: 3 << 20}
+	source := engine.RebuildSource{Read: conn{src}, History: []engine.ReplicaConn{conn{src}}}
+	var checkpoints []int64
+	if _, err := engine.Rebuild(context.Background(), o, source, conn{dst}, plan, func(p engine.Progress) {
+		if p.ResumeOffset > 0 {
+			checkpoints = append(checkpoints, p.ResumeOffset)
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(checkpoints) == 0 || checkpoints[0] <= plan.ResumeFrom {
+		t.Errorf("checkpoints %v of a rebuild resumed at %d: one below it flushed the target while dirty regions below it were still to copy", checkpoints, plan.ResumeFrom)
+	}
+	if !bytes.Equal(dst.snapshot(), full) {
+		t.Error("after the resumed rebuild the target differs from the source")
+	}
+}
+
 // Found by jepsen (seed 7, link-lossy): a rebuild failed half-way (the
 // target's connection was reset), the target was marked faulty and left
 // the write set, and missed writes; the next rebuild's BeginRebuild kept
