@@ -139,7 +139,9 @@
 // it does not send a replica flush k+1 until every write it sent before
 // flush k has been answered by every replica in the set, or that replica
 // has been failed out of it (an engine whose flush first waits for the
-// writes sent before it keeps this). The hysteresis also keeps
+// writes sent before it keeps this; an error answer counts only once the
+// replica is recorded faulty, so an engine that cannot record a failure
+// flushes nothing more). The hysteresis also keeps
 // regions under steady writing dirty instead of paying an fdatasync for
 // the mark after every flush. Clearing writes the bit without a sync (a
 // lost clear leaves a region dirty, which is safe).

@@ -786,6 +786,14 @@ func (e *Engine) flush(ctx context.Context) error {
 // region a third never received the write to, and after an unclean stop
 // nothing would reconcile it (ISSUE13 D). Every path that flushes a
 // replica of the volume goes through here.
+//
+// A broken engine flushes nothing (errBrokenFlush): the write whose
+// failure broke it was answered by a replica that did not apply it and
+// was not recorded faulty (the last healthy one, or a control plane out of
+// reach), so "answered by every replica, or recorded faulty" no longer
+// holds for it, and a flush would let the replicas that took it (a
+// rebuilding target) clear its dirty region, which the next open
+// reconciles by.
 func (e *Engine) flushOrdered(ctx context.Context, flush func(context.Context) error) error {
 	select {
 	case e.flushTurn <- struct{}{}:
@@ -796,8 +804,14 @@ func (e *Engine) flushOrdered(ctx context.Context, flush func(context.Context) e
 	if err := e.overlaps.wait(ctx); err != nil {
 		return err
 	}
+	if e.broken.Load() { // after the wait: a write that breaks it ends after it did
+		return fmt.Errorf("%w: volume %s: %w", ErrIO, e.name, errBrokenFlush)
+	}
 	return flush(ctx)
 }
+
+// errBrokenFlush: see flushOrdered.
+var errBrokenFlush = errors.New("a replica failure could not be recorded: nothing is flushed until the volume is reopened")
 
 func (e *Engine) writable(n, off int64) error {
 	if err := e.usable(); err != nil {
@@ -1096,14 +1110,17 @@ func (e *Engine) applyVolume(v *storpb.Volume) {
 
 // Close flushes (in flush order: after the writes in flight; later writes
 // are refused), closes the replicas and, if detach is set, detaches the
-// volume in Raft. A fenced engine closes without flushing.
+// volume in Raft. A fenced engine closes without flushing, and so does a
+// broken one (flushOrdered).
 func (e *Engine) Close(ctx context.Context, detach bool) error {
 	if !e.closed.CompareAndSwap(false, true) {
 		return nil
 	}
 	var errs []error
 	if !e.fenced.Load() {
-		errs = append(errs, e.flush(ctx))
+		if err := e.flush(ctx); !errors.Is(err, errBrokenFlush) {
+			errs = append(errs, err)
+		}
 	}
 	e.cancel()
 	e.wg.Wait()

@@ -548,3 +548,62 @@ func TestCallerCancellationDoesNotLeaveReplicasDifferent(t *testing.T) {
 	stuck.hold = nil
 	stuck.mu.Unlock()
 }
+
+// An engine stops serving when a write fails on the last healthy replica
+// (which the control plane refuses to record faulty) after a rebuilding
+// replica took it: the replicas may differ, and the next open reconciles
+// their dirty regions. Its rebuild of that replica went on, flushed the
+// target (clearing the failed write's dirty region there) and recorded it
+// HEALTHY: a healthy replica holding a write its source never took, with
+// nothing left to reconcile it by. A broken engine now flushes nothing,
+// and its rebuild records nothing.
+func TestABrokenEnginesRebuildFlushesAndRecordsNothing(t *testing.T) {
+	f := newFixture(t)
+	e := f.open(f.config("n1"))
+	v := f.volume()
+	state := func(i int, st storpb.ReplicaState) {
+		t.Helper()
+		if _, err := f.client.Volumes.SetReplicaState(ctx10(t), &storpb.SetReplicaStateRequest{
+			VolumeId: v.Id, ReplicaId: v.Replicas[i].Id, State: st, Epoch: v.Epoch,
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Replica 0 is the last healthy one; replica 2 starts rebuilding, held
+	// at its BeginRebuild.
+	target := f.replica(2)
+	begin := target.gates.shut("BeginRebuild")
+	state(1, storpb.ReplicaState_REPLICA_STATE_FAULTY)
+	state(2, storpb.ReplicaState_REPLICA_STATE_FAULTY)
+	state(2, storpb.ReplicaState_REPLICA_STATE_REBUILDING)
+	select {
+	case <-begin.entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the engine did not start rebuilding replica 2")
+	}
+	// A write the last healthy replica fails: the engine stops.
+	f.replica(0).mu.Lock()
+	f.replica(0).failIO = true
+	f.replica(0).mu.Unlock()
+	if err := e.WriteAt(ctx10(t), bytes.Repeat([]byte{0xd3}, 4096), 0, false); !errors.Is(err, engine.ErrIO) {
+		t.Fatalf("a write the last healthy replica failed: %v, want ErrIO", err)
+	}
+	f.replica(0).mu.Lock()
+	f.replica(0).failIO = false
+	f.replica(0).mu.Unlock()
+	target.mu.Lock()
+	flushes := target.flushes
+	target.mu.Unlock()
+
+	// The rebuild goes on from its BeginRebuild.
+	target.gates.open("BeginRebuild")
+	time.Sleep(2 * time.Second)
+	if got := f.volume().Replicas[2].State; got != storpb.ReplicaState_REPLICA_STATE_REBUILDING {
+		t.Errorf("the broken engine's rebuild left replica 2 %v, want REBUILDING", got)
+	}
+	target.mu.Lock()
+	defer target.mu.Unlock()
+	if target.flushes != flushes {
+		t.Errorf("the broken engine flushed the rebuilding replica %d times", target.flushes-flushes)
+	}
+}

@@ -68,8 +68,9 @@ type RebuildPlan struct {
 	// acknowledged on the target alone: below the checkpoint, or in a
 	// sector the target's rebuild tracking keeps from the copy. No engine
 	// flush cleared that write's dirty region on the target (an engine's
-	// flush waits for every replica to answer the writes before it, which
-	// the write's other replicas never did), and this rebuild, which
+	// flush waits until every replica applied the writes before it or was
+	// recorded faulty, and one that cannot record a failure flushes
+	// nothing more: flushOrdered), and this rebuild, which
 	// reconciles nothing, would clear it at its first flush: the replica
 	// would be recorded healthy holding a write the others do not. So
 	// such a rebuild resets the target's tracking (nothing else writes the
@@ -782,6 +783,9 @@ func (e *Engine) rebuild(r *storpb.Replica) {
 		log.Warn("rebuild failed", "err", err)
 		if cerr := e.classify(ctx, err); cerr != nil {
 			return // fenced
+		}
+		if e.broken.Load() {
+			return // no replica's fault: the engine stopped (its flushes are refused)
 		}
 		// Blame the replica the error came from. A history failure is
 		// that replica's: blaming the read source instead took a replica
