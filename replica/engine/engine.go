@@ -1118,7 +1118,9 @@ func (e *Engine) Close(ctx context.Context, detach bool) error {
 	}
 	var errs []error
 	if !e.fenced.Load() {
-		if err := e.flush(ctx); !errors.Is(err, errBrokenFlush) {
+		if err := e.flush(ctx); errors.Is(err, errBrokenFlush) {
+			e.logger.Warn("the engine stopped serving, so it closes without flushing; the volume's next open reconciles its replicas")
+		} else {
 			errs = append(errs, err)
 		}
 	}

@@ -602,8 +602,17 @@ func TestABrokenEnginesRebuildFlushesAndRecordsNothing(t *testing.T) {
 		t.Errorf("the broken engine's rebuild left replica 2 %v, want REBUILDING", got)
 	}
 	target.mu.Lock()
-	defer target.mu.Unlock()
 	if target.flushes != flushes {
 		t.Errorf("the broken engine flushed the rebuilding replica %d times", target.flushes-flushes)
+	}
+	target.mu.Unlock()
+	// Nor does it start the rebuild again (the engine retries rebuilds
+	// every second): each attempt would copy and be refused its flush.
+	again := target.gates.shut("BeginRebuild")
+	defer target.gates.open("BeginRebuild")
+	select {
+	case <-again.entered:
+		t.Error("the broken engine started another rebuild of replica 2")
+	case <-time.After(3 * time.Second):
 	}
 }

@@ -708,7 +708,7 @@ func chunksOf(off, length, n int64) []replica.Extent {
 func (e *Engine) startRebuilds() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.closed.Load() || e.fenced.Load() {
+	if e.closed.Load() || e.fenced.Load() || e.broken.Load() { // broken: its flushes are refused (flushOrdered)
 		return
 	}
 	for id, m := range e.members {
