@@ -130,7 +130,8 @@ func TestAnUnorderedResumeTrustsNoDeadEnginesWrites(t *testing.T) {
 // The same resume takes no checkpoint while it copies the target's dirty
 // regions below its start: a checkpoint there flushes the target, which
 // clears the dirty regions not yet copied, and an attempt interrupted
-// after it would leave the next one no record of them.
+// after it would leave the next one no record of them. Here the resume
+// is interrupted at its first checkpoint and resumed again.
 func TestAnUnorderedResumeTakesNoCheckpointBelowItsStart(t *testing.T) {
 	const size = 8 << 20
 	src, dst := newMemReplica("src", size), newMemReplica("dst", size)
@@ -155,19 +156,29 @@ func TestAnUnorderedResumeTakesNoCheckpointBelowItsStart(t *testing.T) {
 	}
 	plan := engine.RebuildPlan{Size: size, CheckpointBytes: 1 << 20, ChunkBytes: 1 << 20, InFlight: 1, ResumeFrom: 3 << 20}
 	source := engine.RebuildSource{Read: conn{src}, History: []engine.ReplicaConn{conn{src}}}
-	var checkpoints []int64
-	if _, err := engine.Rebuild(context.Background(), o, source, conn{dst}, plan, func(p engine.Progress) {
-		if p.ResumeOffset > 0 {
-			checkpoints = append(checkpoints, p.ResumeOffset)
+	// The resumed rebuild is itself interrupted at its first checkpoint
+	// (its server restarts, say), and resumed again from there.
+	ctx, cancel := context.WithCancel(context.Background())
+	var first int64
+	_, err := engine.Rebuild(ctx, o, source, conn{dst}, plan, func(p engine.Progress) {
+		if p.ResumeOffset > 0 && first == 0 {
+			first = p.ResumeOffset
+			cancel()
 		}
-	}); err != nil {
+	})
+	cancel()
+	if err == nil || first == 0 {
+		t.Fatalf("the resumed rebuild, to be stopped at its first checkpoint: %v, checkpoint %d", err, first)
+	}
+	if first <= plan.ResumeFrom {
+		t.Errorf("checkpoint %d of a rebuild resumed at %d: a checkpoint below it flushed the target while dirty regions below it were still to copy", first, plan.ResumeFrom)
+	}
+	plan.ResumeFrom = max(plan.ResumeFrom, first) // what Raft keeps
+	if _, err := engine.Rebuild(context.Background(), o, source, conn{dst}, plan, nil); err != nil {
 		t.Fatal(err)
 	}
-	if len(checkpoints) == 0 || checkpoints[0] <= plan.ResumeFrom {
-		t.Errorf("checkpoints %v of a rebuild resumed at %d: one below it flushed the target while dirty regions below it were still to copy", checkpoints, plan.ResumeFrom)
-	}
 	if !bytes.Equal(dst.snapshot(), full) {
-		t.Error("after the resumed rebuild the target differs from the source")
+		t.Error("after the rebuild, resumed twice, the target differs from the source")
 	}
 }
 
