@@ -19,8 +19,41 @@
 # the workloads to a space-separated subset of their names, NAB_DIR is
 # where the socket and the serves' logs go [mktemp -d]). Prints one
 # nbd-cost.sh line per run, then per workload and variant the medians.
+# nbd-ab.sh --summary RUNS prints the medians of a runs file again
+# (scripts/env-ab.sh uses it for its own runs).
 set -euo pipefail
 
+# summary prints, per workload and variant, the medians of the runs in $1
+# (lines "ROUND WORKLOAD VARIANT <nbd-cost.sh line>"): IOPS, p50, serve
+# CPU and switches per request, the servers' CPU and switches per
+# request, and the load range.
+summary() {
+	echo "| workload | variant | runs | IOPS | p50 µs | serve CPU µs/req | serve switches/req | servers CPU µs/req | servers switches/req | load |"
+	echo "|---|---|--:|--:|--:|--:|--:|--:|--:|---|"
+	sed -E 's/^[0-9]+ (\S+) (\S+) [0-9]+ requests, ([0-9.]+) IOPS, p50 ([0-9.]+) µs \| serve: ([0-9.]+) µs CPU, ([0-9.]+) voluntary switches per request \| servers: ([0-9.]+) µs CPU, ([0-9.]+) voluntary switches per request \| load (\S+)$/\1 \2 \3 \4 \5 \6 \7 \8 \9/' "$1" |
+		sort -k1,1 -k2,2 -s | awk '
+	function med(a, n,   i, j, t) {
+		for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
+		return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+	}
+	function flush() {
+		if (key == "") return
+		printf "| %s | %s | %d | %.0f | %.0f | %.1f | %.2f | %.1f | %.2f | %s–%s |\n", w, v, n, med(c3, n), med(c4, n), med(c5, n), med(c6, n), med(c7, n), med(c8, n), lo, hi
+	}
+	{
+		k = $1 " " $2
+		if (k != key) { flush(); key = k; w = $1; v = $2; n = 0; lo = $9; hi = $9 }
+		n++; c3[n] = $3; c4[n] = $4; c5[n] = $5; c6[n] = $6; c7[n] = $7; c8[n] = $8
+		if ($9 + 0 < lo + 0) lo = $9
+		if ($9 + 0 > hi + 0) hi = $9
+	}
+	END { flush() }'
+}
+
+if [[ ${1:-} == --summary && $# == 2 ]]; then
+	summary "$2"
+	exit 0
+fi
 if (($# < 5)); then
 	sed -n '2,/^set -e/p' "$0" | sed '$d' >&2
 	exit 2
@@ -76,28 +109,7 @@ for ((r = 1; r <= rounds; r++)); do
 	done
 done
 
-# Medians per workload and variant: IOPS, p50, serve CPU and switches per
-# request, the servers' CPU per request, and the load range.
 echo
-echo "| workload | variant | runs | IOPS | p50 µs | serve CPU µs/req | serve switches/req | servers CPU µs/req | load |"
-echo "|---|---|--:|--:|--:|--:|--:|--:|---|"
-sed -E 's/^[0-9]+ (\S+) (\S+) [0-9]+ requests, ([0-9.]+) IOPS, p50 ([0-9.]+) µs \| serve: ([0-9.]+) µs CPU, ([0-9.]+) voluntary switches per request \| servers: ([0-9.]+) µs CPU per request \| load (\S+)$/\1 \2 \3 \4 \5 \6 \7 \8/' "$out" |
-	sort -k1,1 -k2,2 -s | awk '
-	function med(a, n,   i, j, t) {
-		for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
-		return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
-	}
-	function flush(   f) {
-		if (key == "") return
-		printf "| %s | %s | %d | %.0f | %.0f | %.1f | %.2f | %.1f | %s–%s |\n", w, v, n, med(c3, n), med(c4, n), med(c5, n), med(c6, n), med(c7, n), lo, hi
-	}
-	{
-		k = $1 " " $2
-		if (k != key) { flush(); key = k; w = $1; v = $2; n = 0; lo = $8; hi = $8 }
-		n++; c3[n] = $3; c4[n] = $4; c5[n] = $5; c6[n] = $6; c7[n] = $7
-		if ($8 + 0 < lo + 0) lo = $8
-		if ($8 + 0 > hi + 0) hi = $8
-	}
-	END { flush() }'
+summary "$out"
 echo
 echo "runs and serve logs: $dir"

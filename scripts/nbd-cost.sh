@@ -3,7 +3,8 @@
 # fio job of a fixed size (so the request count is known) against URI and
 # prints IOPS, the median completion latency, and per request the CPU time
 # (user+system, from /proc/PID/stat) and the voluntary context switches
-# (all threads, from /proc/PID/task/*/status) of the processes named.
+# (all threads, from /proc/PID/task/*/status) of the processes named: the
+# serving process and the servers.
 # CPU per request is less disturbed by other work on a shared machine
 # than IOPS are. Used for docs/BENCHMARKS.md, "NBD end to end": bring up a
 # cluster with BENCH_HOLD=1 scripts/bench-nbd.sh (it prints the pids and
@@ -40,14 +41,14 @@ switches() { # voluntary context switches of every thread of the pids in $1
 
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-c0=$(switches "$serve") u0=$(ticks "$serve") s0=$(ticks "$servers")
+c0=$(switches "$serve") u0=$(ticks "$serve") s0=$(ticks "$servers") d0=$(switches "$servers")
 timeout -k 5 120 fio --name=cost --ioengine=nbd --thread --norandommap --randrepeat=0 --uri="$uri" "$@" \
 	--output-format=json --output="$out" >/dev/null
-c1=$(switches "$serve") u1=$(ticks "$serve") s1=$(ticks "$servers")
+c1=$(switches "$serve") u1=$(ticks "$serve") s1=$(ticks "$servers") d1=$(switches "$servers")
 sed -i -n '/^{/,$p' "$out"
 read -r ops iops p50 < <(jq -r '[.jobs[0].read, .jobs[0].write] | map(select(.total_ios > 0)) | .[0]
 	| "\(.total_ios) \(.iops) \(.clat_ns.percentile["50.000000"] / 1000)"' "$out")
-awk -v o="$ops" -v iops="$iops" -v p50="$p50" -v c=$((c1 - c0)) -v u=$((u1 - u0)) -v s=$((s1 - s0)) \
+awk -v o="$ops" -v iops="$iops" -v p50="$p50" -v c=$((c1 - c0)) -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v d=$((d1 - d0)) \
 	-v hz="$(getconf CLK_TCK)" -v load="$(cut -d' ' -f1 /proc/loadavg)" 'BEGIN {
-	printf "%d requests, %.0f IOPS, p50 %.0f µs | serve: %.1f µs CPU, %.2f voluntary switches per request | servers: %.1f µs CPU per request | load %s\n",
-		o, iops, p50, u / hz * 1e6 / o, c / o, s / hz * 1e6 / o, load }'
+	printf "%d requests, %.0f IOPS, p50 %.0f µs | serve: %.1f µs CPU, %.2f voluntary switches per request | servers: %.1f µs CPU, %.2f voluntary switches per request | load %s\n",
+		o, iops, p50, u / hz * 1e6 / o, c / o, s / hz * 1e6 / o, d / o, load }'
