@@ -46,7 +46,7 @@ func (p *Proc) Start(pipes bool) error {
 	p.starts++
 	fmt.Fprintf(logf, "=== %s start %d: %s %v\n", time.Now().Format(time.RFC3339Nano), p.starts, p.Bin, p.Args)
 	cmd := exec.Command("ip", append([]string{"netns", "exec", p.Host.Name, p.Bin}, p.Args...)...)
-	cmd.Env = append(os.Environ(), p.Env...)
+	cmd.Env = append(append(os.Environ(), deployedGODEBUG), p.Env...)
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	var stdin io.WriteCloser
@@ -157,3 +157,9 @@ func (p *Proc) Resume() error {
 	p.paused = false
 	return p.cmd.Process.Signal(syscall.SIGCONT)
 }
+
+// deployedGODEBUG is the Go runtime setting the manifests give the servers
+// and the node plugin (deploy/kubernetes/base/stor-server.yaml; it keeps
+// sysmon out of its deep sleep): every process of a test cluster runs with
+// it, so that the checks run against what is deployed.
+const deployedGODEBUG = "GODEBUG=schedtrace=2147483647"

@@ -105,6 +105,12 @@
 #                         2 cores, one P each costs 15-30% less CPU per
 #                         request: docs/BENCHMARKS.md, "Fewer hand-offs
 #                         (issue 16)"). Set it to measure another value.
+#   GODEBUG [schedtrace=2147483647 added]  for every stor process: keeps
+#                         Go's sysmon thread out of its deep sleep, which a
+#                         process leaves with a futex wake-up and 1 ms of
+#                         20 µs polls each time it goes from idle to busy
+#                         (docs/BENCHMARKS.md, "Sysmon's wake-ups (issue
+#                         16)"); not added when GODEBUG sets schedtrace.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -153,6 +159,10 @@ if [[ -z ${GOMAXPROCS:-} ]]; then
 	cores=$(nproc)
 	export GOMAXPROCS=$((cores / 4 > 0 ? cores / 4 : 1))
 fi
+case ",${GODEBUG:-}," in
+*,schedtrace=*) ;;
+*) export GODEBUG=${GODEBUG:+$GODEBUG,}schedtrace=2147483647 ;;
+esac
 
 dir=${BENCH_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/stor-bench-nbd.XXXXXX")}
 mkdir -p "$dir" "$out_dir"
@@ -490,7 +500,7 @@ bench_secs=$((SECONDS - bench_start))
 # stor/nbdkit too (lower is better, PASS when <= target).
 summary=$(jq -s \
 	--arg stamp "$stamp" --arg rev "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!scripts/bench-nbd.sh' ':!Makefile' ':!.gitignore' || echo -dirty)" \
-	--arg kernel "$(uname -r)" --arg cpus "$(nproc)" --arg gomaxprocs "$GOMAXPROCS" --arg cpu "$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1)" \
+	--arg kernel "$(uname -r)" --arg cpus "$(nproc)" --arg gomaxprocs "$GOMAXPROCS" --arg godebug "$GODEBUG" --arg cpu "$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1)" \
 	--arg fio "$(fio --version)" --arg nbdkit "$(nbdkit --version)" --arg fs "$fs_stor" \
 	--arg nbdkit_cmd "${nbdkit_cmd[*]}" --arg nbdkit_model "$nbdkit_model" \
 	--arg fio_common "fio ${fio_common[*]} --uri=URI --time_based --runtime=$runtime --ramp_time=$ramp" \
@@ -513,7 +523,7 @@ summary=$(jq -s \
 	];
 	. as $runs
 	| {
-		when: $stamp, rev: $rev, kernel: $kernel, cpus: ($cpus | tonumber), gomaxprocs: $gomaxprocs, cpu: $cpu, fio: $fio, nbdkit: $nbdkit,
+		when: $stamp, rev: $rev, kernel: $kernel, cpus: ($cpus | tonumber), gomaxprocs: $gomaxprocs, godebug: $godebug, cpu: $cpu, fio: $fio, nbdkit: $nbdkit,
 		filesystem: $fs, size_mib: $size_mib, runs_per_target: $per_target, seconds: $secs,
 		nbdkit_command: $nbdkit_cmd, nbdkit_thread_model: $nbdkit_model, fio_command: $fio_common,
 		load: {before: $load_before, after: $load_after,
@@ -585,7 +595,7 @@ if [[ $tls == 1 ]]; then
 fi
 
 conditions=$(jq -r '
-	"- \(.when) UTC, stor \(.rev), Linux \(.kernel), \(.cpus) CPUs (\(.cpu)), stor processes with GOMAXPROCS=\(.gomaxprocs), \(.fio), \(.nbdkit | split("\n")[0])",
+	"- \(.when) UTC, stor \(.rev), Linux \(.kernel), \(.cpus) CPUs (\(.cpu)), stor processes with GOMAXPROCS=\(.gomaxprocs) GODEBUG=\(.godebug // ""), \(.fio), \(.nbdkit | split("\n")[0])",
 	"- \(.runs_per_target) runs per workload and target, medians; \(.seconds) s of fio; each volume and the nbdkit file \(.size_mib) MiB on \(.filesystem)",
 	"- load average before \(.load.before), after \(.load.after), highest 1-min load at the start of a run \(.load.max_load1)",
 	"- CPU taken by other work (not this script'"'"'s processes; kernel writeback included) during a run: median \(.load.other_cores_median) cores, highest \(.load.other_cores_max), over 0.25 cores in \(.load.runs_with_other_cores_over_0_25) of \(.load.runs) runs; a process matching `\(.load.others_pattern)` (other work on the machine) ran at the start or the end of \(.load.runs_with_others) of \(.load.runs) runs\(if .load.seconds_waited_for_quiet > 0 then " (the script waited \(.load.seconds_waited_for_quiet) s for it in all)" else "" end)",

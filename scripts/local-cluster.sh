@@ -25,7 +25,12 @@
 # each sized to every core wake idle threads for every goroutine hand-off
 # and spin looking for work on the CPU the others need; on a 2-core machine
 # one P each costs 15-30% less CPU per request (docs/BENCHMARKS.md, "Fewer
-# hand-offs (issue 16)").
+# hand-offs (issue 16)"). They also run with GODEBUG=schedtrace=2147483647
+# (added to GODEBUG unless it sets schedtrace): it keeps Go's sysmon thread
+# out of the deep sleep it would leave with a futex wake-up and 1 ms of
+# 20 µs polls each time a process goes from idle to busy, which cost more
+# CPU than the request itself at low queue depths (docs/BENCHMARKS.md,
+# "Sysmon's wake-ups (issue 16)").
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -38,6 +43,10 @@ if [[ -z ${GOMAXPROCS:-} ]]; then
 	cores=$(nproc)
 	export GOMAXPROCS=$((cores / 4 > 0 ? cores / 4 : 1))
 fi
+case ",${GODEBUG:-}," in
+*,schedtrace=*) ;;
+*) export GODEBUG=${GODEBUG:+$GODEBUG,}schedtrace=2147483647 ;;
+esac
 mkdir -p "$data"
 bin/stor-ctl certs local --dir "$data/tls" --server s1 --server s2 --server s3 >/dev/null
 export STOR_DATA=$data # stor-ctl's certificate: $STOR_DATA/tls
@@ -128,7 +137,7 @@ servers' files (short-circuit reads) and writing through the servers:
 
 Without --server or \$STOR_SERVER, stor-ctl asks 127.0.0.1:7400 (s1) only.
 The servers run with GOMAXPROCS=$GOMAXPROCS (their share of this machine's
-cores); give a stor-ctl nbd serve beside them the same.
+cores) and GODEBUG=$GODEBUG; give a stor-ctl nbd serve beside them the same.
 stor-ctl presents $data/tls/operator-stor-ctl.crt (run it from this directory,
 or export STOR_DATA=$data).
 Ctrl-C stops all three servers.

@@ -3,6 +3,9 @@
 
 STOR=/tmp/stor
 export STOR_SERVER=127.0.0.1:7400,127.0.0.1:7410,127.0.0.1:7420
+# Every stor process runs with the Go runtime setting the manifests give
+# the servers and the node plugin (deploy/kubernetes/base/stor-server.yaml).
+export GODEBUG=schedtrace=2147483647
 
 # Every process speaks mutual TLS: make_certs makes a CA and certificates
 # in $STOR_TLS (stor-ctl certs local): one per server, one per CSI node
