@@ -5,8 +5,8 @@
 # round after round, for each variant in turn (the order rotating each
 # round) the same three servers are started on the same data with that
 # variant's environment, the volume is served by a stor-ctl nbd serve with
-# the same environment, scripts/nbd-cost.sh runs each workload against it,
-# and the serve and the servers are stopped. Only the environment differs
+# the same environment, 2 s of writes warm it up, scripts/nbd-cost.sh runs
+# each workload against it, and the serve and the servers are stopped. Only the environment differs
 # between variants: same binaries, same volume, same data files.
 #
 #   scripts/env-ab.sh 5 base=- quiet=GODEBUG=schedtrace=2147483647
@@ -15,8 +15,12 @@
 # added to every stor process's environment, or - for none; every process
 # also gets GOMAXPROCS=1 unless ENV sets it. EAB_WORK limits the workloads
 # to a space-separated subset of their names; EAB_DIR holds the cluster's
-# data and logs [mktemp -d]; EAB_PORT is its first port [28100]). Prints
-# one nbd-cost.sh line per run, then per workload and variant the medians.
+# data and logs [mktemp -d]; EAB_PORT is its first port [28100];
+# EAB_IDLE=N also measures the servers' CPU over N s idle after each start,
+# to $EAB_DIR/idle.txt; EAB_SYSCALLS=futex,nanosleep,... also counts those
+# system calls per request with perf stat, to $EAB_DIR/syscalls.txt).
+# Prints one nbd-cost.sh line per run, then per workload and variant the
+# medians.
 set -euo pipefail
 
 if (($# < 2)); then
@@ -26,6 +30,9 @@ fi
 rounds=$1
 shift
 variants=("$@")
+# Only a variant's ENV sets these: a GODEBUG or GOMAXPROCS of the caller's
+# would make every variant the same.
+unset GODEBUG GOMAXPROCS
 cd "$(dirname "$0")/.."
 make build >/dev/null
 dir=${EAB_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/stor-env-ab.XXXXXX")}
@@ -35,12 +42,16 @@ servers="127.0.0.1:$port,127.0.0.1:$((port + 10)),127.0.0.1:$((port + 20))"
 ctl=(bin/stor-ctl --insecure --server "$servers" --timeout 30s)
 sock=$dir/v.sock
 uri="nbd+unix:///env-ab?socket=$sock"
+# randread-4k-qd1-flushing: 4 KiB reads at QD1 (the measured job) while a
+# second job writes 4 KiB at QD1 with a flush after every write, so that
+# the servers' fdatasyncs hold their threads while reads come.
 workloads=(
 	"randwrite-4k-qd1 --rw=randwrite --bs=4k --iodepth=1 --io_size=4m"
 	"randwrite-4k-qd32 --rw=randwrite --bs=4k --iodepth=32 --io_size=32m"
 	"randread-4k-qd32 --rw=randread --bs=4k --iodepth=32 --io_size=32m"
 	"write-1m-qd8 --rw=write --bs=1m --iodepth=8 --io_size=256m"
 	"read-1m-qd8 --rw=read --bs=1m --iodepth=8 --io_size=256m"
+	"randread-4k-qd1-flushing --rw=randread --bs=4k --iodepth=1 --time_based --runtime=3 --name=flusher --rw=randwrite --bs=4k --iodepth=1 --fsync=1 --time_based --runtime=3"
 )
 
 server_pids=()
@@ -83,7 +94,7 @@ serve() {
 	exit 1
 }
 stop() {
-	local p
+	local p i
 	if [[ -n $serve_pid ]]; then
 		kill -TERM "$serve_pid" 2>/dev/null || true # flushes and detaches
 		wait "$serve_pid" 2>/dev/null || true
@@ -92,7 +103,11 @@ stop() {
 	((${#server_pids[@]} > 0)) || return 0
 	kill -TERM "${server_pids[@]}" 2>/dev/null || true
 	for p in "${server_pids[@]}"; do
-		while kill -0 "$p" 2>/dev/null; do sleep 0.1; done
+		for ((i = 0; i < 300; i++)); do
+			kill -0 "$p" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$p" 2>/dev/null || true
 	done
 	server_pids=()
 }
@@ -108,6 +123,58 @@ if [[ ! -e $dir/made ]]; then
 	touch "$dir/made"
 fi
 
+# idle ROUND NAME: the three servers' CPU and voluntary switches over
+# EAB_IDLE seconds with no volume served (Raft heartbeats only).
+idle() {
+	local t0 t1 c0 c1 secs=$EAB_IDLE
+	sleep 2
+	t0=$(cpu_ticks) c0=$(switches)
+	sleep "$secs"
+	t1=$(cpu_ticks) c1=$(switches)
+	awk -v r="$1" -v v="$2" -v t=$((t1 - t0)) -v c=$((c1 - c0)) -v s="$secs" -v hz="$(getconf CLK_TCK)" \
+		'BEGIN { printf "%s idle %s: the three servers, %d s idle: %.0f ms of CPU, %.0f voluntary switches per second\n", r, v, s, t / hz * 1000, c / s }' |
+		tee -a "$dir/idle.txt"
+}
+cpu_ticks() {
+	local p st f t=0
+	for p in "${server_pids[@]}"; do
+		st=$(<"/proc/$p/stat")
+		read -r -a f <<<"${st##*) }"
+		t=$((t + f[11] + f[12]))
+	done
+	echo $t
+}
+switches() {
+	local p
+	for p in "${server_pids[@]}"; do cat /proc/"$p"/task/*/status; done |
+		awk '/^voluntary_ctxt_switches/ { s += $2 } END { print s + 0 }'
+}
+# count_syscalls_start / count_syscalls_end LABEL REQUESTS: perf stat of the
+# system calls named in EAB_SYSCALLS (comma-separated, e.g. futex,nanosleep)
+# in the servers and in nbd serve during one workload, per request, to
+# $dir/syscalls.txt.
+perf_pids=()
+count_syscalls_start() {
+	local ev sc
+	ev=
+	for sc in ${EAB_SYSCALLS//,/ }; do ev+=${ev:+,}syscalls:sys_enter_$sc; done
+	perf stat -x, -e "$ev" -p "$(IFS=,; echo "${server_pids[*]}")" -o "$dir/perf-servers.txt" &
+	perf_pids=($!)
+	perf stat -x, -e "$ev" -p "$serve_pid" -o "$dir/perf-serve.txt" &
+	perf_pids+=($!)
+	sleep 0.5 # perf attaches
+}
+count_syscalls_end() {
+	local who
+	kill -INT "${perf_pids[@]}"
+	wait "${perf_pids[@]}" || true
+	for who in servers serve; do
+		awk -F, -v l="$1" -v n="$2" -v who="$who" '
+			/sys_enter_/ { sub(/.*sys_enter_/, "", $3); s = s sprintf(" %s %.2f", $3, $1 / n) }
+			END { printf "%s %s per request:%s\n", l, who, s }' "$dir/perf-$who.txt"
+	done | tee -a "$dir/syscalls.txt"
+}
+
 out=$dir/runs.txt
 : >"$out"
 n=${#variants[@]}
@@ -118,12 +185,25 @@ for ((r = 1; r <= rounds; r++)); do
 		[[ $envs == - ]] && envs=
 		read -r -a env_words <<<"$envs"
 		start "${env_words[@]}"
+		if ((${EAB_IDLE:-0} > 0)); then
+			idle "$r" "$name"
+		fi
 		serve "${env_words[@]}"
+		# Warm-up, not measured: connections, the page cache, the first
+		# writes to regions after the restart.
+		fio --name=warm-up --ioengine=nbd --thread --uri="$uri" --rw=randwrite --bs=4k --iodepth=32 \
+			--time_based --runtime=2 --output-format=terse >/dev/null
 		for w in "${workloads[@]}"; do
 			read -r -a args <<<"$w"
 			[[ -n ${EAB_WORK:-} && " $EAB_WORK " != *" ${args[0]} "* ]] && continue
+			if [[ -n ${EAB_SYSCALLS:-} ]]; then
+				count_syscalls_start
+			fi
 			line="$r ${args[0]} $name $(scripts/nbd-cost.sh "$uri" "$serve_pid" "${server_pids[*]}" "${args[@]:1}")"
 			echo "$line" | tee -a "$out"
+			if [[ -n ${EAB_SYSCALLS:-} ]]; then
+				count_syscalls_end "$r ${args[0]} $name" "$(awk '{ print $4 }' <<<"$line")"
+			fi
 		done
 		stop
 	done

@@ -24,13 +24,19 @@
 set -euo pipefail
 
 # summary prints, per workload and variant, the medians of the runs in $1
-# (lines "ROUND WORKLOAD VARIANT <nbd-cost.sh line>"): IOPS, p50, serve
-# CPU and switches per request, the servers' CPU and switches per
-# request, and the load range.
+# (lines "ROUND WORKLOAD VARIANT <nbd-cost.sh line>"; other lines are
+# counted and left out): IOPS, p50, p99, serve CPU and switches per
+# request, the servers' CPU and switches per request, and the load range.
+run_line='^[0-9]+ \S+ \S+ [0-9]+ requests, [0-9.]+ IOPS, p50 [0-9.]+ µs, p99 [0-9.]+ µs \| serve: [0-9.]+ µs CPU, [0-9.]+ voluntary switches per request \| servers: [0-9.]+ µs CPU, [0-9.]+ voluntary switches per request \| load \S+$'
 summary() {
-	echo "| workload | variant | runs | IOPS | p50 µs | serve CPU µs/req | serve switches/req | servers CPU µs/req | servers switches/req | load |"
-	echo "|---|---|--:|--:|--:|--:|--:|--:|--:|---|"
-	sed -E 's/^[0-9]+ (\S+) (\S+) [0-9]+ requests, ([0-9.]+) IOPS, p50 ([0-9.]+) µs \| serve: ([0-9.]+) µs CPU, ([0-9.]+) voluntary switches per request \| servers: ([0-9.]+) µs CPU, ([0-9.]+) voluntary switches per request \| load (\S+)$/\1 \2 \3 \4 \5 \6 \7 \8 \9/' "$1" |
+	local skipped
+	echo "| workload | variant | runs | IOPS | p50 µs | p99 µs | serve CPU µs/req | serve switches/req | servers CPU µs/req | servers switches/req | load |"
+	echo "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"
+	skipped=$(grep -cvE "$run_line" "$1" || true)
+	((skipped == 0)) || echo "nbd-ab: $skipped line(s) of $1 are not runs; left out" >&2
+	# ROUND WORKLOAD VARIANT N requests, IOPS IOPS, p50 P µs, p99 Q µs | serve: CPU µs CPU,
+	# SW voluntary switches per request | servers: CPU µs CPU, SW voluntary ... | load L
+	grep -E "$run_line" "$1" | awk '{ print $2, $3, $6, $9, $12, $16, $19, $26, $29, $36 }' |
 		sort -k1,1 -k2,2 -s | awk '
 	function med(a, n,   i, j, t) {
 		for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
@@ -38,14 +44,14 @@ summary() {
 	}
 	function flush() {
 		if (key == "") return
-		printf "| %s | %s | %d | %.0f | %.0f | %.1f | %.2f | %.1f | %.2f | %s–%s |\n", w, v, n, med(c3, n), med(c4, n), med(c5, n), med(c6, n), med(c7, n), med(c8, n), lo, hi
+		printf "| %s | %s | %d | %.0f | %.0f | %.0f | %.1f | %.2f | %.1f | %.2f | %s–%s |\n", w, v, n, med(c3, n), med(c4, n), med(c5, n), med(c6, n), med(c7, n), med(c8, n), med(c9, n), lo, hi
 	}
 	{
 		k = $1 " " $2
-		if (k != key) { flush(); key = k; w = $1; v = $2; n = 0; lo = $9; hi = $9 }
-		n++; c3[n] = $3; c4[n] = $4; c5[n] = $5; c6[n] = $6; c7[n] = $7; c8[n] = $8
-		if ($9 + 0 < lo + 0) lo = $9
-		if ($9 + 0 > hi + 0) hi = $9
+		if (k != key) { flush(); key = k; w = $1; v = $2; n = 0; lo = $10; hi = $10 }
+		n++; c3[n] = $3; c4[n] = $4; c5[n] = $5; c6[n] = $6; c7[n] = $7; c8[n] = $8; c9[n] = $9
+		if ($10 + 0 < lo + 0) lo = $10
+		if ($10 + 0 > hi + 0) hi = $10
 	}
 	END { flush() }'
 }

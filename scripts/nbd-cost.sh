@@ -14,8 +14,11 @@
 #       --rw=randwrite --bs=4k --iodepth=1 --io_size=4m
 #
 # Usage: nbd-cost.sh URI SERVE_PIDS SERVER_PIDS FIO_ARGS... (the pid lists
-# space-separated; the fio job must be bounded by --io_size or
-# --number_ios, and is killed after 120 s).
+# space-separated; the fio job must be bounded by --io_size, --number_ios
+# or --runtime, and is killed after 120 s). FIO_ARGS are the options of
+# the measured job; a --name=... among them starts another job beside it
+# (the engine and URI are global options), which adds its CPU but not
+# its requests to the figures.
 set -euo pipefail
 
 if (($# < 4)); then
@@ -42,13 +45,13 @@ switches() { # voluntary context switches of every thread of the pids in $1
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 c0=$(switches "$serve") u0=$(ticks "$serve") s0=$(ticks "$servers") d0=$(switches "$servers")
-timeout -k 5 120 fio --name=cost --ioengine=nbd --thread --norandommap --randrepeat=0 --uri="$uri" "$@" \
-	--output-format=json --output="$out" >/dev/null
+timeout -k 5 120 fio --ioengine=nbd --thread --norandommap --randrepeat=0 --uri="$uri" --output-format=json \
+	--output="$out" --name=cost "$@" >/dev/null
 c1=$(switches "$serve") u1=$(ticks "$serve") s1=$(ticks "$servers") d1=$(switches "$servers")
 sed -i -n '/^{/,$p' "$out"
-read -r ops iops p50 < <(jq -r '[.jobs[0].read, .jobs[0].write] | map(select(.total_ios > 0)) | .[0]
-	| "\(.total_ios) \(.iops) \(.clat_ns.percentile["50.000000"] / 1000)"' "$out")
-awk -v o="$ops" -v iops="$iops" -v p50="$p50" -v c=$((c1 - c0)) -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v d=$((d1 - d0)) \
+read -r ops iops p50 p99 < <(jq -r '[.jobs[0].read, .jobs[0].write] | map(select(.total_ios > 0)) | .[0]
+	| "\(.total_ios) \(.iops) \(.clat_ns.percentile["50.000000"] / 1000) \(.clat_ns.percentile["99.000000"] / 1000)"' "$out")
+awk -v o="$ops" -v iops="$iops" -v p50="$p50" -v p99="$p99" -v c=$((c1 - c0)) -v u=$((u1 - u0)) -v s=$((s1 - s0)) -v d=$((d1 - d0)) \
 	-v hz="$(getconf CLK_TCK)" -v load="$(cut -d' ' -f1 /proc/loadavg)" 'BEGIN {
-	printf "%d requests, %.0f IOPS, p50 %.0f µs | serve: %.1f µs CPU, %.2f voluntary switches per request | servers: %.1f µs CPU, %.2f voluntary switches per request | load %s\n",
-		o, iops, p50, u / hz * 1e6 / o, c / o, s / hz * 1e6 / o, d / o, load }'
+	printf "%d requests, %.0f IOPS, p50 %.0f µs, p99 %.0f µs | serve: %.1f µs CPU, %.2f voluntary switches per request | servers: %.1f µs CPU, %.2f voluntary switches per request | load %s\n",
+		o, iops, p50, p99, u / hz * 1e6 / o, c / o, s / hz * 1e6 / o, d / o, load }'
