@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -46,7 +47,7 @@ func (p *Proc) Start(pipes bool) error {
 	p.starts++
 	fmt.Fprintf(logf, "=== %s start %d: %s %v\n", time.Now().Format(time.RFC3339Nano), p.starts, p.Bin, p.Args)
 	cmd := exec.Command("ip", append([]string{"netns", "exec", p.Host.Name, p.Bin}, p.Args...)...)
-	cmd.Env = append(append(os.Environ(), deployedGODEBUG), p.Env...)
+	cmd.Env = append(append(os.Environ(), deployedGODEBUG(os.Getenv("GODEBUG"))), p.Env...)
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	var stdin io.WriteCloser
@@ -158,8 +159,19 @@ func (p *Proc) Resume() error {
 	return p.cmd.Process.Signal(syscall.SIGCONT)
 }
 
-// deployedGODEBUG is the Go runtime setting the manifests give the servers
-// and the node plugin (deploy/kubernetes/base/stor-server.yaml; it keeps
-// sysmon out of its deep sleep): every process of a test cluster runs with
-// it, so that the checks run against what is deployed.
-const deployedGODEBUG = "GODEBUG=schedtrace=2147483647"
+// deployedGODEBUG is the GODEBUG variable of a test cluster's processes:
+// the setting the manifests give the servers and the node plugin
+// (deploy/kubernetes/base/stor-server.yaml; it keeps sysmon out of its
+// deep sleep), so that the checks run against what is deployed, added to
+// the caller's own unless that sets schedtrace.
+func deployedGODEBUG(callers string) string {
+	for _, kv := range strings.Split(callers, ",") {
+		if strings.HasPrefix(kv, "schedtrace=") {
+			return "GODEBUG=" + callers
+		}
+	}
+	if callers == "" {
+		return "GODEBUG=schedtrace=2147483647"
+	}
+	return "GODEBUG=" + callers + ",schedtrace=2147483647"
+}

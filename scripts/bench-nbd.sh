@@ -159,9 +159,13 @@ if [[ -z ${GOMAXPROCS:-} ]]; then
 	cores=$(nproc)
 	export GOMAXPROCS=$((cores / 4 > 0 ? cores / 4 : 1))
 fi
+# stor_godebug: GODEBUG for the long-running stor processes (the
+# servers, nbd serve), not exported: a short stor-ctl gains nothing from
+# it, and on a host up for more than 24.8 days the runtime prints a SCHED
+# line when a process with it starts.
 case ",${GODEBUG:-}," in
-*,schedtrace=*) ;;
-*) export GODEBUG=${GODEBUG:+$GODEBUG,}schedtrace=2147483647 ;;
+*,schedtrace=*) stor_godebug=$GODEBUG ;;
+*) stor_godebug=${GODEBUG:+$GODEBUG,}schedtrace=2147483647 ;;
 esac
 
 dir=${BENCH_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/stor-bench-nbd.XXXXXX")}
@@ -288,7 +292,7 @@ start_cluster() {
 		else
 			args+=(--insecure)
 		fi
-		setsid bin/stor-server "${args[@]}" >"$dir/$name$i.log" 2>&1 &
+		GODEBUG=$stor_godebug setsid bin/stor-server "${args[@]}" >"$dir/$name$i.log" 2>&1 &
 		server_pids+=($!)
 	done
 	log "started 3 servers (${name}1-3, first port $first) in $dir"
@@ -319,7 +323,7 @@ serve() {
 		extra=(--local-socket "$dir/s1.lsock" --local-socket "$dir/s2.lsock" --local-socket "$dir/s3.lsock")
 	fi
 	"$@" --timeout 30s volume create "$vol" --size "${size_mib}MiB" --replicas "$r" >/dev/null
-	setsid "$@" --timeout 30s nbd serve "$vol" --node bench-nbd "${extra[@]}" \
+	GODEBUG=$stor_godebug setsid "$@" --timeout 30s nbd serve "$vol" --node bench-nbd "${extra[@]}" \
 		--listen "unix:$dir/r$r$sfx.sock" >"$dir/serve-r$r$sfx.log" 2>&1 &
 	serve_pids+=($!)
 	uri[stor-r$r$sfx]="nbd+unix:///$vol?socket=$dir/r$r$sfx.sock"
@@ -500,7 +504,7 @@ bench_secs=$((SECONDS - bench_start))
 # stor/nbdkit too (lower is better, PASS when <= target).
 summary=$(jq -s \
 	--arg stamp "$stamp" --arg rev "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!scripts/bench-nbd.sh' ':!Makefile' ':!.gitignore' || echo -dirty)" \
-	--arg kernel "$(uname -r)" --arg cpus "$(nproc)" --arg gomaxprocs "$GOMAXPROCS" --arg godebug "$GODEBUG" --arg cpu "$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1)" \
+	--arg kernel "$(uname -r)" --arg cpus "$(nproc)" --arg gomaxprocs "$GOMAXPROCS" --arg godebug "$stor_godebug" --arg cpu "$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1)" \
 	--arg fio "$(fio --version)" --arg nbdkit "$(nbdkit --version)" --arg fs "$fs_stor" \
 	--arg nbdkit_cmd "${nbdkit_cmd[*]}" --arg nbdkit_model "$nbdkit_model" \
 	--arg fio_common "fio ${fio_common[*]} --uri=URI --time_based --runtime=$runtime --ramp_time=$ramp" \

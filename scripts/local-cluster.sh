@@ -43,9 +43,13 @@ if [[ -z ${GOMAXPROCS:-} ]]; then
 	cores=$(nproc)
 	export GOMAXPROCS=$((cores / 4 > 0 ? cores / 4 : 1))
 fi
+# stor_godebug: GODEBUG for the long-running stor processes (the
+# servers, nbd serve), not exported: a short stor-ctl gains nothing from
+# it, and on a host up for more than 24.8 days the runtime prints a SCHED
+# line when a process with it starts.
 case ",${GODEBUG:-}," in
-*,schedtrace=*) ;;
-*) export GODEBUG=${GODEBUG:+$GODEBUG,}schedtrace=2147483647 ;;
+*,schedtrace=*) stor_godebug=$GODEBUG ;;
+*) stor_godebug=${GODEBUG:+$GODEBUG,}schedtrace=2147483647 ;;
 esac
 mkdir -p "$data"
 bin/stor-ctl certs local --dir "$data/tls" --server s1 --server s2 --server s3 >/dev/null
@@ -82,7 +86,7 @@ start() {
 	fi
 	echo "starting $id: bin/stor-server ${args[*]}" >&2
 	echo "=== $(date -u +%FT%TZ) bin/stor-server ${args[*]}" >>"$data/$id.log"
-	bin/stor-server "${args[@]}" >>"$data/$id.log" 2>&1 &
+	GODEBUG=$stor_godebug bin/stor-server "${args[@]}" >>"$data/$id.log" 2>&1 &
 	ids+=("$id")
 	pids+=($!)
 }
@@ -137,7 +141,7 @@ servers' files (short-circuit reads) and writing through the servers:
 
 Without --server or \$STOR_SERVER, stor-ctl asks 127.0.0.1:7400 (s1) only.
 The servers run with GOMAXPROCS=$GOMAXPROCS (their share of this machine's
-cores) and GODEBUG=$GODEBUG; give a stor-ctl nbd serve beside them the same.
+cores) and GODEBUG=$stor_godebug; give a stor-ctl nbd serve beside them the same.
 stor-ctl presents $data/tls/operator-stor-ctl.crt (run it from this directory,
 or export STOR_DATA=$data).
 Ctrl-C stops all three servers.
