@@ -105,7 +105,7 @@
 #                         2 cores, one P each costs 15-30% less CPU per
 #                         request: docs/BENCHMARKS.md, "Fewer hand-offs
 #                         (issue 16)"). Set it to measure another value.
-#   GODEBUG [schedtrace=2147483647 added]  for every stor process: keeps
+#   GODEBUG [schedtrace=2147483647 added]  for the servers and nbd serves: keeps
 #                         Go's sysmon thread out of its deep sleep, which a
 #                         process leaves with a futex wake-up and 1 ms of
 #                         20 µs polls each time it goes from idle to busy

@@ -43,15 +43,16 @@ ctl=(bin/stor-ctl --insecure --server "$servers" --timeout 30s)
 sock=$dir/v.sock
 uri="nbd+unix:///env-ab?socket=$sock"
 # randread-4k-qd1-flushing: 4 KiB reads at QD1 (the measured job) while a
-# second job writes 4 KiB at QD1 with a flush after every write, so that
-# the servers' fdatasyncs hold their threads while reads come.
+# second job writes 4 KiB with a flush after every write, 200 a second in
+# every variant, so that the servers' fdatasyncs hold their threads while
+# reads come.
 workloads=(
 	"randwrite-4k-qd1 --rw=randwrite --bs=4k --iodepth=1 --io_size=4m"
 	"randwrite-4k-qd32 --rw=randwrite --bs=4k --iodepth=32 --io_size=32m"
 	"randread-4k-qd32 --rw=randread --bs=4k --iodepth=32 --io_size=32m"
 	"write-1m-qd8 --rw=write --bs=1m --iodepth=8 --io_size=256m"
 	"read-1m-qd8 --rw=read --bs=1m --iodepth=8 --io_size=256m"
-	"randread-4k-qd1-flushing --rw=randread --bs=4k --iodepth=1 --time_based --runtime=3 --name=flusher --rw=randwrite --bs=4k --iodepth=1 --fsync=1 --time_based --runtime=3"
+	"randread-4k-qd1-flushing --rw=randread --bs=4k --iodepth=1 --time_based --runtime=3 --name=flusher --rw=randwrite --bs=4k --iodepth=1 --fsync=1 --rate_iops=200 --time_based --runtime=3"
 )
 
 server_pids=()
@@ -162,7 +163,7 @@ count_syscalls_start() {
 	perf_pids=($!)
 	perf stat -x, -e "$ev" -p "$serve_pid" -o "$dir/perf-serve.txt" &
 	perf_pids+=($!)
-	sleep 0.5 # perf attaches
+	sleep 0.2 # perf attaches; its window is this much longer than the workload
 }
 count_syscalls_end() {
 	local who
